@@ -1,0 +1,1 @@
+"""Checkpoints: the on-disk formats, strategy save/load, manifests, and the ``fsdp-ckpt`` tool."""

@@ -1,0 +1,194 @@
+"""Save and load for every strategy through ``torch.distributed.checkpoint.state_dict``.
+
+:class:`DistributedCheckpointing` is mixed into the DDP, FSDP1, FSDP2 and model-parallel
+strategies so that all of them write the same two formats (see :mod:`fsdp_cli.checkpoint.format`)
+with the same parameter names. That is what lets a checkpoint saved at one layout resume at
+another: DCP reshards on load, and full checkpoints are split by ``set_model_state_dict``.
+
+Saves are atomic: each writes under ``<name>.partial`` and is renamed once every rank has
+finished and the files are flushed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from fsdp_cli.checkpoint.format import (
+    MANIFEST_FILE,
+    MANIFEST_KEY,
+    META_FILE,
+    PARTIAL_SUFFIX,
+    checkpoint_format,
+    fsync_dir,
+    fsync_tree,
+    write_json_atomic,
+)
+
+# Set by tests to pause inside a save (after the shards are written, before the rename), so a
+# test can kill a rank mid-save and check that the previous checkpoint survives.
+PAUSE_ENV = "FSDP_CLI_TEST_PAUSE_IN_SAVE"
+
+
+class DistributedCheckpointing:
+    """Mixin for Lightning strategies; expects ``self.model``, ``self.optimizers``, ``broadcast``,
+    ``barrier``, ``is_global_zero`` and ``checkpoint_io`` from the strategy it is mixed into.
+
+    ``checkpoint_format``: ``"sharded"`` (DCP folder) or ``"full"`` (one file from rank 0).
+    ``checkpoint_manifest``: extra fields written into each checkpoint's manifest.
+    """
+
+    checkpoint_format: str = "sharded"
+    checkpoint_manifest: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load into the sharded/wrapped model and the real optimizers, whatever the layout.
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    def _state_dict_options(self, **overrides: Any) -> StateDictOptions:
+        full = self.checkpoint_format == "full"
+        kwargs = {"full_state_dict": full, "cpu_offload": full, **overrides}
+        return StateDictOptions(**kwargs)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # full: parameters are gathered one at a time onto rank 0's CPU; other ranks get {}.
+        return get_model_state_dict(self.model, options=self._state_dict_options())
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.model, optimizer, options=self._state_dict_options())
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        manifest = self._manifest(checkpoint)
+        if self.checkpoint_format == "sharded":
+            self._save_sharded(checkpoint, partial, manifest)
+        else:
+            self._save_full(checkpoint, partial, manifest, storage_options)
+        self.barrier("checkpoint-written")
+        _maybe_pause_for_test()
+        if self.is_global_zero:
+            # Every rank has closed its files; flush them all before the folder becomes visible.
+            fsync_tree(partial)
+            _replace(partial, path)
+        self.barrier("checkpoint-visible")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if checkpoint_format(path) == "sharded":
+            return self._load_sharded(path)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True if weights_only is None else weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" not in checkpoint:  # a sharded checkpoint was loaded in place already
+            return
+        set_model_state_dict(
+            self.model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._restore_optimizer_states(checkpoint.get("optimizer_states") or [])
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    # ------------------------------------------------------------------ internals
+
+    def _restore_optimizer_states(self, states: list[dict[str, Any]]) -> None:
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            set_optimizer_state_dict(
+                self.model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
+            )
+
+    def _manifest(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        from fsdp_cli.checkpoint.manifest import build_manifest
+
+        return build_manifest(self, checkpoint, extra=self.checkpoint_manifest or {})
+
+    def _save_sharded(self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.is_global_zero and partial.exists():
+            shutil.rmtree(partial)
+        self.barrier("checkpoint-clean")
+        tensors = {
+            "state_dict": checkpoint.pop("state_dict"),
+            "optimizer_states": {str(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))},
+        }
+        dcp.save(tensors, checkpoint_id=str(partial))
+        if self.is_global_zero:
+            torch.save(checkpoint, partial / META_FILE)
+            write_json_atomic(partial / MANIFEST_FILE, manifest)
+
+    def _save_full(
+        self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any], storage_options: Optional[Any]
+    ) -> None:
+        if not self.is_global_zero:
+            return
+        checkpoint[MANIFEST_KEY] = manifest
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        model_state = get_model_state_dict(self.model)
+        dcp.load({"state_dict": model_state}, checkpoint_id=str(path))
+        set_model_state_dict(self.model, model_state)
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optim_state = get_optimizer_state_dict(self.model, optimizer)
+            dcp.load({"optimizer_states": {str(index): optim_state}}, checkpoint_id=str(path))
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state)
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+        meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
+        return meta
+
+
+def _replace(partial: Path, path: Path) -> None:
+    """Make ``partial`` visible as ``path``; an existing checkpoint of that name is replaced."""
+    if path.exists():
+        old = path.with_name(path.name + ".old" + PARTIAL_SUFFIX)
+        os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.replace(partial, path)
+    fsync_dir(path.parent)
+
+
+def _maybe_pause_for_test() -> None:
+    seconds = float(os.environ.get(PAUSE_ENV, "0") or 0)
+    if seconds > 0:
+        import time
+
+        marker = os.environ.get(PAUSE_ENV + "_MARKER")
+        if marker:
+            Path(marker).touch()
+        time.sleep(seconds)

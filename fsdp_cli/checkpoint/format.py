@@ -1,0 +1,96 @@
+"""On-disk checkpoint formats, shared by the strategies and the ``fsdp-ckpt`` tool.
+
+* **sharded**: a folder written by torch.distributed.checkpoint (DCP) — ``.metadata`` plus one
+  ``*.distcp`` file per writing rank — holding ``state_dict`` (model) and ``optimizer_states``;
+  beside them ``meta.pt`` (the rest of Lightning's checkpoint: loops, schedulers, callbacks) and
+  ``manifest.json``. Plain ``torch.distributed.checkpoint`` tools read it.
+* **full**: one ``torch.save`` file with the whole model and optimizer state, keyed by parameter
+  name, and the manifest under ``MANIFEST_KEY``; loadable with ``torch.load(weights_only=True)``.
+
+Both are written under a temporary name and renamed when complete, so a checkpoint that is
+visible is whole; ``*.partial`` names are leftovers of interrupted saves.
+
+Keys are the model's parameter names as ``torch.distributed.checkpoint.state_dict`` reports
+them (wrapper prefixes of DDP, FSDP, activation checkpointing and compile removed), so the
+formats and layouts are interchangeable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+META_FILE = "meta.pt"
+MANIFEST_FILE = "manifest.json"
+DCP_METADATA = ".metadata"
+MANIFEST_KEY = "fsdp_cli_manifest"
+PARTIAL_SUFFIX = ".partial"
+FULL_SUFFIX = ".pt"
+
+
+class CheckpointFormatError(ValueError):
+    """A path that is not a complete checkpoint."""
+
+
+def is_sharded(path: Union[str, Path]) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / DCP_METADATA).is_file()
+
+
+def is_full(path: Union[str, Path]) -> bool:
+    path = Path(path)
+    return path.is_file() and not path.name.endswith(PARTIAL_SUFFIX)
+
+
+def checkpoint_format(path: Union[str, Path]) -> str:
+    """``sharded`` or ``full``; :class:`CheckpointFormatError` with a reason otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointFormatError(f"{path}: no such file or folder")
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointFormatError(f"{path}: an incomplete save (interrupted before it was renamed)")
+    if path.is_dir():
+        if not (path / DCP_METADATA).is_file():
+            raise CheckpointFormatError(f"{path}: a folder without {DCP_METADATA}, not a sharded checkpoint")
+        return "sharded"
+    return "full"
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` (and ``path`` itself) to stable storage."""
+    paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in paths:
+        with open(file, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(path if path.is_dir() else path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: Union[str, Path]) -> Optional[dict[str, Any]]:
+    """The manifest of a checkpoint, or None if it has none."""
+    path = Path(path)
+    if checkpoint_format(path) == "sharded":
+        file = path / MANIFEST_FILE
+        return json.loads(file.read_text()) if file.is_file() else None
+    import torch
+
+    data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return data.get(MANIFEST_KEY) if isinstance(data, dict) else None

@@ -1,0 +1,45 @@
+"""The manifest every checkpoint carries, and the comparison made on resume."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+MANIFEST_VERSION = 1
+
+
+def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Step, layout, parameter count and dtypes, versions; ``extra`` adds the run's config."""
+    import lightning
+    import torch
+
+    from fsdp_cli import __version__
+
+    tensors = [v for v in checkpoint.get("state_dict", {}).values() if hasattr(v, "size") and hasattr(v, "dtype")]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+    mesh = getattr(strategy, "_device_mesh", None)
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "format": strategy.checkpoint_format,
+        "step": int(checkpoint.get("global_step", 0)),
+        "epoch": int(checkpoint.get("epoch", 0)),
+        "world_size": int(strategy.world_size),
+        "strategy": type(strategy).__name__,
+        "mesh": _mesh_info(mesh),
+        # size() of a DTensor or ShardedTensor is the whole tensor's, so this holds on any layout.
+        "parameter_count": int(sum(math.prod(t.size()) for t in tensors)),
+        "dtypes": dtypes,
+        "optimizer_state": bool(checkpoint.get("optimizer_states")),
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "fsdp_cli": __version__},
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **dict(extra),
+    }
+
+
+def _mesh_info(mesh: Any) -> dict[str, int]:
+    if mesh is None:
+        return {}
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {name: int(size) for name, size in zip(names, mesh.mesh.shape)}

@@ -1,0 +1,56 @@
+"""Where a run keeps its checkpoints, and which one ``resume`` means."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from fsdp_cli.checkpoint.format import FULL_SUFFIX, PARTIAL_SUFFIX, CheckpointFormatError, checkpoint_format
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
+
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step_(\d{8})(\.pt)?$")
+
+
+def checkpoint_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / CHECKPOINT_DIR
+
+
+def checkpoint_name(step: int, fmt: CheckpointFormat) -> str:
+    return f"step_{step:08d}" + (FULL_SUFFIX if fmt is CheckpointFormat.full else "")
+
+
+def final_checkpoint_path(cfg: TrainConfig, step: int) -> Path:
+    return checkpoint_dir(cfg) / checkpoint_name(step, cfg.checkpoint.format)
+
+
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in ``directory``, oldest first; partial saves are skipped."""
+    found = []
+    if directory.is_dir():
+        for path in directory.iterdir():
+            match = _NAME.match(path.name)
+            if match is None or path.name.endswith(PARTIAL_SUFFIX):
+                continue
+            try:
+                checkpoint_format(path)
+            except CheckpointFormatError:
+                continue
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume(cfg: TrainConfig) -> Optional[str]:
+    """``resume=null`` -> None; ``auto`` -> the newest complete checkpoint (or None); a path -> itself."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        found = complete_checkpoints(checkpoint_dir(cfg))
+        return str(found[-1][1]) if found else None
+    try:
+        checkpoint_format(cfg.resume)
+    except CheckpointFormatError as err:
+        raise ConfigError("resume", cfg.resume, str(err), hint="fsdp-ckpt inspect PATH") from None
+    return str(cfg.resume)

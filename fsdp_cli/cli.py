@@ -1,0 +1,77 @@
+"""``fsdp-train``: compose -> typed config -> validate -> launch -> report.
+
+Everything on this path before :func:`fsdp_cli.launch.launch` is free of torch and lightning,
+so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from fsdp_cli.config.convert import to_train_config, to_yaml
+from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
+from fsdp_cli.config.layout import detect_cluster_job, resolve_layout
+from fsdp_cli.config.store import register_schemas
+from fsdp_cli.config.validate import validate
+from fsdp_cli.hydra_errors import report_hydra_errors_in_one_line
+from fsdp_cli.report import CONFIG_FILE, STATUS_FAILED, print_summary, read_summary, write_summary
+
+PROG = "fsdp-train"
+
+
+def fail(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://fsdp_cli.configs", config_name="train")
+def train(cfg: DictConfig) -> Optional[dict[str, Any]]:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        typed = resolve_layout(to_train_config(cfg), os.environ)
+        typed = dataclasses.replace(typed, run_dir=str(run_dir))
+        validate(typed)
+    except ConfigError as err:
+        fail(err.one_line())
+
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
+
+    from fsdp_cli.launch import launch
+
+    code = launch(typed)
+    if detect_cluster_job(os.environ) is not None and int(os.environ.get("RANK", "0")) != 0:
+        return None
+    summary = read_summary(run_dir)
+    if summary is None:
+        # The ranks died before rank 0 could write it (killed, segfault): record that much.
+        summary = {"status": STATUS_FAILED, "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs", "run_dir": str(run_dir)}
+        write_summary(run_dir, summary)
+    print_summary(summary, run_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if code != 0 and not multirun:
+        sys.exit(code if code == EXIT_CONFIG_ERROR else 1)
+    return summary
+
+
+def main() -> None:
+    # `model._target_=pkg.mod.Factory` may name a module in the working directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    register_schemas()
+    report_hydra_errors_in_one_line(PROG)
+    train()
+
+
+if __name__ == "__main__":
+    main()

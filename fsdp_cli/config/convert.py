@@ -1,0 +1,150 @@
+"""Conversion between the composed config and the typed :class:`TrainConfig`.
+
+The same functions serve the parent (Hydra's composed DictConfig) and every rank (the
+resolved ``config.yaml`` in the run directory), so a rank sees exactly what the parent
+validated. Only OmegaConf is used here, never Hydra.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.schema import (
+    CheckpointConfig,
+    CustomModelConfig,
+    DDPConfig,
+    FSDP2Config,
+    FSDPConfig,
+    LauncherConfig,
+    LlamaConfig,
+    LoggerConfig,
+    ModelParallelConfig,
+    OptimConfig,
+    PrecisionConfig,
+    SyntheticDataConfig,
+    TextDataConfig,
+    TrainConfig,
+    TrainerConfig,
+    WrapConfig,
+)
+
+# The `name` key of each group's node selects its schema.
+STRATEGY_SCHEMAS: dict[str, type] = {
+    "ddp": DDPConfig,
+    "fsdp2": FSDP2Config,
+    "fsdp": FSDPConfig,
+    "model_parallel": ModelParallelConfig,
+}
+MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig}
+DATA_SCHEMAS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig}
+SECTION_SCHEMAS: dict[str, type] = {
+    "precision": PrecisionConfig,
+    "wrap": WrapConfig,
+    "checkpoint": CheckpointConfig,
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "optim": OptimConfig,
+    "launcher": LauncherConfig,
+}
+_MISSING = "???"
+
+
+def to_train_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> TrainConfig:
+    """Turn a composed (or loaded) config into a :class:`TrainConfig`, resolving interpolations."""
+    if isinstance(cfg, DictConfig):
+        raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    else:
+        raw = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
+    assert isinstance(raw, dict)
+    raw = {k: v for k, v in raw.items() if k != "hydra"}
+
+    fields: dict[str, Any] = {}
+    fields["strategy"] = _by_name("strategy", raw.get("strategy"), STRATEGY_SCHEMAS)
+    fields["model"] = _model(raw.get("model"))
+    fields["data"] = _by_name("data", raw.get("data"), DATA_SCHEMAS)
+    for key, schema in SECTION_SCHEMAS.items():
+        node = raw.get(key)
+        fields[key] = _typed(key, schema, node if node is not None else {})
+    hints = typing.get_type_hints(TrainConfig)
+    for key, value in raw.items():
+        if key in fields:
+            continue
+        if key not in hints:
+            raise ConfigError(key, value, "unknown top-level key", allowed=", ".join(sorted(hints)))
+        fields[key] = _coerce(key, hints[key], value)
+    return TrainConfig(**fields)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    if isinstance(hint, type) and issubclass(hint, enum.Enum) and not isinstance(value, hint):
+        try:
+            return hint[str(value)]
+        except KeyError:
+            raise ConfigError(key, value, "unknown value", allowed=", ".join(hint.__members__)) from None
+    return value
+
+
+def load_train_config(path: Union[str, Path]) -> TrainConfig:
+    """Read a resolved ``config.yaml`` written by the entry point."""
+    return to_train_config(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML; :func:`load_train_config` reads it back to an equal object."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
+
+
+def to_container(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain dict of the typed config (enums as their values); custom models keep ``_target_``."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    assert isinstance(out, dict)
+    if isinstance(cfg.model, CustomModelConfig):
+        out["model"] = {"_target_": cfg.model.target, **cfg.model.kwargs}
+    return out
+
+
+def _by_name(group: str, node: Any, schemas: Mapping[str, type]) -> Any:
+    if not isinstance(node, Mapping):
+        raise ConfigError(group, node, "no option selected", allowed=", ".join(schemas))
+    name = node.get("name")
+    if name not in schemas:
+        raise ConfigError(f"{group}.name", name, "unknown option", allowed=", ".join(schemas))
+    return _typed(group, schemas[name], node)
+
+
+def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        bad = getattr(err, "full_key", None) or "?"
+        problem = str(err).splitlines()[0]
+        raise ConfigError(f"{key}.{bad}" if bad != "?" else key, node, problem) from None
+
+
+def _model(node: Any) -> Any:
+    if isinstance(node, Mapping) and ("_target_" in node or node.get("name") == "custom"):
+        if "_target_" in node:
+            target = node["_target_"]
+            kwargs = {k: v for k, v in node.items() if k != "_target_"}
+        else:
+            target, kwargs = node.get("target"), dict(node.get("kwargs") or {})
+        if not target or target == _MISSING:
+            raise ConfigError(
+                "model._target_",
+                None,
+                "model=custom needs the class or factory to build",
+                allowed="an importable dotted path",
+                hint="model._target_=my_pkg.my_module.MyModel +model.hidden=256",
+            )
+        vocab = kwargs.get("vocab_size")
+        return CustomModelConfig(target=str(target), kwargs=kwargs, vocab_size=vocab)
+    return _by_name("model", node, MODEL_SCHEMAS)

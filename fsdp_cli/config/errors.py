@@ -1,0 +1,55 @@
+"""The one exception type for user mistakes in a config.
+
+A :class:`ConfigError` is printed as a single line (key, value, what is allowed, a hint) and
+the process exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+EXIT_CONFIG_ERROR = 2
+
+
+class ConfigError(ValueError):
+    """A config value the run cannot use.
+
+    Arguments:
+        key: dotted config key, as the user would type it (``tp``, ``strategy.replicate_size``).
+        value: the offending value.
+        problem: what is wrong with it.
+        allowed: what would be accepted (values, a range, a rule).
+        hint: how to fix it.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        value: Any,
+        problem: str,
+        *,
+        allowed: Optional[str] = None,
+        hint: Optional[str] = None,
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.problem = problem
+        self.allowed = allowed
+        self.hint = hint
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        parts = [f"{self.key}={_show(self.value)}: {self.problem}"]
+        if self.allowed:
+            parts.append(f"allowed: {self.allowed}")
+        if self.hint:
+            parts.append(f"hint: {self.hint}")
+        return "; ".join(parts)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if hasattr(value, "name") and hasattr(value, "value") and not isinstance(value, (str, int)):
+        return str(value.value)  # an Enum member
+    return str(value)

@@ -1,0 +1,370 @@
+"""Typed schemas for every config group of ``fsdp-train``.
+
+Each YAML option under ``configs/<group>/`` extends one of these dataclasses (see
+:mod:`fsdp_cli.config.store`), so a misspelled key, a wrong type or an unknown enum value
+fails while Hydra composes, before anything runs. The entry point converts the composed
+config into these objects once (:func:`fsdp_cli.config.convert.to_train_config`); nothing
+below it sees a DictConfig or imports Hydra.
+
+This module must stay importable without torch or lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+# --------------------------------------------------------------------------- enums
+
+
+class Accelerator(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class ActivationCheckpointing(Enum):
+    none = "none"
+    """Keep every activation (fastest, most memory)."""
+    full = "full"
+    """Recompute every transformer block in the backward pass."""
+    selective = "selective"
+    """Recompute every ``ac_every_n_blocks``-th block only: a memory/compute trade-off in between."""
+
+
+class WrapPolicy(Enum):
+    block = "block"
+    """The model's repeated block class (``TransformerBlock`` for the built-in model; for other
+    models the most frequent module class that holds parameters)."""
+    classes = "classes"
+    """The module classes named in ``wrap.classes``."""
+    size = "size"
+    """Every module whose own subtree holds at least ``wrap.min_num_params`` parameters."""
+    none = "none"
+    """Only the root module becomes an FSDP unit."""
+
+
+class ShardingStrategy(Enum):
+    """FSDP1 sharding strategies, as torch names them."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+
+class BackwardPrefetch(Enum):
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+    none = "none"
+
+
+class CheckpointFormat(Enum):
+    full = "full"
+    """One consolidated file written by rank 0."""
+    sharded = "sharded"
+    """A torch.distributed.checkpoint (DCP) folder, one shard per rank."""
+
+
+class LoggerName(Enum):
+    none = "none"
+    csv = "csv"
+    tensorboard = "tensorboard"
+
+
+class Scheduler(Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+# --------------------------------------------------------------------------- strategy group
+
+
+@dataclass
+class DDPConfig:
+    """``strategy=ddp``: Lightning's DDPStrategy, the baseline every sharded layout is compared with."""
+
+    name: str = "ddp"
+    process_group_backend: Optional[str] = None
+    """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
+    timeout_s: int = 1800
+    """Collective timeout in seconds."""
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    """Gradients alias the all-reduce buckets (saves one gradient-sized copy)."""
+    static_graph: bool = False
+    bucket_cap_mb: int = 25
+
+
+@dataclass
+class MixedPrecisionPolicyConfig:
+    """FSDP2 ``MixedPrecisionPolicy``; a null dtype is derived from the ``precision`` group."""
+
+    param_dtype: Optional[DType] = None
+    """Dtype parameters are all-gathered in and compute runs in."""
+    reduce_dtype: Optional[DType] = None
+    """Dtype of the gradient reduce-scatter."""
+    output_dtype: Optional[DType] = None
+    """Dtype of the root module's outputs; null keeps the compute dtype."""
+    cast_forward_inputs: bool = True
+
+
+@dataclass
+class FSDP2Config:
+    """``strategy=fsdp2``: :class:`fsdp_cli.strategies.FSDP2Strategy` (FSDP2 + optional tensor parallel).
+
+    The data-parallel and tensor-parallel sizes come from the top-level ``dp`` and ``tp``.
+    """
+
+    name: str = "fsdp2"
+    reshard_after_forward: Any = True
+    """true: free the gathered parameters after forward (ZeRO-3, FULL_SHARD); false: keep them
+    until backward (ZeRO-2, SHARD_GRAD_OP); an int N: reshard to groups of N ranks."""
+    mp_policy: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    replicate_size: int = 1
+    """HSDP: number of replica groups; parameters are sharded within a group of dp/replicate_size
+    ranks and replicated across groups. 1 = plain FSDP."""
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    ac_every_n_blocks: int = 2
+    """With ``activation_checkpointing=selective``: recompute every N-th block."""
+    compile: bool = False
+    """``torch.compile`` each transformer block before sharding it."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard norms and the residual stream along the sequence dimension too."""
+    parallelize_fn: Optional[str] = None
+    """Dotted path of ``fn(model, device_mesh, **options)`` that replaces the built-in
+    parallelization (tensor parallel, activation checkpointing, compile, fully_shard)."""
+    process_group_backend: Optional[str] = None
+    timeout_s: int = 1800
+
+
+@dataclass
+class FSDPConfig:
+    """``strategy=fsdp``: Lightning's FSDPStrategy (FSDP1), every documented option."""
+
+    name: str = "fsdp"
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    hybrid_shard_size: Optional[int] = None
+    """HYBRID_SHARD: ranks per shard group (parameters sharded within it, replicated across
+    groups). null = the processes of one node."""
+    cpu_offload: bool = False
+    mixed_precision: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
+    """FSDP1 MixedPrecision param/reduce/buffer dtypes; null fields derive from ``precision``."""
+    activation_checkpointing_policy: list[str] = field(default_factory=list)
+    """Module classes (dotted or bare names) to recompute in backward; empty = none."""
+    use_orig_params: bool = True
+    limit_all_gathers: bool = True
+    forward_prefetch: bool = False
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.BACKWARD_PRE
+    sync_module_states: bool = False
+    process_group_backend: Optional[str] = None
+    timeout_s: int = 1800
+    activation_checkpointing: Optional[list[str]] = None
+    """Deprecated (lightning_fairscale name): use ``activation_checkpointing_policy``."""
+    alias_of: Optional[str] = None
+    """Set by the ``ddp_fully_sharded``/``fsdp_native`` options: the old name the user chose."""
+
+
+@dataclass
+class ModelParallelConfig:
+    """``strategy=model_parallel``: Lightning's ModelParallelStrategy for a LightningModule that
+    implements ``configure_model`` itself. Sizes come from the top-level ``dp`` and ``tp``."""
+
+    name: str = "model_parallel"
+    save_distributed_checkpoint: Optional[bool] = None
+    """true: sharded (DCP) checkpoints, false: one full file; null: from the ``checkpoint`` group."""
+    process_group_backend: Optional[str] = None
+    timeout_s: int = 1800
+
+
+# --------------------------------------------------------------------------- other groups
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "32-true"
+    """Lightning's precision name: 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, or auto
+    (bf16-mixed on GPUs, 32-true on CPUs)."""
+
+
+@dataclass
+class WrapConfig:
+    """Which module classes become FSDP units (and the default activation-checkpointing unit)."""
+
+    policy: WrapPolicy = WrapPolicy.block
+    classes: list[str] = field(default_factory=list)
+    """With ``policy=classes``: module class names, dotted (``pkg.mod.Block``) or bare (``Block``)."""
+    min_num_params: int = 100_000_000
+    """With ``policy=size``: the parameter count that makes a module its own unit."""
+
+
+@dataclass
+class CheckpointConfig:
+    format: CheckpointFormat = CheckpointFormat.sharded
+    dir: Optional[str] = None
+    """Where checkpoints go; null = ``<run dir>/checkpoints``."""
+    every_n_steps: Optional[int] = None
+    """Save every N optimizer steps; null = only at the end of training."""
+    keep_last: int = 2
+    """How many complete checkpoints to keep (the newest complete one is never deleted)."""
+    save_last: bool = True
+    """Save when training ends."""
+    save_on_sigterm: bool = True
+    """On SIGTERM (preemption) save a checkpoint, then exit with status ``preempted``."""
+
+
+@dataclass
+class LlamaConfig:
+    """The built-in Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
+
+    name: str = "llama"
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    """Grouped-query attention: key/value heads (null = n_heads)."""
+    ffn_hidden_dim: Optional[int] = None
+    """SwiGLU hidden size; null = 8/3 * dim rounded up to ``multiple_of``."""
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class CustomModelConfig:
+    """``model=custom``: any importable class or factory; the other keys are its keyword arguments.
+
+    Not registered as a schema (arbitrary ``+model.NAME=VALUE`` keys are allowed); the
+    converter builds this object from the composed node.
+    """
+
+    target: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = "custom"
+    vocab_size: Optional[int] = None
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Deterministic random tokens: sequence i depends only on (seed, i)."""
+
+    name: str = "synthetic"
+    global_batch_size: int = 8
+    """Sequences per optimizer step across all data-parallel ranks."""
+    seq_len: int = 64
+    vocab_size: Optional[int] = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
+    """Token ids are drawn from [0, vocab_size); defaults to the model's vocabulary size."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per data-parallel rank per forward; null = global_batch_size / dp. Smaller
+    values accumulate gradients over global_batch_size / (dp * micro_batch_size) micro-batches."""
+    num_workers: int = 0
+
+
+@dataclass
+class TextDataConfig:
+    """Byte-level tokens from local text files (no tokenizer, vocabulary 256)."""
+
+    name: str = "text"
+    global_batch_size: int = 8
+    seq_len: int = 128
+    vocab_size: Optional[int] = 256
+    micro_batch_size: Optional[int] = None
+    num_workers: int = 0
+    path: Optional[str] = None
+    """A file, a folder (its *.py, *.txt, *.md files) or a glob; null = the Python standard
+    library sources on this machine, so a real loss curve needs no download."""
+    max_bytes: int = 32_000_000
+    """Read at most this many bytes of text."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and an optional decay."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    scheduler: Scheduler = Scheduler.constant
+    min_lr_ratio: float = 0.1
+    """cosine/linear decay end at lr * min_lr_ratio at trainer.max_steps."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 30
+    """Optimizer steps to train for."""
+    log_every_n_steps: int = 1
+    """Write a metrics.jsonl row (and print a line) every N optimizer steps."""
+    gradient_clip_val: Optional[float] = 1.0
+    """Clip the gradient norm to this value; null = no clipping."""
+    gradient_clip_algorithm: str = "norm"
+    deterministic: bool = False
+    enable_progress_bar: bool = False
+    val_check_interval: Optional[int] = None
+    """Run validation every N steps on held-out batches; null = no validation."""
+    limit_val_batches: int = 4
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = LoggerName.none
+    """Lightning logger in addition to metrics.jsonl: none, csv or tensorboard."""
+
+
+@dataclass
+class LauncherConfig:
+    """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM)."""
+
+    rdzv_endpoint: Optional[str] = None
+    """host:port of the rendezvous for multi-node runs; null = 127.0.0.1 and a free port."""
+    node_rank: int = 0
+    max_restarts: int = 0
+    """torch elastic restarts of a failed worker group."""
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Group options fill the ``Any`` fields with their own schemas."""
+
+    strategy: Any = MISSING
+    precision: PrecisionConfig = MISSING
+    wrap: WrapConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    dp: Any = "auto"
+    """Data-parallel size: ``auto`` = world size / tp."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    devices: Any = "auto"
+    """Processes per node: ``auto`` = every visible GPU, or 2 CPU processes without GPUs."""
+    num_nodes: int = 1
+    accelerator: Accelerator = Accelerator.auto
+    seed: int = 1234
+    resume: Optional[str] = None
+    """null: start fresh; ``auto``: newest complete checkpoint of this run; or a checkpoint path."""
+    run_dir: str = "."
+    """Where outputs go; the entry point sets it to Hydra's output directory."""

@@ -1,0 +1,1 @@
+"""Datasets (synthetic, text), the data-parallel batch sampler, and the LightningDataModule."""

@@ -1,0 +1,73 @@
+"""LightningDataModule over the synthetic or text dataset with the step-aligned sampler."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from fsdp_cli.data.sampler import StepBatchSampler
+from fsdp_cli.data.synthetic import SyntheticTokens
+from fsdp_cli.data.text import ByteWindows, read_corpus, split_corpus
+
+VAL_SEED_OFFSET = 7_777_777
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Batches of token ids ``[micro_batch, seq_len + 1]`` for each data-parallel rank.
+
+    The rank's data-parallel coordinate comes from the strategy (``distributed_sampler_kwargs``),
+    so it is right for DDP, FSDP1, FSDP2, HSDP and tensor parallel alike.
+    """
+
+    def __init__(self, data: Any, *, seed: int, dp_size: int) -> None:
+        super().__init__()
+        self.data = data
+        self.seed = seed
+        self.dp_size = dp_size
+        self.micro_batch_size = data.micro_batch_size or data.global_batch_size // dp_size
+        self._train: Optional[Dataset] = None
+        self._val: Optional[Dataset] = None
+
+    @property
+    def accumulation(self) -> int:
+        return self.data.global_batch_size // self.dp_size // self.micro_batch_size
+
+    def setup(self, stage: str) -> None:
+        if self._train is not None:
+            return
+        data = self.data
+        if data.name == "text":
+            train, val = split_corpus(read_corpus(data.path, data.max_bytes))
+            self._train = ByteWindows(train, seq_len=data.seq_len, seed=self.seed)
+            self._val = ByteWindows(val, seq_len=data.seq_len, seed=self.seed)
+        else:
+            self._train = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed)
+            self._val = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed + VAL_SEED_OFFSET)
+
+    def _loader(self, dataset: Dataset, start_step: int) -> DataLoader:
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer is not None else None
+        rank, size = (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
+        if size != self.dp_size:
+            raise RuntimeError(f"strategy reports {size} data-parallel ranks, config says dp={self.dp_size}")
+        sampler = StepBatchSampler(
+            global_batch_size=self.data.global_batch_size, micro_batch_size=self.micro_batch_size,
+            dp_rank=rank, dp_size=size, start_step=start_step,
+        )
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        return DataLoader(
+            dataset, batch_sampler=sampler, num_workers=self.data.num_workers,
+            collate_fn=torch.stack, pin_memory=on_gpu, persistent_workers=self.data.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self._train is not None
+        # On resume the trainer's step is already restored: continue with the next unseen batch.
+        step = self.trainer.global_step if self.trainer is not None else 0
+        return self._loader(self._train, start_step=step)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self._val is not None
+        return self._loader(self._val, start_step=0)

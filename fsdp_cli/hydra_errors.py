@@ -1,0 +1,78 @@
+"""Hydra's composition errors as one actionable line and exit status 2.
+
+Hydra reports an unknown group option or a misspelled key over several lines (plus a hint about
+HYDRA_FULL_ERROR) and exits 1. Every config mistake of ``fsdp-train`` exits 2 with one line
+instead. Hydra has no hook for this, so its error reporter (``hydra._internal.utils.run_and_report``,
+stable through the 1.3 series we pin) is wrapped; anything that is not a config error still goes
+to Hydra's own reporter, traceback and all. ``HYDRA_FULL_ERROR=1`` shows Hydra's full output.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hydra._internal import utils as hydra_utils
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+HINT = "fsdp-train --help lists the groups and options; --cfg job prints the composed config"
+
+
+def one_line(err: BaseException) -> str:
+    """Condense a Hydra/OmegaConf composition error into ``key=value: problem; allowed: ...; hint: ...``."""
+    text = str(err)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing:
+        group, option = missing.group(1), missing.group(2)
+        options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
+        allowed = ", ".join(o for o in options if not o.startswith("schema"))
+        return f"{group}={option}: unknown option of group '{group}'; allowed: {allowed}; hint: {HINT}"
+    override = re.search(r"Could not override '([^']+)'", text)
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+    detail = _first_line(str(cause)) if cause is not None else _lines(text)[-1] if _lines(text) else ""
+    if override:
+        key = override.group(1)
+        return f"{key}: not a key of this config ({detail}); hint: to add a key use +{key}=VALUE; {HINT}"
+    merging = re.search(r"Error merging override (\S+)", text)
+    if merging:
+        return f"{merging.group(1)}: {detail}; hint: {HINT}"
+    return f"{'; '.join(_lines(text)[:2])}{'; ' + detail if cause is not None else ''}; hint: {HINT}"
+
+
+def report_hydra_errors_in_one_line(prog: str) -> None:
+    original: Callable[[Callable[[], Any]], Any] = hydra_utils.run_and_report
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            return original(func)
+        try:
+            return func()
+        except CONFIG_ERRORS as err:
+            print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except Exception:
+            return original(func_raising(sys.exc_info()[1]))
+
+    hydra_utils.run_and_report = run_and_report
+
+
+def func_raising(err: BaseException | None) -> Callable[[], Any]:
+    def again() -> Any:
+        assert err is not None
+        raise err
+
+    return again
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _first_line(text: str) -> str:
+    lines = _lines(text)
+    return lines[0] if lines else text

@@ -1,0 +1,74 @@
+"""Start the ranks of a run with PyTorch's elastic launcher, from the resolved config.
+
+The parent composes the config once and writes ``config.yaml``; torch.distributed.run then
+starts ``python -m fsdp_cli.worker config.yaml`` per local rank. ``sys.argv`` is never
+re-executed, so each Hydra multirun job is launched exactly once, with its own process group
+and (``--standalone``) its own free rendezvous port. Inside an existing torchrun or SLURM job
+this process is already a rank and trains in place.
+
+No torch import here: the launcher runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from fsdp_cli.config.layout import detect_cluster_job
+from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.report import CONFIG_FILE
+
+
+def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.devices}"]
+    if cfg.num_nodes == 1 and cfg.launcher.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        endpoint = cfg.launcher.rdzv_endpoint or "127.0.0.1:29500"
+        cmd += [
+            f"--nnodes={cfg.num_nodes}",
+            f"--node-rank={cfg.launcher.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={os.environ.get('FSDP_CLI_RDZV_ID', 'fsdp-cli-' + uuid.uuid5(uuid.NAMESPACE_URL, str(config_path)).hex[:12])}",
+        ]
+    cmd += [f"--max-restarts={cfg.launcher.max_restarts}", "-m", "fsdp_cli.worker", str(config_path)]
+    return cmd
+
+
+def worker_env(cfg: TrainConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    # model._target_ and parallelize_fn may live in the working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    if "OMP_NUM_THREADS" not in env:
+        # torchrun would force 1; on CPU runs the ranks share the cores instead.
+        per_rank = (os.cpu_count() or 1) // int(cfg.devices) if cfg.accelerator.value == "cpu" else 1
+        env["OMP_NUM_THREADS"] = str(max(1, per_rank))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def launch(cfg: TrainConfig) -> int:
+    """Run the job; returns the exit status of the ranks (0 when all succeeded)."""
+    if detect_cluster_job(os.environ) is not None:
+        from fsdp_cli.worker import run
+
+        return run(cfg)
+    config_path = Path(cfg.run_dir) / CONFIG_FILE
+    proc = subprocess.Popen(torchrun_command(cfg, config_path), env=worker_env(cfg))
+    # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to
+    # every rank: they checkpoint and exit with status "preempted".
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                # Ctrl-C reached the ranks too (same process group); wait for them to stop.
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,116 @@
+"""The Lightning callback behind ``metrics.jsonl`` and the per-step console line.
+
+On a logging step it averages the step's loss over all ranks (one all-reduce; tensor-parallel
+ranks hold equal copies, so this is the mean over data-parallel ranks) and times the steps since
+the previous log. Between logging steps it does nothing that synchronises.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from fsdp_cli.report import METRICS_FILE
+
+
+class MetricsCallback(L.Callback):
+    def __init__(self, run_dir: Path, *, log_every_n_steps: int, tokens_per_step: int, max_steps: int) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.log_every = log_every_n_steps
+        self.tokens_per_step = tokens_per_step
+        self.max_steps = max_steps
+        self.rows: list[dict[str, Any]] = []
+        self.peak_memory_bytes: list[int] = []
+        self._seen_step = 0
+        self._t_last = 0.0
+        self._step_last = 0
+        self._file: Optional[Any] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._seen_step = self._step_last = trainer.global_step
+        self._t_last = time.perf_counter()
+        if trainer.is_global_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:  # still accumulating gradients
+            return
+        self._seen_step = step
+        take = getattr(pl_module, "take_step_loss", None)
+        loss = take() if callable(take) else _loss_of(outputs)
+        if step % self.log_every != 0 and step != self.max_steps:
+            return
+        if loss is None:
+            loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
+        mean_loss = trainer.strategy.reduce(loss.float(), reduce_op="mean").item()
+        now = time.perf_counter()
+        step_time = (now - self._t_last) / (step - self._step_last)
+        self._t_last, self._step_last = now, step
+        row = {
+            "step": step,
+            "loss": mean_loss,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+        }
+        grad_norm = getattr(pl_module, "grad_norm", None)
+        if grad_norm is not None:
+            row["grad_norm"] = float(grad_norm)
+        self.rows.append(row)
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+            print(
+                f"step {step:>6}  loss {mean_loss:8.4f}  lr {row['lr']:.2e}  "
+                f"{step_time * 1e3:8.1f} ms/step  {row['tokens_per_s']:>12,.0f} tok/s",
+                flush=True,
+            )
+        if trainer.logger is not None:
+            trainer.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.close()
+        self.peak_memory_bytes = gather_peak_memory(trainer)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak: CUDA allocator peak on GPU, max resident set size on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def gather_peak_memory(trainer: L.Trainer) -> list[int]:
+    mine = peak_memory_bytes()
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return [int(v) for v in everyone]
+
+
+def _loss_of(outputs: Any) -> Optional[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):
+        return outputs["loss"].detach()
+    return None

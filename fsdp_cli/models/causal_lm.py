@@ -1,0 +1,140 @@
+"""The LightningModule that trains any ``nn.Module`` as a causal language model.
+
+``forward(input_ids[B, T])`` must return logits ``[B, T, V]`` (or an object with ``.logits``).
+The module builds the model in ``configure_model`` (so strategies may create it on the meta
+device and shard it), computes next-token cross-entropy, clips gradients itself (the same way
+under every strategy, FSDP1 included), and keeps the per-step loss for the metrics callback
+without any collective on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_cli.config.schema import OptimConfig, Scheduler
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token prediction on batches of token ids ``[B, T + 1]``.
+
+    Arguments:
+        model_factory: builds the ``nn.Module`` (called once, inside ``configure_model``).
+        optim: AdamW and learning-rate schedule settings.
+        max_steps: the schedule's horizon.
+        gradient_clip_val: clip threshold, or None.
+        gradient_clip_algorithm: ``norm`` or ``value``.
+    """
+
+    def __init__(
+        self,
+        model_factory: Callable[[], nn.Module],
+        optim: OptimConfig,
+        max_steps: int,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: str = "norm",
+    ) -> None:
+        super().__init__()
+        self.model_factory = model_factory
+        self.model: Optional[nn.Module] = None
+        self.optim = optim
+        self.max_steps = max_steps
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        # Sum of micro-batch losses since the last optimizer step (a device tensor: no sync).
+        self.loss_sum: Optional[torch.Tensor] = None
+        self.loss_count = 0
+        self.grad_norm: Optional[torch.Tensor] = None
+        self.num_parameters: Optional[int] = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.model_factory()
+            # Counted before any sharding (meta tensors have sizes too).
+            self.num_parameters = sum(p.numel() for p in self.model.parameters())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        out = self.model(input_ids)
+        return out.logits if hasattr(out, "logits") else out
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs)
+        # Cross-entropy in fp32 whatever the compute dtype: bf16 log-softmax over a large vocabulary is lossy.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        detached = loss.detach()
+        self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
+        self.loss_count += 1
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, sync_dist=True, prog_bar=True)
+        return loss
+
+    def take_step_loss(self) -> Optional[torch.Tensor]:
+        """Mean loss of the micro-batches since the last call (this rank's), then reset."""
+        if self.loss_sum is None:
+            return None
+        mean = self.loss_sum / self.loss_count
+        self.loss_sum, self.loss_count = None, 0
+        return mean
+
+    def configure_optimizers(self) -> Any:
+        opt = self.optim
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(opt, self.max_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.gradient_clip_val is None:
+            return
+        if self.gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self.parameters(), self.gradient_clip_val)
+            return
+        self.grad_norm = clip_grad_norm(self.trainer.model, self.parameters(), self.gradient_clip_val)
+
+
+def clip_grad_norm(wrapped: nn.Module, parameters: Any, max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm across all shards; returns that norm (before clipping)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if isinstance(wrapped, FSDP1):
+        # FSDP1 holds flat sharded gradients: only the root knows how to total them.
+        return wrapped.clip_grad_norm_(max_norm).detach()
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(total, "full_tensor"):  # DTensor: the partial norms of each shard, summed
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total.detach()
+
+
+def _schedule(opt: OptimConfig, max_steps: int) -> Callable[[int], float]:
+    warmup, floor = opt.warmup_steps, opt.min_lr_ratio
+    decay_steps = max(1, max_steps - warmup)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / decay_steps)
+        if opt.scheduler is Scheduler.cosine:
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if opt.scheduler is Scheduler.linear:
+            return floor + (1 - floor) * (1 - progress)
+        return 1.0
+
+    return factor

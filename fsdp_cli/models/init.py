@@ -1,0 +1,59 @@
+"""Layout-independent weight initialisation.
+
+A parameter's initial values depend only on (seed, parameter name, row): each block of rows is
+drawn from its own generator. A rank that holds a shard (FSDP, tensor parallel, or both) draws
+just the rows it owns and slices its columns, so a model created on the meta device and
+initialised after sharding equals, bit for bit, the same model initialised whole on one
+process. That makes ``tensor_init_context`` (empty init for models too large for one rank)
+safe and keeps every layout's starting point identical.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+ROWS_PER_BLOCK = 256
+
+
+@torch.no_grad()
+def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> None:
+    """Fill ``param`` (a plain tensor or a DTensor shard) with N(0, std^2), layout-independently."""
+    local, (row0, col0) = _local_view(param)
+    if local.numel() == 0:
+        return
+    full_rows = param.shape[0]
+    full_cols = param[0].numel() if param.dim() > 1 else 1
+    rows, cols = local.shape[0], (local[0].numel() if local.dim() > 1 else 1)
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    first_block = row0 // ROWS_PER_BLOCK
+    last_block = (row0 + rows - 1) // ROWS_PER_BLOCK
+    key = zlib.crc32(name.encode())
+    for block in range(first_block, last_block + 1):
+        start = block * ROWS_PER_BLOCK
+        stop = min(start + ROWS_PER_BLOCK, full_rows)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + block) % (2**63))
+        values = torch.randn(stop - start, full_cols, generator=gen) * std
+        lo, hi = max(start, row0), min(stop, row0 + rows)
+        out[lo - row0 : hi - row0] = values[lo - start : hi - start, col0 : col0 + cols]
+    local.copy_(out.view(local.shape).to(local.dtype))
+
+
+def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The local tensor of ``param`` and the (row, column) offset of its first element in the full tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, nn.Parameter):
+        param = param.data
+    if not isinstance(param, DTensor):
+        return param, (0, 0)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    if param.dim() > 2:
+        raise ValueError("seeded_normal_ supports 1-D and 2-D parameters")
+    col0 = offset[1] if param.dim() == 2 else 0
+    return local, (offset[0], col0)

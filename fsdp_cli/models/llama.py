@@ -1,0 +1,188 @@
+"""The built-in Llama-style decoder-only transformer and its tensor-parallel plan.
+
+RMSNorm, rotary position embeddings, SwiGLU MLP and grouped-query attention. The attention
+and MLP reshape with ``-1`` heads so the same code runs on a tensor-parallel shard that holds
+``n_heads / tp`` heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.config.validate import ffn_hidden_dim
+from fsdp_cli.models.init import seeded_normal_
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 sums of squares lose too much precision.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device: Any = None) -> torch.Tensor:
+    """cos/sin table of shape [max_seq_len, head_dim // 2, 2]."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x [B, T, H, D] by the angles in rope [T, D/2, 2]."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    real = pairs[..., 0] * cos - pairs[..., 1] * sin
+    imag = pairs[..., 0] * sin + pairs[..., 1] * cos
+    return torch.stack((real, imag), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallel this rank holds n_heads / tp of them.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+        repeat = q.shape[2] // k.shape[2]
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer: ``forward(input_ids[B, T]) -> logits[B, T, vocab]``."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.seed = seed
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."n-1" keeps parameter names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        if self.tok_embeddings.weight.device.type != "meta":
+            self.init_weights()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: Any = None) -> None:
+        """Initialise every parameter and buffer; valid on a sharded model materialised from meta."""
+        device = buffer_device or self.tok_embeddings.weight.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        head_dim = self.cfg.dim // self.cfg.n_heads
+        self.rope = rope_table(head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        # Output projections of each residual branch are scaled down with depth (GPT-2 / Llama practice).
+        depth_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                nn.init.ones_(param)
+                continue
+            std = depth_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
+            seeded_normal_(param, std=std, seed=self.seed, name=name)
+
+
+def build_llama(cfg: LlamaConfig, seed: int) -> Llama:
+    return Llama(cfg, seed=seed)
+
+
+def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
+    """The tensor-parallel plan for :func:`torch.distributed.tensor.parallel.parallelize_module`.
+
+    Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each block
+    needs one all-reduce forward (or a reduce-scatter/all-gather pair with sequence parallel).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        # Logits come back whole on every tensor-parallel rank, so the loss is the ordinary one.
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for name in model.layers:
+        prefix = f"layers.{name}"
+        plan[f"{prefix}.attention.wq"] = ColwiseParallel()
+        plan[f"{prefix}.attention.wk"] = ColwiseParallel()
+        plan[f"{prefix}.attention.wv"] = ColwiseParallel()
+        plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=residual)
+        plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
+        plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
+        plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
+        if sequence_parallel:
+            plan[f"{prefix}.attention_norm"] = SequenceParallel()
+            plan[f"{prefix}.ffn_norm"] = SequenceParallel()
+            plan[f"{prefix}.attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            )
+            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    return plan

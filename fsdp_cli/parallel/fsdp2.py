@@ -1,0 +1,37 @@
+"""FSDP2 (``fully_shard``) per unit, then the root."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    units: list[nn.Module],
+    *,
+    reshard_after_forward: Union[bool, int] = True,
+    mp_policy: Optional[object] = None,
+    offload_policy: Optional[object] = None,
+) -> None:
+    """``fully_shard`` each unit (children first) and then ``model`` itself.
+
+    A 2-D ``dp_mesh`` (replicate x shard) gives HSDP: parameters are sharded along the second
+    dimension and replicated along the first.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs = {
+        "mesh": dp_mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
+    for index, unit in enumerate(units):
+        # The last unit runs first in backward, so resharding it after forward would only make
+        # backward gather it again straight away.
+        last = index == len(units) - 1
+        fully_shard(unit, reshard_after_forward=False if last and reshard_after_forward is True else reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -1,0 +1,147 @@
+"""One rank of a run: read the resolved config, build, fit, write the outputs.
+
+Started by torch.distributed.run as ``python -m fsdp_cli.worker <run_dir>/config.yaml``, or
+called in-process by the entry point when it already is a torchrun/SLURM rank. Rank 0 writes
+``metrics.jsonl`` and ``summary.json`` (also when the run fails); the other ranks' console
+output goes to ``<run_dir>/logs/rank<N>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from fsdp_cli.config.convert import load_train_config
+from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
+from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
+from fsdp_cli.report import STATUS_FAILED, STATUS_OK, median_of, steady_state, write_summary
+
+LOG_DIR = "logs"
+
+
+def global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def run(cfg: TrainConfig) -> int:
+    """Train as this rank; returns the process exit status."""
+    run_dir = Path(cfg.run_dir)
+    rank = global_rank()
+    if rank != 0:
+        _redirect_output(run_dir / LOG_DIR / f"rank{rank}.log")
+    started = time.time()
+    state: dict[str, Any] = {}
+    status, error, code = STATUS_OK, None, 0
+    try:
+        _fit(cfg, state)
+    except ConfigError as err:
+        status, error, code = STATUS_FAILED, err.one_line(), EXIT_CONFIG_ERROR
+        print(f"fsdp-train: error: {error}", file=sys.stderr, flush=True)
+    except Exception as err:  # noqa: BLE001 - reported in summary.json, then re-raised as exit 1
+        status, error, code = STATUS_FAILED, f"{type(err).__name__}: {err}", 1
+        traceback.print_exc()
+    if rank == 0:
+        write_summary(run_dir, _summary(cfg, state, status=status, error=error, wall=time.time() - started))
+    return code
+
+
+def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
+    import lightning as L
+
+    from fsdp_cli.build.model import build_module
+    from fsdp_cli.build.strategy import build_strategy
+    from fsdp_cli.build.trainer import build_trainer
+    from fsdp_cli.checkpoint.run import final_checkpoint_path, resolve_resume
+    from fsdp_cli.data.datamodule import TokenDataModule
+    from fsdp_cli.metrics import MetricsCallback
+    from fsdp_cli.models.causal_lm import CausalLMModule
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = build_module(cfg)
+    datamodule = TokenDataModule(cfg.data, seed=cfg.seed, dp_size=int(cfg.dp))
+    strategy = build_strategy(cfg)
+    metrics = MetricsCallback(
+        Path(cfg.run_dir),
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+        max_steps=cfg.trainer.max_steps,
+    )
+    state["metrics"] = metrics
+    trainer = build_trainer(
+        cfg, strategy, callbacks=[metrics], accumulation=datamodule.accumulation,
+        trainer_clips=not isinstance(module, CausalLMModule),
+    )
+    state["module"] = module
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_resume(cfg))
+    state["steps"] = trainer.global_step
+    if cfg.checkpoint.save_last:
+        path = final_checkpoint_path(cfg, trainer.global_step)
+        trainer.save_checkpoint(path)
+        state["checkpoint"] = str(path)
+
+
+def _summary(cfg: TrainConfig, state: dict[str, Any], *, status: str, error: Optional[str], wall: float) -> dict[str, Any]:
+    metrics = state.get("metrics")
+    rows = metrics.rows if metrics is not None else []
+    steady = steady_state(rows)
+    model = cfg.model
+    return {
+        "status": status,
+        "error": error,
+        "strategy": cfg.strategy.name,
+        "accelerator": cfg.accelerator.value,
+        "world_size": int(cfg.devices) * cfg.num_nodes,
+        "dp": int(cfg.dp),
+        "tp": cfg.tp,
+        "precision": cfg.precision.name,
+        "model": model.target if isinstance(model, CustomModelConfig) else model.name,
+        "parameters": _parameter_count(state.get("module")),
+        "global_batch_size": cfg.data.global_batch_size,
+        "seq_len": cfg.data.seq_len,
+        "steps": state.get("steps", rows[-1]["step"] if rows else 0),
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "tokens_per_s": median_of(steady, "tokens_per_s"),
+        "step_time_s": median_of(steady, "step_time_s"),
+        "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
+        "checkpoint": state.get("checkpoint"),
+        "wall_time_s": round(wall, 3),
+        "run_dir": str(cfg.run_dir),
+    }
+
+
+def _parameter_count(module: Any) -> Optional[int]:
+    if module is None:
+        return None
+    counted = getattr(module, "num_parameters", None)
+    if counted is not None:
+        return int(counted)
+    return int(sum(p.numel() for p in module.parameters()))
+
+
+def _redirect_output(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    cfg = load_train_config(args[0])
+    sys.exit(record(run)(cfg))
+
+
+if __name__ == "__main__":
+    main()
