@@ -1,0 +1,73 @@
+"""Model builder: the ``model`` group -> the LightningModule to fit."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torch import nn
+
+from fsdp_cli.build.strategy import import_object
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.schema import CustomModelConfig, FSDP2Config, LlamaConfig, TrainConfig
+from fsdp_cli.models.causal_lm import CausalLMModule
+
+
+def build_module(cfg: TrainConfig) -> L.LightningModule:
+    """A LightningModule from ``model._target_`` as is; anything else wrapped in :class:`CausalLMModule`."""
+    if isinstance(cfg.model, CustomModelConfig):
+        built = _build_custom(cfg.model)
+        if isinstance(built, L.LightningModule):
+            return built
+        factory: Callable[[], nn.Module] = built
+    else:
+        factory = _llama_factory(cfg, cfg.model)
+    return CausalLMModule(
+        factory,
+        optim=cfg.optim,
+        max_steps=cfg.trainer.max_steps,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        gradient_clip_algorithm=cfg.trainer.gradient_clip_algorithm,
+    )
+
+
+def _llama_factory(cfg: TrainConfig, model: LlamaConfig) -> Callable[[], nn.Module]:
+    from fsdp_cli.models.llama import Llama
+
+    # Under FSDP2 the model is created on the meta device and each rank materialises only its
+    # shard; the initialisation is layout-independent, so the weights equal a normal init.
+    meta = isinstance(cfg.strategy, FSDP2Config) and cfg.strategy.parallelize_fn is None
+
+    def factory() -> nn.Module:
+        if meta:
+            with torch.device("meta"):
+                return Llama(model, seed=cfg.seed)
+        return Llama(model, seed=cfg.seed)
+
+    return factory
+
+
+def _build_custom(model: CustomModelConfig) -> L.LightningModule | Callable[[], nn.Module]:
+    try:
+        target = import_object(model.target)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(
+            "model._target_", model.target, f"cannot be imported ({err})",
+            hint="run from the folder that holds the module, or add it to PYTHONPATH",
+        ) from None
+    kwargs = dict(model.kwargs)
+    if inspect.isclass(target) and issubclass(target, L.LightningModule):
+        return target(**kwargs)
+    if inspect.isclass(target) and issubclass(target, nn.Module):
+        # Built later, inside configure_model (under the strategy's init context).
+        return lambda: target(**kwargs)
+    built = target(**kwargs)
+    if isinstance(built, L.LightningModule):
+        return built
+    if not isinstance(built, nn.Module):
+        raise ConfigError(
+            "model._target_", model.target, f"returned {type(built).__name__}, not an nn.Module or LightningModule",
+        )
+    return lambda: built

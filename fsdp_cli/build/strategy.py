@@ -1,0 +1,95 @@
+"""Strategy builder: the ``strategy`` group (plus dp/tp, precision, wrap, checkpoint) -> a Lightning strategy."""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import Strategy
+
+from fsdp_cli.build.precision import fsdp2_mp_policy, mixed_precision_dtypes
+from fsdp_cli.config.schema import (
+    CheckpointFormat,
+    DDPConfig,
+    FSDP2Config,
+    FSDPConfig,
+    ModelParallelConfig,
+    TrainConfig,
+)
+
+
+def import_object(path: str) -> Any:
+    """``package.module.Name`` -> the object."""
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_strategy(cfg: TrainConfig) -> Strategy:
+    strategy = cfg.strategy
+    if isinstance(strategy, DDPConfig):
+        return build_ddp(cfg, strategy)
+    if isinstance(strategy, FSDP2Config):
+        return build_fsdp2(cfg, strategy)
+    if isinstance(strategy, FSDPConfig):
+        from fsdp_cli.build.fsdp1 import build_fsdp1
+
+        return build_fsdp1(cfg, strategy)
+    if isinstance(strategy, ModelParallelConfig):
+        return build_model_parallel(cfg, strategy)
+    raise TypeError(f"unknown strategy config {type(strategy).__name__}")
+
+
+def build_ddp(cfg: TrainConfig, strategy: DDPConfig) -> Strategy:
+    from fsdp_cli.strategies.ddp import DDPStrategy
+
+    ddp = DDPStrategy(
+        process_group_backend=strategy.process_group_backend,
+        timeout=timedelta(seconds=strategy.timeout_s),
+        find_unused_parameters=strategy.find_unused_parameters,
+        gradient_as_bucket_view=strategy.gradient_as_bucket_view,
+        static_graph=strategy.static_graph,
+        bucket_cap_mb=strategy.bucket_cap_mb,
+    )
+    ddp.checkpoint_format = cfg.checkpoint.format.value
+    return ddp
+
+
+def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from fsdp_cli.strategies.fsdp2 import FSDP2Strategy
+
+    dtypes = mixed_precision_dtypes(cfg.precision.name, strategy.mp_policy)
+    return FSDP2Strategy(
+        data_parallel_size=int(cfg.dp),
+        tensor_parallel_size=cfg.tp,
+        mp_policy=fsdp2_mp_policy(dtypes),
+        parallelize_fn=import_object(strategy.parallelize_fn) if strategy.parallelize_fn else None,
+        replicate_size=strategy.replicate_size,
+        offload_policy=CPUOffloadPolicy() if strategy.cpu_offload else None,
+        reshard_after_forward=strategy.reshard_after_forward,
+        activation_checkpointing=strategy.activation_checkpointing,
+        ac_every_n_blocks=strategy.ac_every_n_blocks,
+        compile=strategy.compile,
+        sequence_parallel=strategy.sequence_parallel,
+        wrap=cfg.wrap,
+        save_distributed_checkpoint=cfg.checkpoint.format is CheckpointFormat.sharded,
+        process_group_backend=strategy.process_group_backend,
+        timeout=timedelta(seconds=strategy.timeout_s),
+    )
+
+
+def build_model_parallel(cfg: TrainConfig, strategy: ModelParallelConfig) -> Strategy:
+    from fsdp_cli.strategies.model_parallel import ModelParallelStrategy
+
+    sharded = strategy.save_distributed_checkpoint
+    if sharded is None:
+        sharded = cfg.checkpoint.format is CheckpointFormat.sharded
+    return ModelParallelStrategy(
+        data_parallel_size=int(cfg.dp),
+        tensor_parallel_size=cfg.tp,
+        save_distributed_checkpoint=sharded,
+        process_group_backend=strategy.process_group_backend,
+        timeout=timedelta(seconds=strategy.timeout_s),
+    )

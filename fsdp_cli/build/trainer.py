@@ -1,0 +1,63 @@
+"""Trainer builder: the ``trainer``, ``logger`` and layout settings -> a Lightning ``Trainer``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+
+from fsdp_cli.build.precision import fsdp2_precision_plugin
+from fsdp_cli.config.schema import FSDP2Config, LoggerName, TrainConfig
+
+
+def build_logger(cfg: TrainConfig) -> Optional[Logger]:
+    run_dir = Path(cfg.run_dir)
+    if cfg.logger.name is LoggerName.csv:
+        return CSVLogger(save_dir=run_dir, name="csv", version="")
+    if cfg.logger.name is LoggerName.tensorboard:
+        return TensorBoardLogger(save_dir=run_dir, name="tensorboard", version="")
+    return None
+
+
+def build_trainer(
+    cfg: TrainConfig, strategy: Any, *, callbacks: list[L.Callback], accumulation: int, trainer_clips: bool
+) -> L.Trainer:
+    """``accumulation``: micro-batches per optimizer step. ``trainer_clips``: let Lightning clip
+    (for user LightningModules); the built-in module clips itself under every strategy."""
+    t = cfg.trainer
+    kwargs: dict[str, Any] = {}
+    plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
+    if plugin is not None:
+        kwargs["plugins"] = [plugin]
+    else:
+        kwargs["precision"] = cfg.precision.name
+    if trainer_clips and t.gradient_clip_val is not None:
+        kwargs.update(gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
+    if t.val_check_interval is not None:
+        # Lightning counts validation intervals in batches; ours are optimizer steps.
+        kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)
+        kwargs["limit_val_batches"] = t.limit_val_batches
+    else:
+        kwargs["limit_val_batches"] = 0
+    return L.Trainer(
+        accelerator=cfg.accelerator.value,
+        devices=int(cfg.devices),
+        num_nodes=cfg.num_nodes,
+        strategy=strategy,
+        max_steps=t.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=accumulation,
+        log_every_n_steps=t.log_every_n_steps,
+        logger=build_logger(cfg) or False,
+        callbacks=callbacks,
+        deterministic=t.deterministic,
+        enable_checkpointing=False,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        default_root_dir=cfg.run_dir,
+        **kwargs,
+    )
