@@ -49,8 +49,20 @@ def run(cfg: TrainConfig) -> int:
     return code
 
 
+def _quiet_lightning() -> None:
+    """Lightning's start-up chatter (accelerator banners, tips) drowns the per-step lines."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+
+
 def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     import lightning as L
+
+    _quiet_lightning()
 
     from fsdp_cli.build.model import build_module
     from fsdp_cli.build.strategy import build_strategy
@@ -80,7 +92,7 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     state["steps"] = trainer.global_step
     if cfg.checkpoint.save_last:
         path = final_checkpoint_path(cfg, trainer.global_step)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
         state["checkpoint"] = str(path)
 
 

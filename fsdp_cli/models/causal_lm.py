@@ -115,10 +115,16 @@ def clip_grad_norm(wrapped: nn.Module, parameters: Any, max_norm: float) -> torc
         # FSDP1 holds flat sharded gradients: only the root knows how to total them.
         return wrapped.clip_grad_norm_(max_norm).detach()
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(total, "full_tensor"):  # DTensor: the partial norms of each shard, summed
-        total = total.full_tensor()
+    # With tensor parallel, TP-sharded weights live on the (dp, tp) mesh and the others (norms)
+    # on the dp mesh only: DTensor cannot mix meshes, so total each mesh's gradients separately.
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else torch.zeros(())
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total.detach()
 

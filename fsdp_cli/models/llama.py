@@ -152,6 +152,8 @@ def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
     needs one all-reduce forward (or a reduce-scatter/all-gather pair with sequence parallel).
     """
     from torch.distributed.tensor import Replicate, Shard
+
+    from fsdp_cli.parallel.tensor_parallel import replicate_parallel
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -165,8 +167,10 @@ def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
         # Logits come back whole on every tensor-parallel rank, so the loss is the ordinary one.
         "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
     }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
+    # Norms: split along the sequence with sequence parallel, else replicated DTensors so that
+    # every parameter ends up on the same (dp, tp) mesh after fully_shard.
+    norm_style = SequenceParallel if sequence_parallel else replicate_parallel
+    plan["norm"] = norm_style()
     for name in model.layers:
         prefix = f"layers.{name}"
         plan[f"{prefix}.attention.wq"] = ColwiseParallel()
@@ -176,9 +180,9 @@ def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
         plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
         plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
         plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
+        plan[f"{prefix}.attention_norm"] = norm_style()
+        plan[f"{prefix}.ffn_norm"] = norm_style()
         if sequence_parallel:
-            plan[f"{prefix}.attention_norm"] = SequenceParallel()
-            plan[f"{prefix}.ffn_norm"] = SequenceParallel()
             plan[f"{prefix}.attention"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
             )
