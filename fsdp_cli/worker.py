@@ -49,20 +49,30 @@ def run(cfg: TrainConfig) -> int:
     return code
 
 
-def _quiet_lightning() -> None:
-    """Lightning's start-up chatter (accelerator banners, tips) drowns the per-step lines."""
+def _quiet_known_noise() -> None:
+    """Silence messages that are noise for our own code paths, so real warnings stand out:
+    Lightning's start-up banners and tips; FSDP2's note that the root returns a view (our loss
+    never modifies logits in place); DTensor's note that the scalar gradient-norm all-reduce on
+    the (dp, tp) mesh takes two collectives instead of one."""
     import logging
     import warnings
 
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+    class _NormPartialNote(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "_NormPartial" not in record.getMessage()
+
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NormPartialNote())
 
 
 def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     import lightning as L
 
-    _quiet_lightning()
+    _quiet_known_noise()
 
     from fsdp_cli.build.model import build_module
     from fsdp_cli.build.strategy import build_strategy

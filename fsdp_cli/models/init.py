@@ -10,6 +10,7 @@ safe and keeps every layout's starting point identical.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -24,9 +25,9 @@ def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> 
     local, (row0, col0) = _local_view(param)
     if local.numel() == 0:
         return
-    full_rows = param.shape[0]
-    full_cols = param[0].numel() if param.dim() > 1 else 1
-    rows, cols = local.shape[0], (local[0].numel() if local.dim() > 1 else 1)
+    # Shapes only: indexing a DTensor would all-gather it.
+    full_rows, full_cols = param.shape[0], math.prod(param.shape[1:])
+    rows, cols = local.shape[0], math.prod(local.shape[1:])
     out = torch.empty(rows, cols, dtype=torch.float32)
     first_block = row0 // ROWS_PER_BLOCK
     last_block = (row0 + rows - 1) // ROWS_PER_BLOCK

@@ -1,0 +1,86 @@
+"""Shared helpers: run ``fsdp-train`` as a user would, and read what a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+# Small and quick, but every layout below still has something to shard and split.
+FAST = ["trainer.max_steps=6", "data.global_batch_size=8", "data.seq_len=32"]
+
+
+def entry_point(name: str) -> list[str]:
+    """The installed console script (as a user runs it), or its module when run from a checkout."""
+    script = Path(sys.executable).parent / name
+    if script.is_file():
+        return [str(script)]
+    module = {"fsdp-train": "fsdp_cli.cli", "fsdp-ckpt": "fsdp_cli.checkpoint.cli"}[name]
+    return [sys.executable, "-m", module]
+
+
+def run_cli(
+    args: list[str], run_dir: Optional[Path] = None, *, env: Optional[dict[str, str]] = None,
+    timeout: float = 300, cwd: Optional[Path] = None, prog: str = "fsdp-train",
+) -> subprocess.CompletedProcess[str]:
+    """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` in a subprocess, exactly as a user types it."""
+    cmd = [*entry_point(prog), *args]
+    if run_dir is not None:
+        cmd.append(f"hydra.run.dir={run_dir}")
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(run_dir)]
+
+
+def assert_ok(result: subprocess.CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
+    """The run exited 0 and its summary says ok; returns the summary."""
+    tail = (result.stdout[-3000:] + "\n" + result.stderr[-3000:])
+    assert result.returncode == 0, f"exit {result.returncode}\n{tail}"
+    summary = read_summary(run_dir)
+    assert summary["status"] == "ok", summary
+    return summary
+
+
+def composed(*overrides: str) -> Any:
+    """The typed config ``fsdp-train OVERRIDES`` would run (before layout resolution)."""
+    from hydra import compose, initialize_config_module
+
+    from fsdp_cli.config.convert import to_train_config
+    from fsdp_cli.config.store import register_schemas
+
+    register_schemas()
+    with initialize_config_module(config_module="fsdp_cli.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    return to_train_config(cfg)
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU; none on this machine")

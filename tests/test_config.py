@@ -1,0 +1,136 @@
+"""Config tier: every group option and recipe composes into the typed config; the surface is pinned."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from conftest import composed
+from omegaconf import OmegaConf
+
+from fsdp_cli.config.convert import load_train_config, to_container, to_yaml
+from fsdp_cli.config.layout import resolve_layout
+from fsdp_cli.config.schema import (
+    Accelerator,
+    CustomModelConfig,
+    FSDP2Config,
+    LlamaConfig,
+    SyntheticDataConfig,
+    TrainConfig,
+)
+from fsdp_cli.config.validate import validate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "default_config_keys.txt"
+GROUPS = ("strategy", "precision", "wrap", "checkpoint", "model", "data", "trainer", "logger")
+EIGHT_GPUS = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def recipes() -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / "recipe").glob("*.yaml"))
+
+
+def test_every_group_has_options() -> None:
+    for group in GROUPS:
+        assert options(group), group
+
+
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes(group: str, option: str) -> None:
+    extra = ["model._target_=tests.assets.custom_models.TinyLM"] if (group, option) == ("model", "custom") else []
+    cfg = composed(f"{group}={option}", *extra)
+    assert isinstance(cfg, TrainConfig)
+    node = getattr(cfg, group)
+    assert dataclasses.is_dataclass(node)
+
+
+@pytest.mark.parametrize("recipe", recipes())
+def test_every_recipe_composes_and_validates(recipe: str) -> None:
+    text = (CONFIGS / "recipe" / f"{recipe}.yaml").read_text()
+    assert text.startswith("# @package _global_"), "recipes are global overrides"
+    assert "fsdp-train recipe=" + recipe in text, "a recipe opens with the command that runs it"
+    cfg = composed(f"recipe={recipe}")
+    env = CPU if "cpu" in recipe else EIGHT_GPUS
+    resolved = resolve_layout(cfg, env)
+    validate(resolved)
+
+
+def test_default_config_keys_snapshot() -> None:
+    """A new knob is added on purpose: update tests/snapshots/default_config_keys.txt with it."""
+    cfg = composed()
+    keys = sorted(_flat_keys(to_container(cfg)))
+    assert keys == SNAPSHOT.read_text().split(), "\n".join(keys)
+
+
+def test_defaults_without_gpu_are_fsdp2_on_two_cpu_processes() -> None:
+    cfg = resolve_layout(composed(), CPU)
+    assert isinstance(cfg.strategy, FSDP2Config)
+    assert (cfg.accelerator, cfg.devices, cfg.num_nodes, cfg.dp, cfg.tp) == (Accelerator.cpu, 2, 1, 2, 1)
+    assert cfg.precision.name == "32-true"
+    assert isinstance(cfg.model, LlamaConfig) and isinstance(cfg.data, SyntheticDataConfig)
+    assert cfg.data.vocab_size == cfg.model.vocab_size
+
+
+def test_defaults_with_gpus_use_all_of_them_in_bf16() -> None:
+    cfg = resolve_layout(composed(), EIGHT_GPUS)
+    assert (cfg.accelerator, cfg.devices, cfg.dp, cfg.precision.name) == (Accelerator.gpu, 8, 8, "bf16-mixed")
+
+
+def test_shorthands_and_user_keys() -> None:
+    cfg = resolve_layout(composed("tp=2", "devices=4", "seed=7", "data.seq_len=16", "trainer.max_steps=3"), CPU)
+    assert (cfg.dp, cfg.tp, cfg.devices, cfg.seed) == (2, 2, 4, 7)
+    assert (cfg.data.seq_len, cfg.trainer.max_steps) == (16, 3)
+    cfg = composed("data.vocab_size=100")
+    assert cfg.data.vocab_size == 100
+
+
+def test_custom_model_keeps_target_and_kwargs() -> None:
+    cfg = composed("model=custom", "model._target_=pkg.mod.Factory", "+model.hidden=64", "+model.vocab_size=99")
+    assert isinstance(cfg.model, CustomModelConfig)
+    assert cfg.model.target == "pkg.mod.Factory"
+    assert cfg.model.kwargs == {"hidden": 64, "vocab_size": 99}
+    assert cfg.data.vocab_size == 99  # defaults to the model's vocabulary
+
+
+def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
+    for overrides in ((), ("model=custom", "model._target_=a.b.C", "+model.n=3"), ("strategy=ddp", "data=text")):
+        cfg = dataclasses.replace(resolve_layout(composed(*overrides), CPU), run_dir=str(tmp_path))
+        path = tmp_path / "config.yaml"
+        path.write_text(to_yaml(cfg))
+        assert load_train_config(path) == cfg
+
+
+def test_typed_config_rejects_wrong_types_while_composing() -> None:
+    from hydra.errors import ConfigCompositionException
+
+    for bad in (["strategy.reshard_after_forwrd=true"], ["strategy.activation_checkpointing=fulll"],
+                ["trainer.max_steps=many"], ["strategy=ddp", "strategy.bucket_cap_mb=x"], ["precision=bf17"]):
+        with pytest.raises((ConfigCompositionException, Exception)):
+            composed(*bad)
+
+
+def _flat_keys(node: object, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        out: list[str] = []
+        for key, value in node.items():
+            out.extend(_flat_keys(value, f"{prefix}{key}."))
+        return out
+    return [prefix[:-1]]
+
+
+def test_omegaconf_is_the_only_config_dependency_below_the_entry_point() -> None:
+    """Nothing under fsdp_cli except the entry point (cli, hydra_errors, sweep, store) imports Hydra."""
+    allowed = {"cli.py", "hydra_errors.py", "sweep.py", "store.py"}
+    package = Path(__file__).resolve().parents[1] / "fsdp_cli"
+    offenders = [
+        str(p.relative_to(package)) for p in package.rglob("*.py")
+        if p.name not in allowed and ("import hydra" in p.read_text() or "from hydra" in p.read_text())
+    ]
+    assert offenders == []
+    assert OmegaConf  # omegaconf is how configs are read below the entry point

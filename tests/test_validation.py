@@ -1,0 +1,110 @@
+"""Invalid inputs: one line naming key, value, what is allowed and a hint; exit 2; nothing run or written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import composed, run_cli
+
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.layout import resolve_layout
+from fsdp_cli.config.validate import validate
+
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+EIGHT_GPUS = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+
+# (overrides, key the message must name, words it must contain)
+CLI_CASES = [
+    (["tp=3", "devices=4"], "tp=3", ["world size 4", "allowed: 1, 2, 4", "hint"]),
+    (["dp=3", "devices=2"], "dp=3", ["dp(3) * tp(1) != world size 2"]),
+    (["tp=4", "devices=4"], "tp=4", ["model.n_kv_heads=2", "not divisible by tp=4", "allowed", "hint"]),
+    (["data.global_batch_size=7", "devices=2"], "data.global_batch_size=7", ["dp=2", "allowed: a multiple of 2"]),
+    (["strategy=ddp", "tp=2", "devices=2"], "tp=2", ["strategy=ddp has no tensor parallelism", "hint"]),
+    (["precision=16-mixed"], "precision=16-mixed", ["float16 needs a GPU", "bf16-mixed"]),
+    (["strategy.replicate_size=3", "devices=2"], "strategy.replicate_size=3", ["must divide dp=2", "allowed"]),
+    (["accelerator=gpu"], "accelerator=gpu", ["no CUDA GPU", "allowed"]),
+    (["model=custom"], "model._target_", ["model=custom needs", "hint"]),
+    (["model=custom", "model._target_=no_such_pkg.Model"], "model._target_=no_such_pkg.Model", ["cannot be imported"]),
+    (["data.seq_len=4096"], "data.seq_len=4096", ["model.max_seq_len=512"]),
+    (["strategy=fsdp3"], "strategy=fsdp3", ["unknown option", "allowed: ddp", "fsdp2", "hint"]),
+    (["trainer.max_step=3"], "trainer.max_step", ["not a key", "+trainer.max_step"]),
+    (["strategy.activation_checkpointing=sometimes"], "strategy.activation_checkpointing=sometimes", ["full"]),
+    (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint", ["no such checkpoint"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "words"), CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
+def test_cli_rejects_with_one_line_and_exit_2(tmp_path: Path, overrides: list[str], key: str, words: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    result = run_cli(overrides, run_dir, env=CPU, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fsdp-train: error: "), lines[0]
+    assert key in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert "Traceback" not in result.stdout + result.stderr
+    # Nothing but what Hydra itself writes before the job function runs.
+    leftovers = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    assert set(leftovers) <= {".hydra", "train.log"}, leftovers
+
+
+def test_config_errors_do_not_import_torch(tmp_path: Path) -> None:
+    result = run_cli(["tp=3", "devices=4"], tmp_path / "run", env={**CPU, "PYTHONPROFILEIMPORTTIME": "1"})
+    assert result.returncode == 2
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "lightning" not in imported
+
+
+@pytest.mark.parametrize("args", [["--cfg", "job"], ["--help"], ["--info"]], ids=["cfg", "help", "info"])
+def test_config_only_paths_do_not_import_torch(args: list[str]) -> None:
+    result = run_cli(args, env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert imported, "import profiling produced no output"
+    assert "torch" not in imported and "lightning" not in imported
+
+
+def test_help_lists_groups_and_options() -> None:
+    result = run_cli(["--help"], timeout=60)
+    assert result.returncode == 0
+    for word in ("strategy", "fsdp2", "ddp", "precision", "bf16-mixed", "recipe"):
+        assert word in result.stdout, word
+
+
+# In-process checks of the rules that need a GPU layout to reach.
+def _check(*overrides: str, env: dict[str, str] = EIGHT_GPUS) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        validate(resolve_layout(composed(*overrides), env))
+    return info.value
+
+
+def test_fp16_mixed_refused_for_fsdp2_on_gpu() -> None:
+    err = _check("precision=16-mixed")
+    assert err.key == "precision" and "no sharded gradient scaler" in err.problem and "bf16-mixed" in (err.hint or "")
+
+
+def test_devices_beyond_visible_gpus() -> None:
+    err = _check("devices=16")
+    assert err.key == "devices" and "8 GPU" in err.problem
+
+
+def test_micro_batch_must_divide_per_rank_batch() -> None:
+    err = _check("data.global_batch_size=16", "data.micro_batch_size=3")
+    assert err.key == "data.micro_batch_size" and "per-rank batch 2" in err.problem
+
+
+def test_torchrun_layout_wins_over_devices() -> None:
+    env = {**EIGHT_GPUS, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    cfg = resolve_layout(composed(), env)
+    assert (cfg.devices, cfg.dp) == (4, 4)
+    with pytest.raises(ConfigError, match="runs 4 processes per node"):
+        resolve_layout(composed("devices=8"), env)
+
+
+def test_no_gpu_defaults_to_two_cpu_processes() -> None:
+    cfg = resolve_layout(composed(), {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | CPU)
+    assert cfg.devices == 2
