@@ -81,6 +81,7 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     from fsdp_cli.data.datamodule import TokenDataModule
     from fsdp_cli.metrics import MetricsCallback
     from fsdp_cli.models.causal_lm import CausalLMModule
+    from fsdp_cli.setup_report import SetupReport
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
@@ -92,9 +93,10 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
         tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=cfg.trainer.max_steps,
     )
-    state["metrics"] = metrics
+    setup = SetupReport()
+    state["metrics"], state["setup"] = metrics, setup
     trainer = build_trainer(
-        cfg, strategy, callbacks=[metrics], accumulation=datamodule.accumulation,
+        cfg, strategy, callbacks=[setup, metrics], accumulation=datamodule.accumulation,
         trainer_clips=not isinstance(module, CausalLMModule),
     )
     state["module"] = module
@@ -130,6 +132,7 @@ def _summary(cfg: TrainConfig, state: dict[str, Any], *, status: str, error: Opt
         "step_time_s": median_of(steady, "step_time_s"),
         "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
         "checkpoint": state.get("checkpoint"),
+        "setup": state["setup"].info if state.get("setup") is not None else None,
         "wall_time_s": round(wall, 3),
         "run_dir": str(cfg.run_dir),
     }

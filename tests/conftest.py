@@ -13,6 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(__file__).resolve().parent / "assets"
+# `tests.assets.*` models are named by dotted path, as a user names theirs. Appended, not
+# prepended: fsdp_cli itself must come from the installed package (whose configs ship inside it).
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 
 # Small and quick, but every layout below still has something to shard and split.
 FAST = ["trainer.max_steps=6", "data.global_batch_size=8", "data.seq_len=32"]

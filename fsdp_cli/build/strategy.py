@@ -67,7 +67,8 @@ def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:
         mp_policy=fsdp2_mp_policy(dtypes),
         parallelize_fn=import_object(strategy.parallelize_fn) if strategy.parallelize_fn else None,
         replicate_size=strategy.replicate_size,
-        offload_policy=CPUOffloadPolicy() if strategy.cpu_offload else None,
+        # Pinned host memory needs CUDA; on a CPU run the "offload" is a no-op move anyway.
+        offload_policy=CPUOffloadPolicy(pin_memory=cfg.accelerator.value == "gpu") if strategy.cpu_offload else None,
         reshard_after_forward=strategy.reshard_after_forward,
         activation_checkpointing=strategy.activation_checkpointing,
         ac_every_n_blocks=strategy.ac_every_n_blocks,

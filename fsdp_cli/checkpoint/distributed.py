@@ -53,6 +53,19 @@ class DistributedCheckpointing:
     checkpoint_format: str = "sharded"
     checkpoint_manifest: Optional[dict[str, Any]] = None
 
+    @property
+    def checkpoint_io(self) -> Any:
+        # Full files are read with weights_only=True and mmap unless the user set another CheckpointIO.
+        if self._checkpoint_io is None:
+            from fsdp_cli.checkpoint.io import FullCheckpointIO
+
+            self._checkpoint_io = FullCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
     # ------------------------------------------------------------------ Lightning hooks
 
     @property
@@ -97,7 +110,7 @@ class DistributedCheckpointing:
         path = Path(self.broadcast(str(checkpoint_path)))
         if checkpoint_format(path) == "sharded":
             return self._load_sharded(path)
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True if weights_only is None else weights_only)
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # a sharded checkpoint was loaded in place already

@@ -1,0 +1,115 @@
+"""What the run actually set up, printed once by rank 0 when training starts.
+
+The mesh, the FSDP units, and the dtypes in effect — parameters as stored, compute, gradient
+reduction, optimizer state — read from the live objects rather than from the config, so a
+silent precision mistake (say, fp32 compute under a "bf16" run) is visible on the first screen.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+
+
+def _name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
+    strategy = trainer.strategy
+    module = trainer.lightning_module
+    params = list(module.parameters())
+    stored = params[0].dtype if params else torch.float32
+    compute, reduce = stored, stored
+    mp = getattr(strategy, "mp_policy", None)
+    if mp is not None and getattr(mp, "param_dtype", None) is not None:
+        compute = mp.param_dtype
+        reduce = mp.reduce_dtype or mp.param_dtype
+    fsdp1_mp = getattr(strategy, "mixed_precision_config", None)
+    if fsdp1_mp is not None and fsdp1_mp.param_dtype is not None:
+        compute, reduce = fsdp1_mp.param_dtype, fsdp1_mp.reduce_dtype or fsdp1_mp.param_dtype
+    autocast = _autocast_dtype(trainer)
+    if autocast is not None:
+        compute = autocast
+    optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(stored)}
+    return {
+        "mesh": _mesh(strategy),
+        "fsdp_units": _fsdp_units(strategy, module),
+        "dtypes": {
+            "param": _name(stored),
+            "compute": _name(compute),
+            "reduce": _name(reduce),
+            "optimizer_state": sorted(d for d in optim_dtypes if d),
+        },
+        "activation_checkpointing": _ac_blocks(module),
+    }
+
+
+def _autocast_dtype(trainer: L.Trainer) -> Optional[torch.dtype]:
+    plugin = trainer.precision_plugin
+    if type(plugin).__name__ == "MixedPrecision":
+        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return None
+
+
+def _optimizer_state_dtypes(trainer: L.Trainer) -> set[Optional[str]]:
+    # Adam's moments are created on the first step, in the dtype of the parameters they follow.
+    out: set[Optional[str]] = set()
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            out.update(_name(v.dtype) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
+
+
+def _mesh(strategy: Any) -> dict[str, int]:
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is not None and mesh.mesh_dim_names:
+        return {name: int(size) for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape)}
+    return {"data_parallel": int(strategy.world_size)}
+
+
+def _fsdp_units(strategy: Any, module: nn.Module) -> list[str]:
+    report = getattr(strategy, "parallelize_report", None)
+    if report is not None:
+        return list(report.fsdp_units)
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    units = [name or "<root>" for name, m in strategy.model.named_modules()
+             if isinstance(m, (FSDPModule, FullyShardedDataParallel))] if strategy.model is not None else []
+    return units
+
+
+def _ac_blocks(module: nn.Module) -> int:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return sum(isinstance(m, CheckpointWrapper) for m in module.modules())
+
+
+def format_setup(info: dict[str, Any]) -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in info["mesh"].items())
+    units = info["fsdp_units"]
+    kinds = Counter(u.rsplit(".", 1)[0] if "." in u else u for u in units)
+    unit_text = ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items()) if units else "none (not sharded)"
+    d = info["dtypes"]
+    return "\n".join([
+        f"mesh: {mesh}",
+        f"fsdp units: {len(units)} ({unit_text})",
+        f"activation checkpointing: {info['activation_checkpointing']} blocks",
+        f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}",
+    ])
+
+
+class SetupReport(L.Callback):
+    """Prints :func:`describe_setup` once on rank 0 and keeps it for ``summary.json``."""
+
+    def __init__(self) -> None:
+        self.info: Optional[dict[str, Any]] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.info = describe_setup(trainer)
+        if trainer.is_global_zero:
+            print(format_setup(self.info), flush=True)
