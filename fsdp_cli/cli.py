@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -34,7 +34,7 @@ def fail(message: str) -> NoReturn:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://fsdp_cli.configs", config_name="train")
-def train(cfg: DictConfig) -> Optional[dict[str, Any]]:
+def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -55,7 +55,11 @@ def train(cfg: DictConfig) -> Optional[dict[str, Any]]:
     summary = read_summary(run_dir)
     if summary is None:
         # The ranks died before rank 0 could write it (killed, segfault): record that much.
-        summary = {"status": STATUS_FAILED, "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs", "run_dir": str(run_dir)}
+        summary = {
+            "status": STATUS_FAILED,
+            "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
+            "run_dir": str(run_dir),
+        }
         write_summary(run_dir, summary)
     print_summary(summary, run_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN

@@ -19,7 +19,12 @@ from hydra._internal import utils as hydra_utils
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
-CONFIG_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+CONFIG_ERRORS = (
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+    OmegaConfBaseException,
+)
 HINT = "fsdp-train --help lists the groups and options; --cfg job prints the composed config"
 
 

@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,7 +21,9 @@ from fsdp_cli.report import METRICS_FILE
 
 
 class MetricsCallback(L.Callback):
-    def __init__(self, run_dir: Path, *, log_every_n_steps: int, tokens_per_step: int, max_steps: int) -> None:
+    def __init__(
+        self, run_dir: Path, *, log_every_n_steps: int, tokens_per_step: int, max_steps: int
+    ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.log_every = log_every_n_steps
         self.tokens_per_step = tokens_per_step
@@ -31,7 +33,8 @@ class MetricsCallback(L.Callback):
         self._seen_step = 0
         self._t_last = 0.0
         self._step_last = 0
-        self._file: Optional[Any] = None
+        self._file: Any | None = None
+        self.clipping: Any | None = None  # GradientClipping, whose norm is logged
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if torch.cuda.is_available():
@@ -66,7 +69,7 @@ class MetricsCallback(L.Callback):
             "step_time_s": step_time,
             "tokens_per_s": self.tokens_per_step / step_time,
         }
-        grad_norm = getattr(pl_module, "grad_norm", None)
+        grad_norm = self.clipping.grad_norm if self.clipping is not None else None
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
         self.rows.append(row)
@@ -108,7 +111,7 @@ def gather_peak_memory(trainer: L.Trainer) -> list[int]:
     return [int(v) for v in everyone]
 
 
-def _loss_of(outputs: Any) -> Optional[torch.Tensor]:
+def _loss_of(outputs: Any) -> torch.Tensor | None:
     if isinstance(outputs, torch.Tensor):
         return outputs.detach()
     if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):

@@ -10,7 +10,7 @@ import os
 import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -33,7 +33,7 @@ def steady_state(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows[max(1, len(rows) // 5) :]
 
 
-def median_of(rows: Iterable[Mapping[str, Any]], key: str) -> Optional[float]:
+def median_of(rows: Iterable[Mapping[str, Any]], key: str) -> float | None:
     values = [float(r[key]) for r in rows if r.get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -45,7 +45,7 @@ def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
     path = Path(run_dir) / SUMMARY_FILE
     try:
         return json.loads(path.read_text())

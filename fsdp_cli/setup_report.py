@@ -8,14 +8,14 @@ silent precision mistake (say, fp32 compute under a "bf16" run) is visible on th
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
 
-def _name(dtype: Optional[torch.dtype]) -> Optional[str]:
+def _name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
@@ -49,16 +49,16 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
     }
 
 
-def _autocast_dtype(trainer: L.Trainer) -> Optional[torch.dtype]:
+def _autocast_dtype(trainer: L.Trainer) -> torch.dtype | None:
     plugin = trainer.precision_plugin
     if type(plugin).__name__ == "MixedPrecision":
         return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
     return None
 
 
-def _optimizer_state_dtypes(trainer: L.Trainer) -> set[Optional[str]]:
+def _optimizer_state_dtypes(trainer: L.Trainer) -> set[str | None]:
     # Adam's moments are created on the first step, in the dtype of the parameters they follow.
-    out: set[Optional[str]] = set()
+    out: set[str | None] = set()
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
             out.update(_name(v.dtype) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -78,9 +78,16 @@ def _fsdp_units(strategy: Any, module: nn.Module) -> list[str]:
         return list(report.fsdp_units)
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    units = [name or "<root>" for name, m in strategy.model.named_modules()
-             if isinstance(m, (FSDPModule, FullyShardedDataParallel))] if strategy.model is not None else []
-    return units
+    from fsdp_cli.models.init import canonical_name
+
+    target = strategy._parallelize_target() if hasattr(strategy, "_parallelize_target") else strategy.model
+    if target is None:
+        return []
+    return [
+        canonical_name(name) or "<root>"
+        for name, m in target.named_modules()
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel))
+    ]
 
 
 def _ac_blocks(module: nn.Module) -> int:
@@ -93,21 +100,25 @@ def format_setup(info: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in info["mesh"].items())
     units = info["fsdp_units"]
     kinds = Counter(u.rsplit(".", 1)[0] if "." in u else u for u in units)
-    unit_text = ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items()) if units else "none (not sharded)"
+    unit_text = (
+        ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items()) if units else "none (not sharded)"
+    )
     d = info["dtypes"]
-    return "\n".join([
-        f"mesh: {mesh}",
-        f"fsdp units: {len(units)} ({unit_text})",
-        f"activation checkpointing: {info['activation_checkpointing']} blocks",
-        f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}",
-    ])
+    return "\n".join(
+        [
+            f"mesh: {mesh}",
+            f"fsdp units: {len(units)} ({unit_text})",
+            f"activation checkpointing: {info['activation_checkpointing']} blocks",
+            f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}",
+        ]
+    )
 
 
 class SetupReport(L.Callback):
     """Prints :func:`describe_setup` once on rank 0 and keeps it for ``summary.json``."""
 
     def __init__(self) -> None:
-        self.info: Optional[dict[str, Any]] = None
+        self.info: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info = describe_setup(trainer)

@@ -18,7 +18,17 @@ from omegaconf import DictConfig
 from fsdp_cli.report import read_summary
 
 SWEEP_SUMMARY = "sweep_summary.json"
-COLUMNS = ("status", "strategy", "dp", "tp", "precision", "steps", "final_loss", "tokens_per_s", "step_time_s")
+COLUMNS = (
+    "status",
+    "strategy",
+    "dp",
+    "tp",
+    "precision",
+    "steps",
+    "final_loss",
+    "tokens_per_s",
+    "step_time_s",
+)
 
 
 class SweepReport(Callback):
@@ -57,12 +67,28 @@ def _print(jobs: list[dict[str, Any]], sweep_dir: Path) -> None:
 
     baseline = next((j["tokens_per_s"] for j in jobs if j["tokens_per_s"]), None)
     table = Table(title=f"sweep: {len(jobs)} jobs in {sweep_dir}", title_justify="left")
-    for name in ("job", "overrides", "status", "dp", "tp", "steps", "final loss", "tokens/s", "vs job 0", "step time"):
+    for name in (
+        "job",
+        "overrides",
+        "status",
+        "dp",
+        "tp",
+        "steps",
+        "final loss",
+        "tokens/s",
+        "vs job 0",
+        "step time",
+    ):
         table.add_column(name, justify="right" if name not in ("overrides", "status") else "left")
     for job in jobs:
         tps = job["tokens_per_s"]
         table.add_row(
-            job["job"], job["overrides"], str(job["status"]), str(job["dp"]), str(job["tp"]), str(job["steps"]),
+            job["job"],
+            job["overrides"],
+            str(job["status"]),
+            str(job["dp"]),
+            str(job["tp"]),
+            str(job["steps"]),
             "-" if job["final_loss"] is None else f"{job['final_loss']:.4f}",
             "-" if tps is None else f"{tps:,.0f}",
             "-" if not (tps and baseline) else f"{tps / baseline:.2f}x",

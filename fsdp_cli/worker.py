@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
@@ -78,9 +78,9 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     from fsdp_cli.build.strategy import build_strategy
     from fsdp_cli.build.trainer import build_trainer
     from fsdp_cli.checkpoint.run import final_checkpoint_path, resolve_resume
+    from fsdp_cli.clipping import GradientClipping
     from fsdp_cli.data.datamodule import TokenDataModule
     from fsdp_cli.metrics import MetricsCallback
-    from fsdp_cli.models.causal_lm import CausalLMModule
     from fsdp_cli.setup_report import SetupReport
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -95,10 +95,12 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     )
     setup = SetupReport()
     state["metrics"], state["setup"] = metrics, setup
-    trainer = build_trainer(
-        cfg, strategy, callbacks=[setup, metrics], accumulation=datamodule.accumulation,
-        trainer_clips=not isinstance(module, CausalLMModule),
-    )
+    callbacks: list[L.Callback] = [setup, metrics]
+    if cfg.trainer.gradient_clip_val is not None:
+        clipping = GradientClipping(cfg.trainer.gradient_clip_val, cfg.trainer.gradient_clip_algorithm)
+        metrics.clipping = clipping
+        callbacks.insert(0, clipping)
+    trainer = build_trainer(cfg, strategy, callbacks=callbacks, accumulation=datamodule.accumulation)
     state["module"] = module
     trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_resume(cfg))
     state["steps"] = trainer.global_step
@@ -108,7 +110,9 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
         state["checkpoint"] = str(path)
 
 
-def _summary(cfg: TrainConfig, state: dict[str, Any], *, status: str, error: Optional[str], wall: float) -> dict[str, Any]:
+def _summary(
+    cfg: TrainConfig, state: dict[str, Any], *, status: str, error: str | None, wall: float
+) -> dict[str, Any]:
     metrics = state.get("metrics")
     rows = metrics.rows if metrics is not None else []
     steady = steady_state(rows)
@@ -138,7 +142,7 @@ def _summary(cfg: TrainConfig, state: dict[str, Any], *, status: str, error: Opt
     }
 
 
-def _parameter_count(module: Any) -> Optional[int]:
+def _parameter_count(module: Any) -> int | None:
     if module is None:
         return None
     counted = getattr(module, "num_parameters", None)
@@ -157,7 +161,7 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     args = sys.argv[1:] if argv is None else argv

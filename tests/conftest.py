@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -32,8 +32,13 @@ def entry_point(name: str) -> list[str]:
 
 
 def run_cli(
-    args: list[str], run_dir: Optional[Path] = None, *, env: Optional[dict[str, str]] = None,
-    timeout: float = 300, cwd: Optional[Path] = None, prog: str = "fsdp-train",
+    args: list[str],
+    run_dir: Path | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    prog: str = "fsdp-train",
 ) -> subprocess.CompletedProcess[str]:
     """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` in a subprocess, exactly as a user types it."""
     cmd = [*entry_point(prog), *args]
@@ -58,7 +63,7 @@ def losses(run_dir: Path) -> list[float]:
 
 def assert_ok(result: subprocess.CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
     """The run exited 0 and its summary says ok; returns the summary."""
-    tail = (result.stdout[-3000:] + "\n" + result.stderr[-3000:])
+    tail = result.stdout[-3000:] + "\n" + result.stderr[-3000:]
     assert result.returncode == 0, f"exit {result.returncode}\n{tail}"
     summary = read_summary(run_dir)
     assert summary["status"] == "ok", summary
@@ -76,6 +81,26 @@ def composed(*overrides: str) -> Any:
     with initialize_config_module(config_module="fsdp_cli.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))
     return to_train_config(cfg)
+
+
+# The fp32 settings every loss-parity comparison uses; the single-process run is the reference.
+PARITY = [*FAST, "precision=32-true", "accelerator=cpu", "seed=11"]
+SINGLE_PROCESS = ["strategy=ddp", "devices=1"]
+
+
+@pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """Per-step losses of the single-process fp32 run that every layout must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference") / "single"
+    assert_ok(run_cli([*SINGLE_PROCESS, *PARITY], run_dir), run_dir)
+    return losses(run_dir)
+
+
+def assert_same_losses(reference: list[float], run_dir: Path, tol: float = 1e-5) -> None:
+    other = losses(run_dir)
+    assert len(other) == len(reference) >= 5
+    diffs = [abs(a - b) for a, b in zip(reference, other)]
+    assert max(diffs) < tol, diffs
 
 
 def gpu_count() -> int:

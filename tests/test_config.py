@@ -43,7 +43,9 @@ def test_every_group_has_options() -> None:
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes(group: str, option: str) -> None:
-    extra = ["model._target_=tests.assets.custom_models.TinyLM"] if (group, option) == ("model", "custom") else []
+    extra = (
+        ["model._target_=tests.assets.custom_models.TinyLM"] if (group, option) == ("model", "custom") else []
+    )
     cfg = composed(f"{group}={option}", *extra)
     assert isinstance(cfg, TrainConfig)
     node = getattr(cfg, group)
@@ -83,7 +85,9 @@ def test_defaults_with_gpus_use_all_of_them_in_bf16() -> None:
 
 
 def test_shorthands_and_user_keys() -> None:
-    cfg = resolve_layout(composed("tp=2", "devices=4", "seed=7", "data.seq_len=16", "trainer.max_steps=3"), CPU)
+    cfg = resolve_layout(
+        composed("tp=2", "devices=4", "seed=7", "data.seq_len=16", "trainer.max_steps=3"), CPU
+    )
     assert (cfg.dp, cfg.tp, cfg.devices, cfg.seed) == (2, 2, 4, 7)
     assert (cfg.data.seq_len, cfg.trainer.max_steps) == (16, 3)
     cfg = composed("data.vocab_size=100")
@@ -91,7 +95,9 @@ def test_shorthands_and_user_keys() -> None:
 
 
 def test_custom_model_keeps_target_and_kwargs() -> None:
-    cfg = composed("model=custom", "model._target_=pkg.mod.Factory", "+model.hidden=64", "+model.vocab_size=99")
+    cfg = composed(
+        "model=custom", "model._target_=pkg.mod.Factory", "+model.hidden=64", "+model.vocab_size=99"
+    )
     assert isinstance(cfg.model, CustomModelConfig)
     assert cfg.model.target == "pkg.mod.Factory"
     assert cfg.model.kwargs == {"hidden": 64, "vocab_size": 99}
@@ -99,7 +105,11 @@ def test_custom_model_keeps_target_and_kwargs() -> None:
 
 
 def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
-    for overrides in ((), ("model=custom", "model._target_=a.b.C", "+model.n=3"), ("strategy=ddp", "data=text")):
+    for overrides in (
+        (),
+        ("model=custom", "model._target_=a.b.C", "+model.n=3"),
+        ("strategy=ddp", "data=text"),
+    ):
         cfg = dataclasses.replace(resolve_layout(composed(*overrides), CPU), run_dir=str(tmp_path))
         path = tmp_path / "config.yaml"
         path.write_text(to_yaml(cfg))
@@ -109,8 +119,13 @@ def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
 def test_typed_config_rejects_wrong_types_while_composing() -> None:
     from hydra.errors import ConfigCompositionException
 
-    for bad in (["strategy.reshard_after_forwrd=true"], ["strategy.activation_checkpointing=fulll"],
-                ["trainer.max_steps=many"], ["strategy=ddp", "strategy.bucket_cap_mb=x"], ["precision=bf17"]):
+    for bad in (
+        ["strategy.reshard_after_forwrd=true"],
+        ["strategy.activation_checkpointing=fulll"],
+        ["trainer.max_steps=many"],
+        ["strategy=ddp", "strategy.bucket_cap_mb=x"],
+        ["precision=bf17"],
+    ):
         with pytest.raises((ConfigCompositionException, Exception)):
             composed(*bad)
 
@@ -129,7 +144,8 @@ def test_omegaconf_is_the_only_config_dependency_below_the_entry_point() -> None
     allowed = {"cli.py", "hydra_errors.py", "sweep.py", "store.py"}
     package = Path(__file__).resolve().parents[1] / "fsdp_cli"
     offenders = [
-        str(p.relative_to(package)) for p in package.rglob("*.py")
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
         if p.name not in allowed and ("import hydra" in p.read_text() or "from hydra" in p.read_text())
     ]
     assert offenders == []

@@ -27,7 +27,9 @@ def test_every_layout_sees_the_same_global_batches(dp: int, micro: int) -> None:
     accumulation = global_batch // dp // micro
     seen: list[set[int]] = [set() for _ in range(steps)]
     for rank in range(dp):
-        sampler = StepBatchSampler(global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=dp)
+        sampler = StepBatchSampler(
+            global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=dp
+        )
         for i, batch in enumerate(_take(sampler, steps * accumulation)):
             assert len(batch) == micro
             seen[i // accumulation].update(batch)
@@ -36,7 +38,9 @@ def test_every_layout_sees_the_same_global_batches(dp: int, micro: int) -> None:
 
 def test_sampler_resumes_at_a_step() -> None:
     fresh = _take(StepBatchSampler(global_batch_size=4, micro_batch_size=2, dp_rank=1, dp_size=2), 6)
-    resumed = _take(StepBatchSampler(global_batch_size=4, micro_batch_size=2, dp_rank=1, dp_size=2, start_step=3), 3)
+    resumed = _take(
+        StepBatchSampler(global_batch_size=4, micro_batch_size=2, dp_rank=1, dp_size=2, start_step=3), 3
+    )
     assert resumed == fresh[3:]
 
 
@@ -105,7 +109,9 @@ def test_custom_factory_returning_logits_object_is_wrapped() -> None:
     from fsdp_cli.build.model import build_module
     from fsdp_cli.models.causal_lm import CausalLMModule
 
-    cfg = composed("model=custom", "model._target_=tests.assets.custom_models.make_tiny_lm", "+model.hidden=16")
+    cfg = composed(
+        "model=custom", "model._target_=tests.assets.custom_models.make_tiny_lm", "+model.hidden=16"
+    )
     module = build_module(cfg)
     assert isinstance(module, CausalLMModule)
     module.configure_model()

@@ -20,23 +20,41 @@ CLI_CASES = [
     (["tp=3", "devices=4"], "tp=3", ["world size 4", "allowed: 1, 2, 4", "hint"]),
     (["dp=3", "devices=2"], "dp=3", ["dp(3) * tp(1) != world size 2"]),
     (["tp=4", "devices=4"], "tp=4", ["model.n_kv_heads=2", "not divisible by tp=4", "allowed", "hint"]),
-    (["data.global_batch_size=7", "devices=2"], "data.global_batch_size=7", ["dp=2", "allowed: a multiple of 2"]),
+    (
+        ["data.global_batch_size=7", "devices=2"],
+        "data.global_batch_size=7",
+        ["dp=2", "allowed: a multiple of 2"],
+    ),
     (["strategy=ddp", "tp=2", "devices=2"], "tp=2", ["strategy=ddp has no tensor parallelism", "hint"]),
     (["precision=16-mixed"], "precision=16-mixed", ["float16 needs a GPU", "bf16-mixed"]),
-    (["strategy.replicate_size=3", "devices=2"], "strategy.replicate_size=3", ["must divide dp=2", "allowed"]),
+    (
+        ["strategy.replicate_size=3", "devices=2"],
+        "strategy.replicate_size=3",
+        ["must divide dp=2", "allowed"],
+    ),
     (["accelerator=gpu"], "accelerator=gpu", ["no CUDA GPU", "allowed"]),
     (["model=custom"], "model._target_", ["model=custom needs", "hint"]),
-    (["model=custom", "model._target_=no_such_pkg.Model"], "model._target_=no_such_pkg.Model", ["cannot be imported"]),
+    (
+        ["model=custom", "model._target_=no_such_pkg.Model"],
+        "model._target_=no_such_pkg.Model",
+        ["cannot be imported"],
+    ),
     (["data.seq_len=4096"], "data.seq_len=4096", ["model.max_seq_len=512"]),
     (["strategy=fsdp3"], "strategy=fsdp3", ["unknown option", "allowed: ddp", "fsdp2", "hint"]),
     (["trainer.max_step=3"], "trainer.max_step", ["not a key", "+trainer.max_step"]),
-    (["strategy.activation_checkpointing=sometimes"], "strategy.activation_checkpointing=sometimes", ["full"]),
+    (
+        ["strategy.activation_checkpointing=sometimes"],
+        "strategy.activation_checkpointing=sometimes",
+        ["full"],
+    ),
     (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint", ["no such checkpoint"]),
 ]
 
 
 @pytest.mark.parametrize(("overrides", "key", "words"), CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
-def test_cli_rejects_with_one_line_and_exit_2(tmp_path: Path, overrides: list[str], key: str, words: list[str]) -> None:
+def test_cli_rejects_with_one_line_and_exit_2(
+    tmp_path: Path, overrides: list[str], key: str, words: list[str]
+) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(overrides, run_dir, env=CPU, timeout=60)
     assert result.returncode == 2, result.stderr
@@ -84,7 +102,11 @@ def _check(*overrides: str, env: dict[str, str] = EIGHT_GPUS) -> ConfigError:
 
 def test_fp16_mixed_refused_for_fsdp2_on_gpu() -> None:
     err = _check("precision=16-mixed")
-    assert err.key == "precision" and "no sharded gradient scaler" in err.problem and "bf16-mixed" in (err.hint or "")
+    assert (
+        err.key == "precision"
+        and "no sharded gradient scaler" in err.problem
+        and "bf16-mixed" in (err.hint or "")
+    )
 
 
 def test_devices_beyond_visible_gpus() -> None:
@@ -106,5 +128,7 @@ def test_torchrun_layout_wins_over_devices() -> None:
 
 
 def test_no_gpu_defaults_to_two_cpu_processes() -> None:
-    cfg = resolve_layout(composed(), {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | CPU)
+    cfg = resolve_layout(
+        composed(), {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | CPU
+    )
     assert cfg.devices == 2

@@ -11,7 +11,13 @@ from torch import nn
 
 from fsdp_cli.build.strategy import import_object
 from fsdp_cli.config.errors import ConfigError
-from fsdp_cli.config.schema import CustomModelConfig, FSDP2Config, LlamaConfig, TrainConfig
+from fsdp_cli.config.schema import (
+    CustomModelConfig,
+    FSDP2Config,
+    LlamaConfig,
+    ModelParallelConfig,
+    TrainConfig,
+)
 from fsdp_cli.models.causal_lm import CausalLMModule
 
 
@@ -21,16 +27,17 @@ def build_module(cfg: TrainConfig) -> L.LightningModule:
         built = _build_custom(cfg.model)
         if isinstance(built, L.LightningModule):
             return built
+        if isinstance(cfg.strategy, ModelParallelConfig):
+            raise ConfigError(
+                "model._target_",
+                cfg.model.target,
+                "strategy=model_parallel needs a LightningModule with configure_model()",
+                hint="use strategy=fsdp2 for a plain nn.Module: it parallelizes the model for you",
+            )
         factory: Callable[[], nn.Module] = built
     else:
         factory = _llama_factory(cfg, cfg.model)
-    return CausalLMModule(
-        factory,
-        optim=cfg.optim,
-        max_steps=cfg.trainer.max_steps,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,
-        gradient_clip_algorithm=cfg.trainer.gradient_clip_algorithm,
-    )
+    return CausalLMModule(factory, optim=cfg.optim, max_steps=cfg.trainer.max_steps)
 
 
 def _llama_factory(cfg: TrainConfig, model: LlamaConfig) -> Callable[[], nn.Module]:
@@ -54,7 +61,9 @@ def _build_custom(model: CustomModelConfig) -> L.LightningModule | Callable[[], 
         target = import_object(model.target)
     except (ImportError, AttributeError) as err:
         raise ConfigError(
-            "model._target_", model.target, f"cannot be imported ({err})",
+            "model._target_",
+            model.target,
+            f"cannot be imported ({err})",
             hint="run from the folder that holds the module, or add it to PYTHONPATH",
         ) from None
     kwargs = dict(model.kwargs)
@@ -68,6 +77,8 @@ def _build_custom(model: CustomModelConfig) -> L.LightningModule | Callable[[], 
         return built
     if not isinstance(built, nn.Module):
         raise ConfigError(
-            "model._target_", model.target, f"returned {type(built).__name__}, not an nn.Module or LightningModule",
+            "model._target_",
+            model.target,
+            f"returned {type(built).__name__}, not an nn.Module or LightningModule",
         )
     return lambda: built

@@ -8,7 +8,7 @@ names the precision and does no casting of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -22,9 +22,9 @@ DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.fl
 class MixedPrecisionDtypes:
     """The dtypes in effect: printed at start-up so a silent precision mistake is visible."""
 
-    param: Optional[torch.dtype]
-    reduce: Optional[torch.dtype]
-    output: Optional[torch.dtype]
+    param: torch.dtype | None
+    reduce: torch.dtype | None
+    output: torch.dtype | None
     cast_forward_inputs: bool = True
 
 
@@ -33,7 +33,7 @@ def mixed_precision_dtypes(precision: str, explicit: MixedPrecisionPolicyConfig)
 
     Explicit ``mp_policy`` fields win over what the precision implies.
     """
-    implied: dict[str, Optional[torch.dtype]] = {"param": None, "reduce": None, "output": None}
+    implied: dict[str, torch.dtype | None] = {"param": None, "reduce": None, "output": None}
     if precision == "bf16-mixed":
         implied = {"param": torch.bfloat16, "reduce": torch.float32, "output": None}
     elif precision == "16-mixed":
@@ -51,7 +51,9 @@ def fsdp2_mp_policy(dtypes: MixedPrecisionDtypes) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
-        param_dtype=dtypes.param, reduce_dtype=dtypes.reduce, output_dtype=dtypes.output,
+        param_dtype=dtypes.param,
+        reduce_dtype=dtypes.reduce,
+        output_dtype=dtypes.output,
         cast_forward_inputs=dtypes.cast_forward_inputs,
     )
 
@@ -64,7 +66,7 @@ class ShardedMixedPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
 
 
-def fsdp2_precision_plugin(precision: str) -> Optional[Precision]:
+def fsdp2_precision_plugin(precision: str) -> Precision | None:
     """The plugin to hand the Trainer for FSDP2; None lets Lightning choose from the name."""
     if precision in ("bf16-mixed", "16-mixed"):
         return ShardedMixedPrecision(precision)

@@ -68,7 +68,9 @@ def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:
         parallelize_fn=import_object(strategy.parallelize_fn) if strategy.parallelize_fn else None,
         replicate_size=strategy.replicate_size,
         # Pinned host memory needs CUDA; on a CPU run the "offload" is a no-op move anyway.
-        offload_policy=CPUOffloadPolicy(pin_memory=cfg.accelerator.value == "gpu") if strategy.cpu_offload else None,
+        offload_policy=CPUOffloadPolicy(pin_memory=cfg.accelerator.value == "gpu")
+        if strategy.cpu_offload
+        else None,
         reshard_after_forward=strategy.reshard_after_forward,
         activation_checkpointing=strategy.activation_checkpointing,
         ac_every_n_blocks=strategy.ac_every_n_blocks,

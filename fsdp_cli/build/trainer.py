@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
@@ -12,7 +12,7 @@ from fsdp_cli.build.precision import fsdp2_precision_plugin
 from fsdp_cli.config.schema import FSDP2Config, LoggerName, TrainConfig
 
 
-def build_logger(cfg: TrainConfig) -> Optional[Logger]:
+def build_logger(cfg: TrainConfig) -> Logger | None:
     run_dir = Path(cfg.run_dir)
     if cfg.logger.name is LoggerName.csv:
         return CSVLogger(save_dir=run_dir, name="csv", version="")
@@ -22,10 +22,10 @@ def build_logger(cfg: TrainConfig) -> Optional[Logger]:
 
 
 def build_trainer(
-    cfg: TrainConfig, strategy: Any, *, callbacks: list[L.Callback], accumulation: int, trainer_clips: bool
+    cfg: TrainConfig, strategy: Any, *, callbacks: list[L.Callback], accumulation: int
 ) -> L.Trainer:
-    """``accumulation``: micro-batches per optimizer step. ``trainer_clips``: let Lightning clip
-    (for user LightningModules); the built-in module clips itself under every strategy."""
+    """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
+    (:mod:`fsdp_cli.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes."""
     t = cfg.trainer
     kwargs: dict[str, Any] = {}
     plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
@@ -33,8 +33,6 @@ def build_trainer(
         kwargs["plugins"] = [plugin]
     else:
         kwargs["precision"] = cfg.precision.name
-    if trainer_clips and t.gradient_clip_val is not None:
-        kwargs.update(gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)

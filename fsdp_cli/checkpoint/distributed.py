@@ -15,7 +15,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -51,7 +51,7 @@ class DistributedCheckpointing:
     """
 
     checkpoint_format: str = "sharded"
-    checkpoint_manifest: Optional[dict[str, Any]] = None
+    checkpoint_manifest: dict[str, Any] | None = None
 
     @property
     def checkpoint_io(self) -> Any:
@@ -90,7 +90,9 @@ class DistributedCheckpointing:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return get_optimizer_state_dict(self.model, optimizer, options=self._state_dict_options())
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         path = Path(self.broadcast(str(filepath)))
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         manifest = self._manifest(checkpoint)
@@ -106,7 +108,7 @@ class DistributedCheckpointing:
             _replace(partial, path)
         self.barrier("checkpoint-visible")
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if checkpoint_format(path) == "sharded":
             return self._load_sharded(path)
@@ -116,7 +118,9 @@ class DistributedCheckpointing:
         if "state_dict" not in checkpoint:  # a sharded checkpoint was loaded in place already
             return
         set_model_state_dict(
-            self.model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict)
+            self.model,
+            checkpoint["state_dict"],
+            options=StateDictOptions(full_state_dict=True, strict=strict),
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -160,7 +164,7 @@ class DistributedCheckpointing:
             write_json_atomic(partial / MANIFEST_FILE, manifest)
 
     def _save_full(
-        self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any], storage_options: Optional[Any]
+        self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any], storage_options: Any | None
     ) -> None:
         if not self.is_global_zero:
             return

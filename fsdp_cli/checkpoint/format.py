@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 META_FILE = "meta.pt"
 MANIFEST_FILE = "manifest.json"
@@ -34,17 +34,17 @@ class CheckpointFormatError(ValueError):
     """A path that is not a complete checkpoint."""
 
 
-def is_sharded(path: Union[str, Path]) -> bool:
+def is_sharded(path: str | Path) -> bool:
     path = Path(path)
     return path.is_dir() and (path / DCP_METADATA).is_file()
 
 
-def is_full(path: Union[str, Path]) -> bool:
+def is_full(path: str | Path) -> bool:
     path = Path(path)
     return path.is_file() and not path.name.endswith(PARTIAL_SUFFIX)
 
 
-def checkpoint_format(path: Union[str, Path]) -> str:
+def checkpoint_format(path: str | Path) -> str:
     """``sharded`` or ``full``; :class:`CheckpointFormatError` with a reason otherwise."""
     path = Path(path)
     if not path.exists():
@@ -84,7 +84,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(path: Union[str, Path]) -> Optional[dict[str, Any]]:
+def read_manifest(path: str | Path) -> dict[str, Any] | None:
     """The manifest of a checkpoint, or None if it has none."""
     path = Path(path)
     if checkpoint_format(path) == "sharded":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -16,6 +16,11 @@ class FullCheckpointIO(TorchCheckpointIO):
     """
 
     def load_checkpoint(
-        self, path: Any, map_location: Optional[Any] = "cpu", weights_only: Optional[bool] = None
+        self, path: Any, map_location: Any | None = "cpu", weights_only: bool | None = None
     ) -> dict[str, Any]:
-        return torch.load(path, map_location=map_location, mmap=True, weights_only=True if weights_only is None else weights_only)
+        return torch.load(
+            path,
+            map_location=map_location,
+            mmap=True,
+            weights_only=True if weights_only is None else weights_only,
+        )

@@ -17,7 +17,9 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
 
     from fsdp_cli import __version__
 
-    tensors = [v for v in checkpoint.get("state_dict", {}).values() if hasattr(v, "size") and hasattr(v, "dtype")]
+    tensors = [
+        v for v in checkpoint.get("state_dict", {}).values() if hasattr(v, "size") and hasattr(v, "dtype")
+    ]
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
     mesh = getattr(strategy, "_device_mesh", None)
     return {
@@ -32,7 +34,11 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
         "parameter_count": int(sum(math.prod(t.size()) for t in tensors)),
         "dtypes": dtypes,
         "optimizer_state": bool(checkpoint.get("optimizer_states")),
-        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "fsdp_cli": __version__},
+        "versions": {
+            "torch": str(torch.__version__),
+            "lightning": str(lightning.__version__),
+            "fsdp_cli": __version__,
+        },
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **dict(extra),
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
 
 from fsdp_cli.checkpoint.format import FULL_SUFFIX, PARTIAL_SUFFIX, CheckpointFormatError, checkpoint_format
 from fsdp_cli.config.errors import ConfigError
@@ -42,7 +41,7 @@ def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_resume(cfg: TrainConfig) -> Optional[str]:
+def resolve_resume(cfg: TrainConfig) -> str | None:
     """``resume=null`` -> None; ``auto`` -> the newest complete checkpoint (or None); a path -> itself."""
     if cfg.resume is None:
         return None

@@ -11,7 +11,7 @@ import enum
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -57,7 +57,7 @@ SECTION_SCHEMAS: dict[str, type] = {
 _MISSING = "???"
 
 
-def to_train_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> TrainConfig:
+def to_train_config(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     """Turn a composed (or loaded) config into a :class:`TrainConfig`, resolving interpolations."""
     if isinstance(cfg, DictConfig):
         raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
@@ -92,7 +92,7 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     return value
 
 
-def load_train_config(path: Union[str, Path]) -> TrainConfig:
+def load_train_config(path: str | Path) -> TrainConfig:
     """Read a resolved ``config.yaml`` written by the entry point."""
     return to_train_config(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
 

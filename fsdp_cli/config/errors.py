@@ -6,7 +6,7 @@ the process exits with status 2, without a traceback.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 EXIT_CONFIG_ERROR = 2
 
@@ -28,8 +28,8 @@ class ConfigError(ValueError):
         value: Any,
         problem: str,
         *,
-        allowed: Optional[str] = None,
-        hint: Optional[str] = None,
+        allowed: str | None = None,
+        hint: str | None = None,
     ) -> None:
         self.key = key
         self.value = value

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import Accelerator, TrainConfig
@@ -35,7 +34,7 @@ class ClusterJob:
         return max(1, self.world_size // max(1, self.local_world_size))
 
 
-def detect_cluster_job(env: Mapping[str, str]) -> Optional[ClusterJob]:
+def detect_cluster_job(env: Mapping[str, str]) -> ClusterJob | None:
     """The torchrun or SLURM job this process is a rank of, if any."""
     if "TORCHELASTIC_RUN_ID" in env and "LOCAL_WORLD_SIZE" in env:
         return ClusterJob("torchrun", int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]))
@@ -84,8 +83,11 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
         accelerator = Accelerator.gpu if gpus > 0 else Accelerator.cpu
     if accelerator is Accelerator.gpu and gpus == 0 and job is None:
         raise ConfigError(
-            "accelerator", "gpu", "no CUDA GPU is visible to this process",
-            allowed="auto, cpu", hint="use accelerator=cpu (or check CUDA_VISIBLE_DEVICES)",
+            "accelerator",
+            "gpu",
+            "no CUDA GPU is visible to this process",
+            allowed="auto, cpu",
+            hint="use accelerator=cpu (or check CUDA_VISIBLE_DEVICES)",
         )
 
     devices, num_nodes = _devices(cfg, accelerator, gpus, job)
@@ -93,15 +95,20 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
     tp = _positive_int("tp", cfg.tp)
     if world % tp != 0:
         raise ConfigError(
-            "tp", tp, f"must divide the world size {world} (devices={devices} x num_nodes={num_nodes})",
+            "tp",
+            tp,
+            f"must divide the world size {world} (devices={devices} x num_nodes={num_nodes})",
             allowed=", ".join(str(d) for d in _divisors(world)),
             hint=f"use tp={_largest_divisor_at_most(world, tp)} or change devices",
         )
     dp = world // tp if cfg.dp == "auto" else _positive_int("dp", cfg.dp, allow_auto=True)
     if dp * tp != world:
         raise ConfigError(
-            "dp", dp, f"dp({dp}) * tp({tp}) != world size {world} (devices={devices} x num_nodes={num_nodes})",
-            allowed=f"dp={world // tp} for tp={tp}", hint="leave dp=auto to derive it from the world size",
+            "dp",
+            dp,
+            f"dp({dp}) * tp({tp}) != world size {world} (devices={devices} x num_nodes={num_nodes})",
+            allowed=f"dp={world // tp} for tp={tp}",
+            hint="leave dp=auto to derive it from the world size",
         )
 
     precision = cfg.precision
@@ -115,15 +122,18 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
 
 
 def _devices(
-    cfg: TrainConfig, accelerator: Accelerator, gpus: int, job: Optional[ClusterJob]
+    cfg: TrainConfig, accelerator: Accelerator, gpus: int, job: ClusterJob | None
 ) -> tuple[int, int]:
     num_nodes = _positive_int("num_nodes", cfg.num_nodes)
     if job is not None:
         # The launcher already fixed the layout; a contradicting value is a mistake worth stopping on.
         if cfg.devices != "auto" and int(cfg.devices) != job.local_world_size:
             raise ConfigError(
-                "devices", cfg.devices, f"this {job.kind} job runs {job.local_world_size} processes per node",
-                allowed=f"auto or {job.local_world_size}", hint="leave devices=auto inside torchrun/srun",
+                "devices",
+                cfg.devices,
+                f"this {job.kind} job runs {job.local_world_size} processes per node",
+                allowed=f"auto or {job.local_world_size}",
+                hint="leave devices=auto inside torchrun/srun",
             )
         return job.local_world_size, job.num_nodes
     if cfg.devices == "auto":
@@ -131,7 +141,10 @@ def _devices(
     devices = _positive_int("devices", cfg.devices)
     if accelerator is Accelerator.gpu and devices > gpus:
         raise ConfigError(
-            "devices", devices, f"only {gpus} GPU(s) are visible", allowed=f"1..{gpus} or auto",
+            "devices",
+            devices,
+            f"only {gpus} GPU(s) are visible",
+            allowed=f"1..{gpus} or auto",
             hint="use devices=auto to take every visible GPU",
         )
     return devices, num_nodes

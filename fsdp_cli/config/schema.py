@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -96,7 +96,7 @@ class DDPConfig:
     """``strategy=ddp``: Lightning's DDPStrategy, the baseline every sharded layout is compared with."""
 
     name: str = "ddp"
-    process_group_backend: Optional[str] = None
+    process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = 1800
     """Collective timeout in seconds."""
@@ -111,11 +111,11 @@ class DDPConfig:
 class MixedPrecisionPolicyConfig:
     """FSDP2 ``MixedPrecisionPolicy``; a null dtype is derived from the ``precision`` group."""
 
-    param_dtype: Optional[DType] = None
+    param_dtype: DType | None = None
     """Dtype parameters are all-gathered in and compute runs in."""
-    reduce_dtype: Optional[DType] = None
+    reduce_dtype: DType | None = None
     """Dtype of the gradient reduce-scatter."""
-    output_dtype: Optional[DType] = None
+    output_dtype: DType | None = None
     """Dtype of the root module's outputs; null keeps the compute dtype."""
     cast_forward_inputs: bool = True
 
@@ -144,10 +144,10 @@ class FSDP2Config:
     """``torch.compile`` each transformer block before sharding it."""
     sequence_parallel: bool = False
     """With tp > 1: shard norms and the residual stream along the sequence dimension too."""
-    parallelize_fn: Optional[str] = None
+    parallelize_fn: str | None = None
     """Dotted path of ``fn(model, device_mesh, **options)`` that replaces the built-in
     parallelization (tensor parallel, activation checkpointing, compile, fully_shard)."""
-    process_group_backend: Optional[str] = None
+    process_group_backend: str | None = None
     timeout_s: int = 1800
 
 
@@ -157,7 +157,7 @@ class FSDPConfig:
 
     name: str = "fsdp"
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    hybrid_shard_size: Optional[int] = None
+    hybrid_shard_size: int | None = None
     """HYBRID_SHARD: ranks per shard group (parameters sharded within it, replicated across
     groups). null = the processes of one node."""
     cpu_offload: bool = False
@@ -170,11 +170,11 @@ class FSDPConfig:
     forward_prefetch: bool = False
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.BACKWARD_PRE
     sync_module_states: bool = False
-    process_group_backend: Optional[str] = None
+    process_group_backend: str | None = None
     timeout_s: int = 1800
-    activation_checkpointing: Optional[list[str]] = None
+    activation_checkpointing: list[str] | None = None
     """Deprecated (lightning_fairscale name): use ``activation_checkpointing_policy``."""
-    alias_of: Optional[str] = None
+    alias_of: str | None = None
     """Set by the ``ddp_fully_sharded``/``fsdp_native`` options: the old name the user chose."""
 
 
@@ -184,9 +184,9 @@ class ModelParallelConfig:
     implements ``configure_model`` itself. Sizes come from the top-level ``dp`` and ``tp``."""
 
     name: str = "model_parallel"
-    save_distributed_checkpoint: Optional[bool] = None
+    save_distributed_checkpoint: bool | None = None
     """true: sharded (DCP) checkpoints, false: one full file; null: from the ``checkpoint`` group."""
-    process_group_backend: Optional[str] = None
+    process_group_backend: str | None = None
     timeout_s: int = 1800
 
 
@@ -214,9 +214,9 @@ class WrapConfig:
 @dataclass
 class CheckpointConfig:
     format: CheckpointFormat = CheckpointFormat.sharded
-    dir: Optional[str] = None
+    dir: str | None = None
     """Where checkpoints go; null = ``<run dir>/checkpoints``."""
-    every_n_steps: Optional[int] = None
+    every_n_steps: int | None = None
     """Save every N optimizer steps; null = only at the end of training."""
     keep_last: int = 2
     """How many complete checkpoints to keep (the newest complete one is never deleted)."""
@@ -235,9 +235,9 @@ class LlamaConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: int | None = None
     """Grouped-query attention: key/value heads (null = n_heads)."""
-    ffn_hidden_dim: Optional[int] = None
+    ffn_hidden_dim: int | None = None
     """SwiGLU hidden size; null = 8/3 * dim rounded up to ``multiple_of``."""
     multiple_of: int = 32
     norm_eps: float = 1e-5
@@ -258,7 +258,7 @@ class CustomModelConfig:
     target: str = MISSING
     kwargs: dict[str, Any] = field(default_factory=dict)
     name: str = "custom"
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -269,9 +269,9 @@ class SyntheticDataConfig:
     global_batch_size: int = 8
     """Sequences per optimizer step across all data-parallel ranks."""
     seq_len: int = 64
-    vocab_size: Optional[int] = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
+    vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
     """Token ids are drawn from [0, vocab_size); defaults to the model's vocabulary size."""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: int | None = None
     """Sequences per data-parallel rank per forward; null = global_batch_size / dp. Smaller
     values accumulate gradients over global_batch_size / (dp * micro_batch_size) micro-batches."""
     num_workers: int = 0
@@ -284,10 +284,10 @@ class TextDataConfig:
     name: str = "text"
     global_batch_size: int = 8
     seq_len: int = 128
-    vocab_size: Optional[int] = 256
-    micro_batch_size: Optional[int] = None
+    vocab_size: int | None = 256
+    micro_batch_size: int | None = None
     num_workers: int = 0
-    path: Optional[str] = None
+    path: str | None = None
     """A file, a folder (its *.py, *.txt, *.md files) or a glob; null = the Python standard
     library sources on this machine, so a real loss curve needs no download."""
     max_bytes: int = 32_000_000
@@ -314,12 +314,12 @@ class TrainerConfig:
     """Optimizer steps to train for."""
     log_every_n_steps: int = 1
     """Write a metrics.jsonl row (and print a line) every N optimizer steps."""
-    gradient_clip_val: Optional[float] = 1.0
+    gradient_clip_val: float | None = 1.0
     """Clip the gradient norm to this value; null = no clipping."""
     gradient_clip_algorithm: str = "norm"
     deterministic: bool = False
     enable_progress_bar: bool = False
-    val_check_interval: Optional[int] = None
+    val_check_interval: int | None = None
     """Run validation every N steps on held-out batches; null = no validation."""
     limit_val_batches: int = 4
 
@@ -334,7 +334,7 @@ class LoggerConfig:
 class LauncherConfig:
     """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM)."""
 
-    rdzv_endpoint: Optional[str] = None
+    rdzv_endpoint: str | None = None
     """host:port of the rendezvous for multi-node runs; null = 127.0.0.1 and a free port."""
     node_rank: int = 0
     max_restarts: int = 0
@@ -364,7 +364,7 @@ class TrainConfig:
     num_nodes: int = 1
     accelerator: Accelerator = Accelerator.auto
     seed: int = 1234
-    resume: Optional[str] = None
+    resume: str | None = None
     """null: start fresh; ``auto``: newest complete checkpoint of this run; or a checkpoint path."""
     run_dir: str = "."
     """Where outputs go; the entry point sets it to Hydra's output directory."""

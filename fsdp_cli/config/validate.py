@@ -39,8 +39,19 @@ def check_strategy_layout(cfg: TrainConfig) -> None:
     strategy = cfg.strategy
     if isinstance(strategy, (DDPConfig, FSDPConfig)) and cfg.tp > 1:
         raise ConfigError(
-            "tp", cfg.tp, f"strategy={strategy.name} has no tensor parallelism",
-            allowed="tp=1", hint="use strategy=fsdp2 (or model_parallel) for tensor parallel",
+            "tp",
+            cfg.tp,
+            f"strategy={strategy.name} has no tensor parallelism",
+            allowed="tp=1",
+            hint="use strategy=fsdp2 (or model_parallel) for tensor parallel",
+        )
+    if isinstance(strategy, ModelParallelConfig) and not isinstance(cfg.model, CustomModelConfig):
+        raise ConfigError(
+            "strategy",
+            "model_parallel",
+            "needs a LightningModule that parallelizes itself in configure_model()",
+            allowed="model=custom model._target_=<your LightningModule>",
+            hint="for the built-in model use strategy=fsdp2 (it applies FSDP2 and tensor parallel for you)",
         )
     if isinstance(strategy, FSDP2Config):
         _check_fsdp2(cfg, strategy)
@@ -52,7 +63,9 @@ def _check_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> None:
     dp = int(cfg.dp)
     if strategy.replicate_size < 1 or dp % strategy.replicate_size != 0:
         raise ConfigError(
-            "strategy.replicate_size", strategy.replicate_size, f"must divide dp={dp} (HSDP: replicate x shard = dp)",
+            "strategy.replicate_size",
+            strategy.replicate_size,
+            f"must divide dp={dp} (HSDP: replicate x shard = dp)",
             allowed=", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0),
             hint="replicate_size=1 is plain FSDP; replicate_size=num_nodes shards within each node",
         )
@@ -61,7 +74,9 @@ def _check_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> None:
     if not isinstance(raf, bool):
         if not isinstance(raf, int) or raf < 1 or shard % raf != 0:
             raise ConfigError(
-                "strategy.reshard_after_forward", raf, f"must be true, false, or an int dividing the shard size {shard}",
+                "strategy.reshard_after_forward",
+                raf,
+                f"must be true, false, or an int dividing the shard size {shard}",
                 allowed="true, false, " + ", ".join(str(d) for d in range(1, shard + 1) if shard % d == 0),
                 hint="true = FULL_SHARD, false = SHARD_GRAD_OP",
             )
@@ -69,29 +84,39 @@ def _check_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> None:
         raise ConfigError("strategy.ac_every_n_blocks", strategy.ac_every_n_blocks, "must be at least 1")
     if strategy.parallelize_fn is not None:
         _check_dotted("strategy.parallelize_fn", strategy.parallelize_fn)
-    if strategy.mp_policy.param_dtype is not None and cfg.precision.name in ("bf16-true", "16-true", "64-true"):
+    if strategy.mp_policy.param_dtype is not None and cfg.precision.name in (
+        "bf16-true",
+        "16-true",
+        "64-true",
+    ):
         raise ConfigError(
-            "strategy.mp_policy.param_dtype", strategy.mp_policy.param_dtype,
+            "strategy.mp_policy.param_dtype",
+            strategy.mp_policy.param_dtype,
             f"precision={cfg.precision.name} already fixes the parameter dtype",
             hint="use precision=32-true with an explicit mp_policy, or precision=bf16-mixed",
         )
 
 
 def _check_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> None:
-    hybrid = strategy.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    hybrid = strategy.sharding_strategy in (
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    )
     world = int(cfg.devices) * cfg.num_nodes
     if hybrid:
         shard = strategy.hybrid_shard_size or int(cfg.devices)
         if shard < 1 or world % shard != 0:
             raise ConfigError(
-                "strategy.hybrid_shard_size", strategy.hybrid_shard_size,
+                "strategy.hybrid_shard_size",
+                strategy.hybrid_shard_size,
                 f"must divide the world size {world} (devices={cfg.devices} x num_nodes={cfg.num_nodes})",
                 allowed=", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
                 hint="null shards within each node and replicates across nodes",
             )
     elif strategy.hybrid_shard_size is not None:
         raise ConfigError(
-            "strategy.hybrid_shard_size", strategy.hybrid_shard_size,
+            "strategy.hybrid_shard_size",
+            strategy.hybrid_shard_size,
             f"only applies to HYBRID_SHARD, not {strategy.sharding_strategy.value}",
             hint="set strategy.sharding_strategy=HYBRID_SHARD or leave hybrid_shard_size=null",
         )
@@ -103,12 +128,17 @@ def check_precision(cfg: TrainConfig) -> None:
         raise ConfigError("precision", name, "unknown precision", allowed=", ".join(PRECISIONS) + ", auto")
     if name.startswith("16-") and cfg.accelerator is Accelerator.cpu:
         raise ConfigError(
-            "precision", name, "float16 needs a GPU", allowed="32-true, bf16-mixed, bf16-true on CPU",
+            "precision",
+            name,
+            "float16 needs a GPU",
+            allowed="32-true, bf16-mixed, bf16-true on CPU",
             hint="use precision=bf16-mixed",
         )
     if name == "16-mixed" and isinstance(cfg.strategy, (FSDP2Config, ModelParallelConfig)):
         raise ConfigError(
-            "precision", name, f"strategy={cfg.strategy.name} has no sharded gradient scaler for float16",
+            "precision",
+            name,
+            f"strategy={cfg.strategy.name} has no sharded gradient scaler for float16",
             allowed="32-true, bf16-mixed, bf16-true",
             hint="use precision=bf16-mixed (no loss scaling needed), or strategy=fsdp for fp16",
         )
@@ -123,12 +153,16 @@ def check_model(cfg: TrainConfig) -> None:
     kv = model.n_kv_heads or model.n_heads
     if model.dim % model.n_heads != 0 or (model.dim // model.n_heads) % 2 != 0:
         raise ConfigError(
-            "model.n_heads", model.n_heads, f"model.dim={model.dim} must split into n_heads even-sized heads",
+            "model.n_heads",
+            model.n_heads,
+            f"model.dim={model.dim} must split into n_heads even-sized heads",
             hint="pick n_heads so that dim / n_heads is an even integer",
         )
     if model.n_heads % kv != 0:
         raise ConfigError(
-            "model.n_kv_heads", kv, f"must divide model.n_heads={model.n_heads} (grouped-query attention)",
+            "model.n_kv_heads",
+            kv,
+            f"must divide model.n_heads={model.n_heads} (grouped-query attention)",
             allowed=", ".join(str(d) for d in range(1, model.n_heads + 1) if model.n_heads % d == 0),
         )
     sizes = {
@@ -139,16 +173,25 @@ def check_model(cfg: TrainConfig) -> None:
     }
     for key, size in sizes.items():
         if size % tp != 0:
-            good = [d for d in range(1, tp + 1) if all(s % d == 0 for s in sizes.values()) and int(cfg.devices) * cfg.num_nodes % d == 0]
+            good = [
+                d
+                for d in range(1, tp + 1)
+                if all(s % d == 0 for s in sizes.values()) and int(cfg.devices) * cfg.num_nodes % d == 0
+            ]
             raise ConfigError(
-                "tp", tp, f"{key}={size} is not divisible by tp={tp}; each tensor-parallel rank needs an equal share",
+                "tp",
+                tp,
+                f"{key}={size} is not divisible by tp={tp}; each tensor-parallel rank needs an equal share",
                 allowed="tp in " + ", ".join(str(d) for d in good),
                 hint=f"use tp={max(good)} or a model whose heads/ffn sizes divide by {tp}",
             )
     if model.tie_embeddings and tp > 1:
         raise ConfigError(
-            "model.tie_embeddings", True, "tied embeddings are not supported with tensor parallel",
-            allowed="false with tp > 1", hint="set model.tie_embeddings=false or tp=1",
+            "model.tie_embeddings",
+            True,
+            "tied embeddings are not supported with tensor parallel",
+            allowed="false with tp > 1",
+            hint="set model.tie_embeddings=false or tp=1",
         )
 
 
@@ -156,38 +199,54 @@ def check_data(cfg: TrainConfig) -> None:
     data, dp = cfg.data, int(cfg.dp)
     if data.global_batch_size < 1 or data.global_batch_size % dp != 0:
         raise ConfigError(
-            "data.global_batch_size", data.global_batch_size, f"must divide evenly across dp={dp} data-parallel ranks",
-            allowed=f"a multiple of {dp}", hint=f"use data.global_batch_size={max(dp, data.global_batch_size // dp * dp)}",
+            "data.global_batch_size",
+            data.global_batch_size,
+            f"must divide evenly across dp={dp} data-parallel ranks",
+            allowed=f"a multiple of {dp}",
+            hint=f"use data.global_batch_size={max(dp, data.global_batch_size // dp * dp)}",
         )
     per_rank = data.global_batch_size // dp
     micro = data.micro_batch_size
     if micro is not None and (micro < 1 or per_rank % micro != 0):
         raise ConfigError(
-            "data.micro_batch_size", micro,
+            "data.micro_batch_size",
+            micro,
             f"must divide the per-rank batch {per_rank} (global_batch_size={data.global_batch_size} / dp={dp})",
             allowed=", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0),
         )
     if data.vocab_size is None:
         raise ConfigError(
-            "data.vocab_size", None, "the model declares no vocabulary size", allowed="a positive integer",
+            "data.vocab_size",
+            None,
+            "the model declares no vocabulary size",
+            allowed="a positive integer",
             hint="set data.vocab_size=N (or +model.vocab_size=N for model=custom)",
         )
     model_vocab = getattr(cfg.model, "vocab_size", None)
     if model_vocab is not None and data.vocab_size > model_vocab:
         raise ConfigError(
-            "data.vocab_size", data.vocab_size, f"exceeds model.vocab_size={model_vocab}",
-            allowed=f"1..{model_vocab}", hint=f"use model.vocab_size>={data.vocab_size}",
+            "data.vocab_size",
+            data.vocab_size,
+            f"exceeds model.vocab_size={model_vocab}",
+            allowed=f"1..{model_vocab}",
+            hint=f"use model.vocab_size>={data.vocab_size}",
         )
     max_len = getattr(cfg.model, "max_seq_len", None)
     if max_len is not None and data.seq_len > max_len:
         raise ConfigError(
-            "data.seq_len", data.seq_len, f"exceeds model.max_seq_len={max_len}", allowed=f"1..{max_len}",
+            "data.seq_len",
+            data.seq_len,
+            f"exceeds model.max_seq_len={max_len}",
+            allowed=f"1..{max_len}",
         )
     if data.seq_len < 1:
         raise ConfigError("data.seq_len", data.seq_len, "must be at least 1")
     if data.name == "text" and data.path is not None and not _glob_matches(data.path):
         raise ConfigError(
-            "data.path", data.path, "matches no file", hint="give a file, a folder or a glob; null = Python's own sources",
+            "data.path",
+            data.path,
+            "matches no file",
+            hint="give a file, a folder or a glob; null = Python's own sources",
         )
 
 
@@ -198,9 +257,16 @@ def check_trainer(cfg: TrainConfig) -> None:
         if value < 1:
             raise ConfigError(f"trainer.{key}", value, "must be at least 1")
     if trainer.gradient_clip_algorithm not in ("norm", "value"):
-        raise ConfigError("trainer.gradient_clip_algorithm", trainer.gradient_clip_algorithm, "unknown", allowed="norm, value")
+        raise ConfigError(
+            "trainer.gradient_clip_algorithm",
+            trainer.gradient_clip_algorithm,
+            "unknown",
+            allowed="norm, value",
+        )
     if trainer.val_check_interval is not None and trainer.val_check_interval < 1:
-        raise ConfigError("trainer.val_check_interval", trainer.val_check_interval, "must be at least 1 or null")
+        raise ConfigError(
+            "trainer.val_check_interval", trainer.val_check_interval, "must be at least 1 or null"
+        )
 
 
 def check_checkpoint(cfg: TrainConfig) -> None:
@@ -209,11 +275,17 @@ def check_checkpoint(cfg: TrainConfig) -> None:
         raise ConfigError("checkpoint.every_n_steps", ckpt.every_n_steps, "must be at least 1 or null")
     if ckpt.keep_last < 1:
         raise ConfigError(
-            "checkpoint.keep_last", ckpt.keep_last, "must keep at least one checkpoint", allowed="1 or more",
+            "checkpoint.keep_last",
+            ckpt.keep_last,
+            "must keep at least one checkpoint",
+            allowed="1 or more",
         )
     if cfg.resume not in (None, "auto") and not os.path.exists(str(cfg.resume)):
         raise ConfigError(
-            "resume", cfg.resume, "no such checkpoint", allowed="null, auto, or an existing checkpoint path",
+            "resume",
+            cfg.resume,
+            "no such checkpoint",
+            allowed="null, auto, or an existing checkpoint path",
             hint="fsdp-ckpt inspect PATH shows what a checkpoint holds",
         )
 
@@ -221,15 +293,20 @@ def check_checkpoint(cfg: TrainConfig) -> None:
 def check_wrap_and_logger(cfg: TrainConfig) -> None:
     if cfg.wrap.policy is WrapPolicy.classes and not cfg.wrap.classes:
         raise ConfigError(
-            "wrap.classes", [], "wrap=classes needs at least one module class",
+            "wrap.classes",
+            [],
+            "wrap=classes needs at least one module class",
             hint="wrap.classes=[TransformerBlock] (bare or dotted class names)",
         )
     if cfg.logger.name is LoggerName.tensorboard and not (
         importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
     ):
         raise ConfigError(
-            "logger", "tensorboard", "the tensorboard package is not installed",
-            allowed="none, csv", hint="pip install tensorboard, or use logger=csv",
+            "logger",
+            "tensorboard",
+            "the tensorboard package is not installed",
+            allowed="none, csv",
+            hint="pip install tensorboard, or use logger=csv",
         )
 
 
@@ -251,7 +328,9 @@ def _check_dotted(key: str, path: str) -> None:
         spec = None
     if spec is None:
         raise ConfigError(
-            key, path, f"module {module!r} cannot be imported",
+            key,
+            path,
+            f"module {module!r} cannot be imported",
             hint="run from the folder that holds it, or add that folder to PYTHONPATH",
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,8 +28,8 @@ class TokenDataModule(L.LightningDataModule):
         self.seed = seed
         self.dp_size = dp_size
         self.micro_batch_size = data.micro_batch_size or data.global_batch_size // dp_size
-        self._train: Optional[Dataset] = None
-        self._val: Optional[Dataset] = None
+        self._train: Dataset | None = None
+        self._val: Dataset | None = None
 
     @property
     def accumulation(self) -> int:
@@ -45,7 +45,9 @@ class TokenDataModule(L.LightningDataModule):
             self._val = ByteWindows(val, seq_len=data.seq_len, seed=self.seed)
         else:
             self._train = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed)
-            self._val = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed + VAL_SEED_OFFSET)
+            self._val = SyntheticTokens(
+                vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed + VAL_SEED_OFFSET
+            )
 
     def _loader(self, dataset: Dataset, start_step: int) -> DataLoader:
         kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer is not None else None
@@ -53,13 +55,20 @@ class TokenDataModule(L.LightningDataModule):
         if size != self.dp_size:
             raise RuntimeError(f"strategy reports {size} data-parallel ranks, config says dp={self.dp_size}")
         sampler = StepBatchSampler(
-            global_batch_size=self.data.global_batch_size, micro_batch_size=self.micro_batch_size,
-            dp_rank=rank, dp_size=size, start_step=start_step,
+            global_batch_size=self.data.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=rank,
+            dp_size=size,
+            start_step=start_step,
         )
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return DataLoader(
-            dataset, batch_sampler=sampler, num_workers=self.data.num_workers,
-            collate_fn=torch.stack, pin_memory=on_gpu, persistent_workers=self.data.num_workers > 0,
+            dataset,
+            batch_sampler=sampler,
+            num_workers=self.data.num_workers,
+            collate_fn=torch.stack,
+            pin_memory=on_gpu,
+            persistent_workers=self.data.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

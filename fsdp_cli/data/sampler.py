@@ -24,7 +24,13 @@ class StepBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(
-        self, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, start_step: int = 0
+        self,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        start_step: int = 0,
     ) -> None:
         per_rank = global_batch_size // dp_size
         if per_rank * dp_size != global_batch_size or per_rank % micro_batch_size != 0:

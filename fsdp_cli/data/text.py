@@ -10,7 +10,6 @@ import glob
 import os
 import sysconfig
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 HELD_OUT_FRACTION = 0.05
 
 
-def text_files(path: Optional[str]) -> list[Path]:
+def text_files(path: str | None) -> list[Path]:
     """The files a ``data.path`` names: a file, a folder (its text files, recursively) or a glob."""
     if path is None:
         path = sysconfig.get_paths()["stdlib"]
@@ -31,7 +30,7 @@ def text_files(path: Optional[str]) -> list[Path]:
     return sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
 
 
-def read_corpus(path: Optional[str], max_bytes: int) -> torch.Tensor:
+def read_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
     """Concatenated bytes of the files (in sorted order, so every rank reads the same corpus)."""
     chunks, total = [], 0
     for file in text_files(path):

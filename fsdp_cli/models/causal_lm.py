@@ -2,16 +2,15 @@
 
 ``forward(input_ids[B, T])`` must return logits ``[B, T, V]`` (or an object with ``.logits``).
 The module builds the model in ``configure_model`` (so strategies may create it on the meta
-device and shard it), computes next-token cross-entropy, clips gradients itself (the same way
-under every strategy, FSDP1 included), and keeps the per-step loss for the metrics callback
-without any collective on the hot path.
+device and shard it), computes next-token cross-entropy, and keeps the per-step loss for the
+metrics callback without any collective on the hot path.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,8 +27,6 @@ class CausalLMModule(L.LightningModule):
         model_factory: builds the ``nn.Module`` (called once, inside ``configure_model``).
         optim: AdamW and learning-rate schedule settings.
         max_steps: the schedule's horizon.
-        gradient_clip_val: clip threshold, or None.
-        gradient_clip_algorithm: ``norm`` or ``value``.
     """
 
     def __init__(
@@ -37,21 +34,16 @@ class CausalLMModule(L.LightningModule):
         model_factory: Callable[[], nn.Module],
         optim: OptimConfig,
         max_steps: int,
-        gradient_clip_val: Optional[float] = None,
-        gradient_clip_algorithm: str = "norm",
     ) -> None:
         super().__init__()
         self.model_factory = model_factory
-        self.model: Optional[nn.Module] = None
+        self.model: nn.Module | None = None
         self.optim = optim
         self.max_steps = max_steps
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm
         # Sum of micro-batch losses since the last optimizer step (a device tensor: no sync).
-        self.loss_sum: Optional[torch.Tensor] = None
+        self.loss_sum: torch.Tensor | None = None
         self.loss_count = 0
-        self.grad_norm: Optional[torch.Tensor] = None
-        self.num_parameters: Optional[int] = None
+        self.num_parameters: int | None = None
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -82,7 +74,7 @@ class CausalLMModule(L.LightningModule):
         self.log("val_loss", loss, sync_dist=True, prog_bar=True)
         return loss
 
-    def take_step_loss(self) -> Optional[torch.Tensor]:
+    def take_step_loss(self) -> torch.Tensor | None:
         """Mean loss of the micro-batches since the last call (this rank's), then reset."""
         if self.loss_sum is None:
             return None
@@ -97,36 +89,6 @@ class CausalLMModule(L.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(opt, self.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        if self.gradient_clip_val is None:
-            return
-        if self.gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(self.parameters(), self.gradient_clip_val)
-            return
-        self.grad_norm = clip_grad_norm(self.trainer.model, self.parameters(), self.gradient_clip_val)
-
-
-def clip_grad_norm(wrapped: nn.Module, parameters: Any, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm across all shards; returns that norm (before clipping)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-
-    if isinstance(wrapped, FSDP1):
-        # FSDP1 holds flat sharded gradients: only the root knows how to total them.
-        return wrapped.clip_grad_norm_(max_norm).detach()
-    params = [p for p in parameters if p.grad is not None]
-    # With tensor parallel, TP-sharded weights live on the (dp, tp) mesh and the others (norms)
-    # on the dp mesh only: DTensor cannot mix meshes, so total each mesh's gradients separately.
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    norms = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else torch.zeros(())
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total.detach()
 
 
 def _schedule(opt: OptimConfig, max_steps: int) -> Callable[[int], float]:

@@ -17,6 +17,13 @@ import torch
 from torch import nn
 
 ROWS_PER_BLOCK = 256
+# Segments wrappers insert into module/parameter names (activation checkpointing, torch.compile, FSDP1).
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def canonical_name(name: str) -> str:
+    """A module's or parameter's name as the unwrapped model would report it."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 @torch.no_grad()
@@ -31,7 +38,7 @@ def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> 
     out = torch.empty(rows, cols, dtype=torch.float32)
     first_block = row0 // ROWS_PER_BLOCK
     last_block = (row0 + rows - 1) // ROWS_PER_BLOCK
-    key = zlib.crc32(name.encode())
+    key = zlib.crc32(canonical_name(name).encode())
     for block in range(first_block, last_block + 1):
         start = block * ROWS_PER_BLOCK
         stop = min(start + ROWS_PER_BLOCK, full_rows)

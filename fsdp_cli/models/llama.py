@@ -71,7 +71,9 @@ class Attention(nn.Module):
         repeat = q.shape[2] // k.shape[2]
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -113,7 +115,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        self.register_buffer(
+            "rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
+        )
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
@@ -152,14 +156,14 @@ def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
     needs one all-reduce forward (or a reduce-scatter/all-gather pair with sequence parallel).
     """
     from torch.distributed.tensor import Replicate, Shard
-
-    from fsdp_cli.parallel.tensor_parallel import replicate_parallel
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
     )
+
+    from fsdp_cli.parallel.tensor_parallel import replicate_parallel
 
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {

@@ -7,7 +7,9 @@ from torch import nn
 from fsdp_cli.config.schema import ActivationCheckpointing
 
 
-def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: ActivationCheckpointing, every_n: int = 2) -> int:
+def apply_ac(
+    model: nn.Module, blocks: list[nn.Module], mode: ActivationCheckpointing, every_n: int = 2
+) -> int:
     """Wrap ``blocks`` (all for ``full``, every ``every_n``-th for ``selective``); return how many were wrapped.
 
     The wrapper takes the block's place in its parent. State-dict keys gain a

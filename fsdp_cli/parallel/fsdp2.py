@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -13,9 +11,9 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     units: list[nn.Module],
     *,
-    reshard_after_forward: Union[bool, int] = True,
-    mp_policy: Optional[object] = None,
-    offload_policy: Optional[object] = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: object | None = None,
+    offload_policy: object | None = None,
 ) -> None:
     """``fully_shard`` each unit (children first) and then ``model`` itself.
 
@@ -33,5 +31,9 @@ def apply_fsdp(
         # The last unit runs first in backward, so resharding it after forward would only make
         # backward gather it again straight away.
         last = index == len(units) - 1
-        fully_shard(unit, reshard_after_forward=False if last and reshard_after_forward is True else reshard_after_forward, **kwargs)
+        fully_shard(
+            unit,
+            reshard_after_forward=False if last and reshard_after_forward is True else reshard_after_forward,
+            **kwargs,
+        )
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)

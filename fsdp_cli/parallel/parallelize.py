@@ -16,12 +16,13 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_cli.config.schema import ActivationCheckpointing, WrapConfig
+from fsdp_cli.models.init import canonical_name
 from fsdp_cli.parallel.activation_checkpoint import apply_ac
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
 from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
@@ -46,15 +47,15 @@ def parallelize(
     model: nn.Module,
     *,
     device_mesh: DeviceMesh,
-    mp_policy: Optional[object] = None,
-    offload_policy: Optional[object] = None,
-    tp_shard_plan: Optional[dict[str, Any]] = None,
+    mp_policy: object | None = None,
+    offload_policy: object | None = None,
+    tp_shard_plan: dict[str, Any] | None = None,
     sequence_parallel: bool = False,
-    activation_checkpointing: Union[ActivationCheckpointing, bool] = ActivationCheckpointing.none,
+    activation_checkpointing: ActivationCheckpointing | bool = ActivationCheckpointing.none,
     ac_every_n_blocks: int = 2,
     compile: bool = False,
-    reshard_after_forward: Union[bool, int] = True,
-    wrap: Optional[WrapConfig] = None,
+    reshard_after_forward: bool | int = True,
+    wrap: WrapConfig | None = None,
 ) -> ParallelizeReport:
     """Apply tensor parallel, activation checkpointing, compile and FSDP2 to ``model`` in place.
 
@@ -64,7 +65,9 @@ def parallelize(
     report = ParallelizeReport()
     wrap = wrap or WrapConfig()
     if isinstance(activation_checkpointing, bool):
-        activation_checkpointing = ActivationCheckpointing.full if activation_checkpointing else ActivationCheckpointing.none
+        activation_checkpointing = (
+            ActivationCheckpointing.full if activation_checkpointing else ActivationCheckpointing.none
+        )
 
     # Units are chosen before any wrapper is inserted, from the model as the user wrote it.
     units = wrap_units(model, wrap)
@@ -94,15 +97,21 @@ def parallelize(
     replicate = device_mesh[DP_REPLICATE].size()
     dp_mesh = device_mesh[DP_REPLICATE, DP_SHARD] if replicate > 1 else device_mesh[DP_SHARD]
     apply_fsdp(
-        model, dp_mesh, units,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload_policy,
+        model,
+        dp_mesh,
+        units,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
     )
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): canonical_name(n) for n, m in model.named_modules()}
     report.fsdp_units = [names.get(id(u), type(u).__name__) for u in units] + ["<root>"]
     return report
 
 
-def call_parallelize_fn(fn: Callable[..., Any], model: nn.Module, device_mesh: DeviceMesh, **options: Any) -> Any:
+def call_parallelize_fn(
+    fn: Callable[..., Any], model: nn.Module, device_mesh: DeviceMesh, **options: Any
+) -> Any:
     """Call a user ``parallelize_fn`` with the keywords its signature accepts."""
     params = inspect.signature(fn).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

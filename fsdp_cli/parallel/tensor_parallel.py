@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def model_tp_plan(model: nn.Module, *, sequence_parallel: bool) -> Optional[dict[str, Any]]:
+def model_tp_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
     """The model's own plan: the built-in Llama's, or ``model.tp_plan(sequence_parallel=...)`` if defined."""
     from fsdp_cli.models.llama import Llama, llama_tp_plan
 
@@ -47,7 +47,8 @@ def replicate_parallel() -> Any:
             def to_dtensor(mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
                 return tuple(
                     DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                    if hasattr(t, "dim") and not isinstance(t, DTensor) else t
+                    if hasattr(t, "dim") and not isinstance(t, DTensor)
+                    else t
                     for t in inputs
                 )
 

@@ -49,7 +49,9 @@ def resolve_classes(model: nn.Module, names: list[str], key: str = "wrap.classes
         matches = [c for c in present if name in (c.__name__, class_path(c), c.__qualname__)]
         if not matches:
             raise ConfigError(
-                key, name, f"no module of that class in {type(model).__name__}",
+                key,
+                name,
+                f"no module of that class in {type(model).__name__}",
                 allowed=", ".join(candidate_block_classes(model)),
                 hint="use a bare class name or its dotted path (package.module.Class)",
             )

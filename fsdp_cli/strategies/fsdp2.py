@@ -15,9 +15,8 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -63,23 +62,23 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
 
     def __init__(
         self,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
-        checkpoint_io: Optional[Any] = None,
-        mp_policy: Optional[Any] = None,
-        parallelize_fn: Optional[Callable[..., Any]] = None,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        checkpoint_io: Any | None = None,
+        mp_policy: Any | None = None,
+        parallelize_fn: Callable[..., Any] | None = None,
         *,
         replicate_size: int = 1,
-        offload_policy: Optional[Any] = None,
-        reshard_after_forward: Union[bool, int] = True,
-        activation_checkpointing: Union[ActivationCheckpointing, str, bool] = ActivationCheckpointing.none,
+        offload_policy: Any | None = None,
+        reshard_after_forward: bool | int = True,
+        activation_checkpointing: ActivationCheckpointing | str | bool = ActivationCheckpointing.none,
         ac_every_n_blocks: int = 2,
         compile: bool = False,
         sequence_parallel: bool = False,
-        wrap: Optional[WrapConfig] = None,
+        wrap: WrapConfig | None = None,
         save_distributed_checkpoint: bool = False,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -107,7 +106,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"
         self._parallelized = False
         self.parallelize_report: Any = None
-        self._pending_optimizer_states: Optional[list[dict[str, Any]]] = None
+        self._pending_optimizer_states: list[dict[str, Any]] | None = None
         self._dp_mesh: Any = None
 
     # ------------------------------------------------------------------ process group and mesh
@@ -144,9 +143,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             tp = world // int(dp)
         dp, tp = int(dp), int(tp)
         if dp * tp != world:
-            raise ValueError(
-                f"data_parallel_size({dp}) * tensor_parallel_size({tp}) != world size ({world})"
-            )
+            raise ValueError(f"data_parallel_size({dp}) * tensor_parallel_size({tp}) != world size ({world})")
         return dp, tp
 
     @property
@@ -240,7 +237,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
                     reset()
 
     @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Create the model on the meta device when ``empty_init`` is true: nothing is allocated
         until each rank materialises its own shard in :meth:`setup`. The model's ``init_weights``
         is layout-independent, so the result equals a normal init with the same seed."""

@@ -1,0 +1,178 @@
+"""FSDP2Strategy used as a library (no CLI), checked on real ranks.
+
+Run with ``torchrun --nproc-per-node 2 tests/assets/fsdp2_library_checks.py WORKDIR``. Each check
+prints ``CHECK <name> ok`` on rank 0; any failure raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_cli.config.schema import LlamaConfig, OptimConfig, SyntheticDataConfig
+from fsdp_cli.data.datamodule import TokenDataModule
+from fsdp_cli.models.causal_lm import CausalLMModule
+from fsdp_cli.models.llama import Llama
+from fsdp_cli.strategies import FSDP2Strategy
+
+CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+SEED = 5
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    if not ok:
+        raise AssertionError(f"CHECK {name} failed: {detail}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"CHECK {name} ok", flush=True)
+
+
+def data(dp: int) -> TokenDataModule:
+    return TokenDataModule(
+        SyntheticDataConfig(global_batch_size=4, seq_len=16, vocab_size=128), seed=SEED, dp_size=dp
+    )
+
+
+def trainer(strategy: FSDP2Strategy, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+    )
+
+
+def module() -> CausalLMModule:
+    return CausalLMModule(lambda: Llama(CFG, seed=SEED), optim=OptimConfig(lr=1e-2), max_steps=10)
+
+
+class ParallelizeChecks(L.Callback):
+    """After setup: placements, local bytes per rank, meta-init parity, idempotent parallelize()."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = pl_module.model
+        params = dict(model.named_parameters())
+        check("all parameters are DTensors", all(isinstance(p, DTensor) for p in params.values()))
+        check(
+            "placements are Shard(0) on data_parallel_shard",
+            all(p.placements == (Shard(0),) for p in params.values()),
+            str({n: p.placements for n, p in params.items()}),
+        )
+        local = torch.tensor([sum(p.to_local().numel() * p.element_size() for p in params.values())])
+        full = sum(p.numel() * p.element_size() for p in params.values())
+        everyone = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, local)
+        sizes = [int(t) for t in everyone]
+        check("local bytes sum to the full model", sum(sizes) == full, f"{sizes} vs {full}")
+        check("each rank holds about 1/dp", all(abs(s - full / 2) <= 0.05 * full for s in sizes), str(sizes))
+
+        reference = Llama(CFG, seed=SEED)  # a normal, unsharded init on this rank
+        same = all(torch.equal(params[n].full_tensor(), p) for n, p in reference.named_parameters())
+        check("meta init + sharded materialisation equals a normal init", same)
+
+        strategy = trainer.strategy
+        before = {n: p.to_local().clone() for n, p in params.items()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            strategy.parallelize()
+        again = dict(model.named_parameters())
+        warned = any("already applied" in str(w.message) for w in caught)
+        check("second parallelize() warns (on rank 0)", warned or dist.get_rank() != 0)
+        check(
+            "second parallelize() changes nothing",
+            again.keys() == before.keys()
+            and all(torch.equal(again[n].to_local(), before[n]) for n in before),
+        )
+
+
+class RecordStates(L.Callback):
+    """At the first optimizer step after resuming: was the restore deferred, and did it happen?"""
+
+    def __init__(self, saved: dict) -> None:
+        self.saved = saved
+        self.pending_at_batch_start = None
+        self.seen = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.pending_at_batch_start is None:
+            self.pending_at_batch_start = trainer.strategy.pending_optimizer_restore
+            empty = (
+                all(len(s) == 0 for s in trainer.optimizers[0].state.values())
+                or not trainer.optimizers[0].state
+            )
+            check("optimizer restore is deferred until the first step", self.pending_at_batch_start and empty)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.seen:
+            return
+        self.seen = True
+        check("deferred restore ran before the first step", not trainer.strategy.pending_optimizer_restore)
+        now = get_optimizer_state_dict(
+            trainer.strategy.model,
+            optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        if dist.get_rank() == 0:
+            saved_state, now_state = self.saved["state"], now["state"]
+            same = saved_state.keys() == now_state.keys() and all(
+                torch.equal(saved_state[k][m], now_state[k][m])
+                for k in saved_state
+                for m in ("exp_avg", "exp_avg_sq", "step")
+            )
+            check("Adam moments after resume equal those saved", same)
+
+
+def main(workdir: Path) -> None:
+    # 1. Meta-device init through Trainer.init_module (-> FSDP2Strategy.tensor_init_context).
+    strategy = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1)
+    first = trainer(strategy, 3, [ParallelizeChecks()])
+    with first.init_module(empty_init=True):
+        mod = module()
+        mod.model = Llama(CFG, seed=SEED)
+    check("empty_init builds on the meta device", next(mod.model.parameters()).is_meta)
+    first.fit(mod, datamodule=data(2))
+
+    # 2. Unsharded save (the default) through checkpoint_io, then a deferred optimizer restore.
+    path = workdir / "fsdp2_full.ckpt"
+    first.save_checkpoint(path)
+    first.strategy.barrier()
+    check("save_checkpoint writes one unsharded file", path.is_file())
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    expected = {f"model.{n}": p.shape for n, p in Llama(CFG, seed=SEED).named_parameters()}
+    check(
+        "the file holds every parameter, whole",
+        {k: v.shape for k, v in saved["state_dict"].items()} == expected
+        and not any(isinstance(v, DTensor) for v in saved["state_dict"].values()),
+    )
+    loaded = first.strategy.load_checkpoint(path)
+    check("load_checkpoint reads it back", loaded["global_step"] == 3)
+
+    second = trainer(
+        FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1),
+        4,
+        [RecordStates(saved["optimizer_states"][0])],
+    )
+    second.fit(module(), datamodule=data(2), ckpt_path=str(path))
+    check("training continued from the checkpoint", second.global_step == 4)
+
+    second.strategy.remove_checkpoint(path)
+    second.strategy.barrier()
+    check("remove_checkpoint deletes it", not path.exists())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

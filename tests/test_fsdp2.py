@@ -1,0 +1,139 @@
+"""strategy=fsdp2 and strategy=model_parallel on real CPU ranks: every option against the single-process losses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run_cli
+
+pytestmark = pytest.mark.distributed
+
+OPTIONS = {
+    "dp2_tp2": ["devices=4", "tp=2"],
+    "hsdp_2x2": ["devices=4", "strategy.replicate_size=2"],
+    "reshard_after_forward_false": ["devices=2", "strategy.reshard_after_forward=false"],
+    "activation_checkpointing_full": ["devices=2", "strategy.activation_checkpointing=full"],
+    "activation_checkpointing_selective": [
+        "devices=2",
+        "strategy.activation_checkpointing=selective",
+        "strategy.ac_every_n_blocks=2",
+    ],
+    "cpu_offload": ["devices=2", "strategy.cpu_offload=true"],
+    "tp2_sequence_parallel": ["devices=2", "tp=2", "strategy.sequence_parallel=true"],
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: list[float], name: str) -> None:
+    run_dir = tmp_path / name
+    summary = assert_ok(run_cli(["strategy=fsdp2", *OPTIONS[name], *PARITY], run_dir), run_dir)
+    assert_same_losses(reference_losses, run_dir)
+    setup = summary["setup"]
+    if name == "hsdp_2x2":
+        assert setup["mesh"] == {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 1}
+    if name == "dp2_tp2":
+        assert setup["mesh"] == {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2}
+    if name.startswith("activation_checkpointing"):
+        assert setup["activation_checkpointing"] == (4 if name.endswith("full") else 2)
+    assert setup["fsdp_units"] == [f"layers.{i}" for i in range(4)] + ["<root>"]
+
+
+def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
+    """parallelize() placements/bytes/idempotence, tensor_init_context parity, unsharded save, deferred optimizer restore."""
+    script = REPO / "tests" / "assets" / "fsdp2_library_checks.py"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checks = [line for line in result.stdout.splitlines() if line.startswith("CHECK")]
+    for name in (
+        "meta init + sharded materialisation equals a normal init",
+        "each rank holds about 1/dp",
+        "local bytes sum to the full model",
+        "second parallelize() changes nothing",
+        "optimizer restore is deferred until the first step",
+        "Adam moments after resume equal those saved",
+        "save_checkpoint writes one unsharded file",
+        "remove_checkpoint deletes it",
+    ):
+        assert f"CHECK {name} ok" in checks, (name, checks)
+
+
+def test_bf16_mixed_learns_on_text_and_reports_its_dtypes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "bf16"
+    args = [
+        "strategy=fsdp2",
+        "devices=2",
+        "accelerator=cpu",
+        "precision=bf16-mixed",
+        "data=text",
+        "data.seq_len=64",
+        "data.global_batch_size=16",
+        "trainer.max_steps=40",
+    ]
+    result = run_cli(args, run_dir)
+    summary = assert_ok(result, run_dir)
+    assert summary["setup"]["dtypes"] == {
+        "param": "float32",
+        "compute": "bfloat16",
+        "reduce": "float32",
+        "optimizer_state": ["float32"],
+    }
+    assert "dtypes: param float32 | compute bfloat16 | reduce float32" in result.stdout
+    rows = read_metrics(run_dir)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+
+
+def test_parallelize_fn_from_a_dotted_path(tmp_path: Path) -> None:
+    run_dir, marker = tmp_path / "fn", tmp_path / "called"
+    args = [
+        "strategy=fsdp2",
+        "devices=2",
+        "accelerator=cpu",
+        "trainer.max_steps=3",
+        "strategy.parallelize_fn=tests.assets.parallelize_fns.shard_whole_model_only",
+    ]
+    assert_ok(run_cli(args, run_dir, env={"PARALLELIZE_FN_MARKER": str(marker)}), run_dir)
+    assert sorted(p.name for p in tmp_path.glob("called.*")) == ["called.0", "called.1"]
+    assert read_summary(run_dir)["setup"]["fsdp_units"] == ["<root>"]
+
+
+@pytest.mark.parametrize("layout", [["devices=2"], ["devices=2", "tp=2"]], ids=["dp2", "tp2"])
+def test_model_parallel_strategy_with_a_user_configure_model(tmp_path: Path, layout: list[str]) -> None:
+    run_dir = tmp_path / "mp"
+    args = [
+        "strategy=model_parallel",
+        "model=custom",
+        "model._target_=tests.assets.model_parallel_module.FeedForwardLM",
+        "data.vocab_size=256",
+        "accelerator=cpu",
+        "trainer.max_steps=8",
+        *layout,
+    ]
+    summary = assert_ok(run_cli(args, run_dir), run_dir)
+    assert summary["strategy"] == "model_parallel"
+    rows = read_metrics(run_dir)
+    assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"]
+    assert Path(summary["checkpoint"]).exists()
