@@ -24,6 +24,7 @@ OPTIONS = {
     ],
     "cpu_offload": ["devices=2", "strategy.cpu_offload=true"],
     "tp2_sequence_parallel": ["devices=2", "tp=2", "strategy.sequence_parallel=true"],
+    "compile": ["devices=2", "strategy.compile=true"],
 }
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_cli.checkpoint.io import FullCheckpointIO
 from fsdp_cli.config.schema import LlamaConfig, OptimConfig, SyntheticDataConfig
 from fsdp_cli.data.datamodule import TokenDataModule
 from fsdp_cli.models.causal_lm import CausalLMModule
@@ -136,9 +137,26 @@ class RecordStates(L.Callback):
             check("Adam moments after resume equal those saved", same)
 
 
+class RecordingCheckpointIO(FullCheckpointIO):
+    """Proves the strategy writes and reads unsharded checkpoints through its checkpoint_io."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.calls.append("save")
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path, map_location="cpu", weights_only=None):
+        self.calls.append("load")
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
 def main(workdir: Path) -> None:
     # 1. Meta-device init through Trainer.init_module (-> FSDP2Strategy.tensor_init_context).
-    strategy = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1)
+    io = RecordingCheckpointIO()
+    strategy = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1, checkpoint_io=io)
     first = trainer(strategy, 3, [ParallelizeChecks()])
     with first.init_module(empty_init=True):
         mod = module()
@@ -151,6 +169,7 @@ def main(workdir: Path) -> None:
     first.save_checkpoint(path)
     first.strategy.barrier()
     check("save_checkpoint writes one unsharded file", path.is_file())
+    check("checkpoint_io wrote the file", io.calls == ["save"] or dist.get_rank() != 0, str(io.calls))
     saved = torch.load(path, map_location="cpu", weights_only=True)
     expected = {f"model.{n}": p.shape for n, p in Llama(CFG, seed=SEED).named_parameters()}
     check(
@@ -161,12 +180,14 @@ def main(workdir: Path) -> None:
     loaded = first.strategy.load_checkpoint(path)
     check("load_checkpoint reads it back", loaded["global_step"] == 3)
 
+    reader = RecordingCheckpointIO()
     second = trainer(
-        FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1),
+        FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1, checkpoint_io=reader),
         4,
         [RecordStates(saved["optimizer_states"][0])],
     )
     second.fit(module(), datamodule=data(2), ckpt_path=str(path))
+    check("checkpoint_io read the file", reader.calls == ["load"], str(reader.calls))
     check("training continued from the checkpoint", second.global_step == 4)
 
     second.strategy.remove_checkpoint(path)
