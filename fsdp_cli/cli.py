@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from fsdp_cli.config.convert import to_train_config, to_yaml
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
 from fsdp_cli.config.layout import detect_cluster_job, resolve_layout
+from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.config.validate import validate
 from fsdp_cli.hydra_errors import report_hydra_errors_in_one_line
@@ -38,7 +39,10 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        typed = resolve_layout(to_train_config(cfg), os.environ)
+        typed, notices = migrate(to_train_config(cfg))
+        for notice in notices:
+            print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
+        typed = resolve_layout(typed, os.environ)
         typed = dataclasses.replace(typed, run_dir=str(run_dir))
         validate(typed)
     except ConfigError as err:

@@ -77,18 +77,22 @@ class DistributedCheckpointing:
     def lightning_restore_optimizer(self) -> bool:
         return True
 
-    def _state_dict_options(self, **overrides: Any) -> StateDictOptions:
-        full = self.checkpoint_format == "full"
-        kwargs = {"full_state_dict": full, "cpu_offload": full, **overrides}
-        return StateDictOptions(**kwargs)
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # full: parameters are gathered one at a time onto rank 0's CPU; other ranks get {}.
-        return get_model_state_dict(self.model, options=self._state_dict_options())
+        state = get_model_state_dict(self.model)
+        return self._gather_if_full(state)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return get_optimizer_state_dict(self.model, optimizer, options=self._state_dict_options())
+        return self._gather_if_full(get_optimizer_state_dict(self.model, optimizer))
+
+    def _gather_if_full(self, state: dict[str, Any]) -> dict[str, Any]:
+        # The sharded state dict holds DTensors for FSDP1, FSDP2 and tensor parallel alike. For a
+        # full checkpoint, each tensor is assembled in turn and only rank 0 keeps it (on CPU), so
+        # no rank ever holds the whole model twice. (torch's own full-state-dict path for FSDP1
+        # crashes on CPU processes: a segmentation fault cloning the unsharded parameters.)
+        if self.checkpoint_format != "full":
+            return state
+        return _gather_to_rank0(state, keep=self.is_global_zero)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
@@ -186,6 +190,21 @@ class DistributedCheckpointing:
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
         meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
         return meta
+
+
+def _gather_to_rank0(tree: Any, keep: bool) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        out = {k: _gather_to_rank0(v, keep) for k, v in tree.items()}
+        return out if keep else {}
+    if isinstance(tree, list):
+        return [_gather_to_rank0(v, keep) for v in tree]
+    if isinstance(tree, DTensor):
+        tree = tree.full_tensor()  # a collective: every rank takes part
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True) if keep else None
+    return tree
 
 
 def _replace(partial: Path, path: Path) -> None:

@@ -21,8 +21,10 @@ from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
     DDPConfig,
+    DDPFullyShardedConfig,
     FSDP2Config,
     FSDPConfig,
+    FSDPNativeConfig,
     LauncherConfig,
     LlamaConfig,
     LoggerConfig,
@@ -42,6 +44,8 @@ STRATEGY_SCHEMAS: dict[str, type] = {
     "fsdp2": FSDP2Config,
     "fsdp": FSDPConfig,
     "model_parallel": ModelParallelConfig,
+    "ddp_fully_sharded": DDPFullyShardedConfig,
+    "fsdp_native": FSDPNativeConfig,
 }
 MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig}
 DATA_SCHEMAS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig}

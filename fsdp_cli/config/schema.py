@@ -173,9 +173,38 @@ class FSDPConfig:
     process_group_backend: str | None = None
     timeout_s: int = 1800
     activation_checkpointing: list[str] | None = None
-    """Deprecated (lightning_fairscale name): use ``activation_checkpointing_policy``."""
-    alias_of: str | None = None
-    """Set by the ``ddp_fully_sharded``/``fsdp_native`` options: the old name the user chose."""
+    """Deprecated (Lightning's old keyword): use ``activation_checkpointing_policy``."""
+
+
+@dataclass
+class FSDPNativeConfig(FSDPConfig):
+    """``strategy=fsdp_native``: Lightning 1.x's name for native FSDP; runs as ``strategy=fsdp``."""
+
+    name: str = "fsdp_native"
+
+
+@dataclass
+class DDPFullyShardedConfig(FSDPConfig):
+    """``strategy=ddp_fully_sharded``: lightning_fairscale's DDPFullyShardedStrategy, mapped onto
+    native FSDP (``strategy=fsdp``). Its keywords keep working; null means "not set"."""
+
+    name: str = "ddp_fully_sharded"
+    reshard_after_forward: bool | None = None
+    """true -> FULL_SHARD, false -> SHARD_GRAD_OP."""
+    flatten_parameters: bool | None = None
+    """Native FSDP always flattens; accepted and ignored."""
+    move_grads_to_cpu: bool | None = None
+    """Implied by ``cpu_offload`` in native FSDP."""
+    fp32_reduce_scatter: bool | None = None
+    """true -> ``mixed_precision.reduce_dtype=float32``."""
+    compute_dtype: DType | None = None
+    """-> ``mixed_precision.param_dtype``."""
+    bucket_cap_mb: int | None = None
+    """No native equivalent; accepted and ignored."""
+    min_num_params: int | None = None
+    """-> ``wrap=size`` with this threshold (fairscale's default auto-wrap policy)."""
+    state_dict_to_cpu: bool | None = None
+    """Native full checkpoints are always gathered to CPU; accepted and ignored."""
 
 
 @dataclass

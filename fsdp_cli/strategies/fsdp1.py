@@ -1,0 +1,213 @@
+"""``FSDP1Strategy``: Lightning's FSDPStrategy (FSDP1) with the gaps that bite in practice closed.
+
+* Runs on CPU processes too (gloo): torch's FSDP1 on CPU needs ``device_id=torch.device("cpu")``,
+  Lightning passes the device *index* (None on CPU). Lightning refuses ``FSDPStrategy`` on a CPU
+  accelerator only when ``type(strategy) is FSDPStrategy``, so this subclass is accepted.
+* ``HYBRID_SHARD`` builds its (replicate, shard) mesh on the process's own device type, with a
+  default split of "shard within a node, replicate across nodes" and ``hybrid_shard_size`` to set it.
+* Wrap and activation-checkpointing classes may be given by name; names are resolved against
+  the real model, and a name that matches nothing lists the model's candidate block classes.
+* Manual wrapping (``wrap()`` inside ``configure_model``/``configure_sharded_model``): parameters
+  left outside every unit are covered by wrapping the root as well, instead of silently never
+  being synchronised.
+* An optimizer that holds parameters FSDP has replaced (built before wrapping) is an error that
+  says what to write instead, whatever ``use_orig_params`` is.
+* Checkpoints use the project's formats (:mod:`fsdp_cli.checkpoint`): sharded DCP folders or one
+  full file, interchangeable with every other strategy. Gradient clipping by norm is done by
+  :mod:`fsdp_cli.clipping` through the FSDP root's ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies.fsdp import (
+    _activation_checkpointing_kwargs,
+    _setup_activation_checkpointing,
+)
+from torch import nn
+
+from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.schema import WrapConfig
+from fsdp_cli.parallel.wrap import block_classes, resolve_classes
+
+log = logging.getLogger(__name__)
+
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_AUTO_MESH = (0, 0)
+
+
+class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
+    """Lightning's FSDPStrategy; every constructor argument keeps its meaning.
+
+    Additional arguments:
+        hybrid_shard_size: with ``HYBRID_SHARD``: ranks per shard group (default: the processes of
+            one node); the world is split into world/hybrid_shard_size replicas.
+        wrap: a :class:`~fsdp_cli.config.schema.WrapConfig` (the model's repeated block, or named
+            classes) resolved against the model at setup; takes the place of ``auto_wrap_policy``.
+        activation_checkpointing_policy: also accepts a list of class names.
+        checkpoint_format: ``"sharded"`` or ``"full"`` (replaces ``state_dict_type``, same meaning).
+    """
+
+    def __init__(
+        self,
+        *,
+        hybrid_shard_size: int | None = None,
+        wrap: WrapConfig | None = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        checkpoint_format: str | None = None,
+        state_dict_type: str = "sharded",
+        **kwargs: Any,
+    ) -> None:
+        self.wrap = wrap
+        self._ac_names = _names(activation_checkpointing_policy)
+        sharding = str(getattr(kwargs.get("sharding_strategy"), "name", kwargs.get("sharding_strategy", "")))
+        hybrid = sharding.upper() in HYBRID
+        if hybrid and kwargs.get("device_mesh") is None and kwargs.get("process_group") is None:
+            # Placeholder so Lightning accepts HYBRID_SHARD; the real mesh is built in setup_environment.
+            kwargs["device_mesh"] = _AUTO_MESH
+        super().__init__(
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing_policy=None
+            if self._ac_names is not None
+            else activation_checkpointing_policy,
+            state_dict_type=state_dict_type,  # type: ignore[arg-type]
+            **kwargs,
+        )
+        self.hybrid_shard_size = hybrid_shard_size
+        self.checkpoint_format = checkpoint_format or state_dict_type
+
+    # ------------------------------------------------------------------ devices and meshes
+
+    def _device_id(self) -> int | torch.device:
+        return self.root_device if self.root_device.type == "cpu" else self.root_device.index
+
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = self.kwargs.pop("device_mesh", None)
+        super().setup_environment()
+        if self.kwargs.get("process_group") is not None:
+            return
+        if self.sharding_strategy.name in HYBRID:
+            if isinstance(mesh, tuple) and mesh != _AUTO_MESH:
+                replicate, shard = mesh
+            else:
+                shard = self.hybrid_shard_size or self.num_processes
+                replicate = self.world_size // shard
+            mesh = init_device_mesh(
+                self.root_device.type, (replicate, shard), mesh_dim_names=("replicate", "shard")
+            )
+        elif mesh is None:
+            # A 1-D mesh makes FSDP1's sharded state dicts DTensors (as FSDP2's are) rather than
+            # the deprecated ShardedTensor, so checkpoints move between the two freely.
+            mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+        self.kwargs["device_mesh"] = mesh
+        self._device_mesh = mesh
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``wrap()`` calls inside ``configure_model`` create FSDP units with this strategy's settings."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        kwargs = {k: v for k, v in self.kwargs.items() if k != "auto_wrap_policy"}
+        with enable_wrap(
+            wrapper_cls=FullyShardedDataParallel,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self._device_id(),
+            **kwargs,
+        ):
+            yield
+
+    # ------------------------------------------------------------------ wrapping
+
+    def setup(self, trainer: Any) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        # Lightning skips wrapping for configure_sharded_model users; _setup_model handles both.
+        self.model = self._setup_model(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        module = self.lightning_module
+        assert module is not None
+        if self.wrap is not None:
+            classes = block_classes(module, self.wrap)
+            self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(classes)) if classes else None
+        if self._ac_names is not None:
+            classes = resolve_classes(module, self._ac_names, key="strategy.activation_checkpointing_policy")
+            self._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(
+                None, set(classes) or None
+            )
+
+        kwargs = dict(self.kwargs)
+        if any(isinstance(m, FSDP) for m in model.modules()):
+            # Manually wrapped: only the parameters no unit owns are left for a root unit.
+            kwargs.pop("auto_wrap_policy", None)
+            if isinstance(model, FSDP) or not _has_unwrapped_parameters(model):
+                _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+                return model
+        if kwargs.get("auto_wrap_policy") is None:
+            kwargs.pop("auto_wrap_policy", None)
+        model = FSDP(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self._device_id(),
+            **kwargs,
+        )
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        live = {id(p) for p in self.model.parameters()} if self.model is not None else set()
+        for optimizer in self.optimizers:
+            stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in live]
+            if stale:
+                raise ConfigError(
+                    "configure_optimizers",
+                    type(optimizer).__name__,
+                    f"the optimizer holds {len(stale)} parameter(s) that FSDP replaced when it wrapped the model",
+                    hint="create the optimizer inside configure_optimizers() from self.parameters() "
+                    "(or self.trainer.model.parameters()), not from parameters collected before wrapping",
+                )
+
+
+def _names(policy: Any) -> list[str] | None:
+    if isinstance(policy, (list, tuple, set)) and policy and all(isinstance(p, str) for p in policy):
+        return list(policy)
+    return None
+
+
+def _has_unwrapped_parameters(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    owned: set[int] = set()
+    for unit in model.modules():
+        if isinstance(unit, FSDP):
+            owned.update(id(p) for p in unit.parameters())
+    return any(id(p) not in owned for p in model.parameters())
