@@ -22,8 +22,8 @@ from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
 from fsdp_cli.config.layout import detect_cluster_job, resolve_layout
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.store import register_schemas
-from fsdp_cli.config.validate import validate
-from fsdp_cli.hydra_errors import report_hydra_errors_in_one_line
+from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.report import CONFIG_FILE, STATUS_FAILED, print_summary, read_summary, write_summary
 
 PROG = "fsdp-train"
@@ -45,6 +45,8 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
         typed = resolve_layout(typed, os.environ)
         typed = dataclasses.replace(typed, run_dir=str(run_dir))
         validate(typed)
+        for notice in advisories(typed):
+            print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
     except ConfigError as err:
         fail(err.one_line())
 
@@ -65,10 +67,14 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
             "run_dir": str(run_dir),
         }
         write_summary(run_dir, summary)
-    print_summary(summary, run_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if code == EXIT_CONFIG_ERROR and not multirun:
+        # A mistake only the built model could reveal (a wrap class it does not have, ...):
+        # the rank already printed the one line; nothing else to show.
+        sys.exit(EXIT_CONFIG_ERROR)
+    print_summary(summary, run_dir)
     if code != 0 and not multirun:
-        sys.exit(code if code == EXIT_CONFIG_ERROR else 1)
+        sys.exit(1)
     return summary
 
 
@@ -78,6 +84,7 @@ def main() -> None:
         sys.path.insert(0, os.getcwd())
     register_schemas()
     report_hydra_errors_in_one_line(PROG)
+    sys.argv[1:] = quote_numeric_group_options(sys.argv[1:])
     train()
 
 

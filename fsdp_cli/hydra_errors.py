@@ -60,10 +60,32 @@ def report_hydra_errors_in_one_line(prog: str) -> None:
         except CONFIG_ERRORS as err:
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except ValueError as err:
+            if _raised_by_hydra(err):  # e.g. "Config group override must be a string"
+                print(f"{prog}: error: {err}; hint: {HINT}", file=sys.stderr, flush=True)
+                sys.exit(2)
+            return original(func_raising(err))
         except Exception:
             return original(func_raising(sys.exc_info()[1]))
 
     hydra_utils.run_and_report = run_and_report
+
+
+def _raised_by_hydra(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("hydra.")
+
+
+def quote_numeric_group_options(argv: list[str], groups: tuple[str, ...] = ("precision",)) -> list[str]:
+    """``precision=16`` -> ``precision='16'``: Hydra parses a bare 16 as an int, which cannot name a
+    group option; Lightning's legacy names (16, 32, 64) should still work as typed."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        out.append(f"{key}='{value}'" if sep and key in groups and value.isdigit() else arg)
+    return out
 
 
 def func_raising(err: BaseException | None) -> Callable[[], Any]:

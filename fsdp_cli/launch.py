@@ -24,7 +24,8 @@ from fsdp_cli.report import CONFIG_FILE
 
 
 def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.devices}"]
+    # fsdp_cli.agent is torch.distributed.run with quieter failure reporting (see its docstring).
+    cmd = [sys.executable, "-m", "fsdp_cli.agent", f"--nproc-per-node={cfg.devices}"]
     if cfg.num_nodes == 1 and cfg.launcher.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
@@ -49,6 +50,7 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
         per_rank = (os.cpu_count() or 1) // int(cfg.devices) if cfg.accelerator.value == "cpu" else 1
         env["OMP_NUM_THREADS"] = str(max(1, per_rank))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["FSDP_CLI_LOG_DIR"] = str(Path(cfg.run_dir) / "logs")
     return env
 
 

@@ -40,7 +40,7 @@ def median_of(rows: Iterable[Mapping[str, Any]], key: str) -> float | None:
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     path = Path(run_dir) / SUMMARY_FILE
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # ranks may race on a failed run
     tmp.write_text(json.dumps(dict(summary), indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
 

@@ -18,7 +18,7 @@ from typing import Any
 from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
-from fsdp_cli.report import STATUS_FAILED, STATUS_OK, median_of, steady_state, write_summary
+from fsdp_cli.report import STATUS_FAILED, STATUS_OK, SUMMARY_FILE, median_of, steady_state, write_summary
 
 LOG_DIR = "logs"
 
@@ -44,8 +44,12 @@ def run(cfg: TrainConfig) -> int:
     except Exception as err:  # noqa: BLE001 - reported in summary.json, then re-raised as exit 1
         status, error, code = STATUS_FAILED, f"{type(err).__name__}: {err}", 1
         traceback.print_exc()
-    if rank == 0:
-        write_summary(run_dir, _summary(cfg, state, status=status, error=error, wall=time.time() - started))
+    summary = _summary(cfg, state, status=status, error=error, wall=time.time() - started)
+    summary["exit_code"] = code
+    # Rank 0 writes the summary. When a run fails, another rank may get there first (and rank 0
+    # may be stopped by the launcher before it can), so a failing rank writes one if none exists.
+    if rank == 0 or (code != 0 and not (run_dir / SUMMARY_FILE).exists()):
+        write_summary(run_dir, summary)
     return code
 
 
@@ -79,13 +83,14 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     from fsdp_cli.build.trainer import build_trainer
     from fsdp_cli.checkpoint.run import final_checkpoint_path, resolve_resume
     from fsdp_cli.clipping import GradientClipping
-    from fsdp_cli.data.datamodule import TokenDataModule
+    from fsdp_cli.data.datamodule import TokenDataModule, ValidatedTokenDataModule
     from fsdp_cli.metrics import MetricsCallback
     from fsdp_cli.setup_report import SetupReport
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
-    datamodule = TokenDataModule(cfg.data, seed=cfg.seed, dp_size=int(cfg.dp))
+    data_cls = TokenDataModule if cfg.trainer.val_check_interval is None else ValidatedTokenDataModule
+    datamodule = data_cls(cfg.data, seed=cfg.seed, dp_size=int(cfg.dp))
     strategy = build_strategy(cfg)
     metrics = MetricsCallback(
         Path(cfg.run_dir),

@@ -46,7 +46,7 @@ def test_every_group_option_composes(group: str, option: str) -> None:
     extra = (
         ["model._target_=tests.assets.custom_models.TinyLM"] if (group, option) == ("model", "custom") else []
     )
-    cfg = composed(f"{group}={option}", *extra)
+    cfg = composed(f"{group}='{option}'", *extra)  # quoted: option names such as 16 are strings
     assert isinstance(cfg, TrainConfig)
     node = getattr(cfg, group)
     assert dataclasses.is_dataclass(node)

@@ -21,7 +21,10 @@ def build_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> Strategy:
     return FSDP1Strategy(
         sharding_strategy=strategy.sharding_strategy.value,
         hybrid_shard_size=strategy.hybrid_shard_size,
-        cpu_offload=CPUOffload(offload_params=True) if strategy.cpu_offload else None,
+        # FSDP1 pins offloaded memory, which needs CUDA; on CPU processes offloading is a no-op anyway.
+        cpu_offload=CPUOffload(offload_params=True)
+        if strategy.cpu_offload and cfg.accelerator.value == "gpu"
+        else None,
         mixed_precision=fsdp1_mixed_precision(cfg.precision.name, strategy),
         auto_wrap_policy=size_policy(cfg.wrap),
         wrap=cfg.wrap if cfg.wrap.policy in (WrapPolicy.block, WrapPolicy.classes) else None,

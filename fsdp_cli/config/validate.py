@@ -35,6 +35,22 @@ def validate(cfg: TrainConfig) -> None:
         check(cfg)
 
 
+def advisories(cfg: TrainConfig) -> list[str]:
+    """Settings that run but do nothing on this layout, worth one line each."""
+    notes = []
+    if (
+        isinstance(cfg.strategy, FSDPConfig)
+        and cfg.strategy.cpu_offload
+        and cfg.accelerator is Accelerator.cpu
+    ):
+        notes.append(
+            "note: strategy.cpu_offload has no effect on CPU processes (parameters already live in CPU memory)"
+        )
+    if isinstance(cfg.strategy, FSDP2Config) and cfg.strategy.sequence_parallel and cfg.tp == 1:
+        notes.append("note: strategy.sequence_parallel has no effect with tp=1")
+    return notes
+
+
 def check_strategy_layout(cfg: TrainConfig) -> None:
     strategy = cfg.strategy
     if isinstance(strategy, (DDPConfig, FSDPConfig)) and cfg.tp > 1:

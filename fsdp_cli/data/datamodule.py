@@ -77,6 +77,10 @@ class TokenDataModule(L.LightningDataModule):
         step = self.trainer.global_step if self.trainer is not None else 0
         return self._loader(self._train, start_step=step)
 
+
+class ValidatedTokenDataModule(TokenDataModule):
+    """Adds held-out batches (only when validation is configured, so Lightning sees no unused loader)."""
+
     def val_dataloader(self) -> DataLoader:
         assert self._val is not None
         return self._loader(self._val, start_step=0)

@@ -183,7 +183,23 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         return model
 
     def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
+        from lightning.pytorch.strategies.strategy import Strategy
+
+        # Lightning's FSDPStrategy checks this only with use_orig_params=False and raises a
+        # ValueError; the check below covers both settings and reports like any config mistake.
+        self._reset_optimizers_and_schedulers()
+        hint = (
+            "create the optimizer inside configure_optimizers() from self.parameters() "
+            "(or self.trainer.model.parameters()), not from parameters collected before wrapping"
+        )
+        try:
+            Strategy.setup_optimizers(self, trainer)
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            raise ConfigError(
+                "configure_optimizers", "[]", "the optimizer got no parameters", hint=hint
+            ) from None
         live = {id(p) for p in self.model.parameters()} if self.model is not None else set()
         for optimizer in self.optimizers:
             stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in live]
@@ -192,8 +208,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
                     "configure_optimizers",
                     type(optimizer).__name__,
                     f"the optimizer holds {len(stale)} parameter(s) that FSDP replaced when it wrapped the model",
-                    hint="create the optimizer inside configure_optimizers() from self.parameters() "
-                    "(or self.trainer.model.parameters()), not from parameters collected before wrapping",
+                    hint=hint,
                 )
 
 

@@ -1,0 +1,47 @@
+"""The launcher process: PyTorch's elastic agent (``torch.distributed.run``), reporting failures our way.
+
+``python -m fsdp_cli.agent <torchrun arguments>`` runs exactly what ``torchrun`` would. The
+difference is at the end: when a rank fails, torchrun prints its own traceback and failure
+table; for a config error (a rank exited with status 2 after printing one line) that is noise,
+so the agent exits 2 quietly. For any other failure it prints the failure table, which names
+the rank that failed first, and exits 1. The table also goes to ``<log dir>/launcher.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
+from fsdp_cli.config.errors import EXIT_CONFIG_ERROR
+
+LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
+
+
+def main(argv: list[str]) -> int:
+    args = get_args_parser().parse_args(argv)
+    # The agent's own per-event chatter ("Sending process ... closing signal") adds nothing the
+    # failure report below does not say.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        run(args)
+    except ChildFailedError as err:
+        _, first = err.get_first_failure()
+        report = err.format_msg()
+        log_dir = os.environ.get(LOG_DIR_ENV)
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / "launcher.log").write_text(report + "\n")
+        if first.exitcode == EXIT_CONFIG_ERROR:
+            return EXIT_CONFIG_ERROR
+        print(report, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

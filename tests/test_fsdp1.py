@@ -1,0 +1,162 @@
+"""strategy=fsdp (Lightning's FSDPStrategy, FSDP1) and the lightning_fairscale migration path, on CPU ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import (
+    PARITY,
+    SINGLE_PROCESS,
+    assert_ok,
+    assert_same_losses,
+    composed,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
+
+from fsdp_cli.config.migrate import migrate
+from fsdp_cli.config.schema import DType, FSDPConfig, ShardingStrategy, WrapPolicy
+
+SHARDING = {
+    "full_shard": ["devices=2"],
+    "shard_grad_op": ["devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
+    "no_shard": ["devices=2", "strategy.sharding_strategy=NO_SHARD"],
+    "hybrid_shard_2x2": [
+        "devices=4",
+        "strategy.sharding_strategy=HYBRID_SHARD",
+        "strategy.hybrid_shard_size=2",
+    ],
+    "size_based_auto_wrap": ["devices=2", "wrap=size", "wrap.min_num_params=20000"],
+    "activation_checkpointing": ["devices=2", "strategy.activation_checkpointing_policy=[TransformerBlock]"],
+}
+MANUAL = ["model=custom", "model._target_=tests.assets.manual_wrap.ManuallyWrappedLM", "data.vocab_size=256"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(SHARDING))
+def test_sharding_option_keeps_single_process_losses(
+    tmp_path: Path, reference_losses: list[float], name: str
+) -> None:
+    run_dir = tmp_path / name
+    summary = assert_ok(run_cli(["strategy=fsdp", *SHARDING[name], *PARITY], run_dir), run_dir)
+    assert_same_losses(reference_losses, run_dir)
+    assert summary["strategy"] == "fsdp"
+    setup = summary["setup"]
+    if name == "hybrid_shard_2x2":
+        assert setup["mesh"] == {"replicate": 2, "shard": 2}
+    if name == "activation_checkpointing":
+        assert setup["activation_checkpointing"] == 4
+    units = setup["fsdp_units"]
+    assert "<root>" in units and (name == "size_based_auto_wrap" or len(units) == 5), units
+    # Clipping by norm ran through the FSDP root (Lightning's FSDP plugin would refuse it).
+    assert all(row["grad_norm"] > 0 for row in read_metrics(run_dir))
+
+
+@pytest.mark.distributed
+def test_manual_wrap_matches_the_same_module_on_one_process(tmp_path: Path) -> None:
+    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    assert_ok(run_cli([*MANUAL, *SINGLE_PROCESS, *PARITY], single), single)
+    summary = assert_ok(run_cli([*MANUAL, "strategy=fsdp", "devices=2", *PARITY], sharded), sharded)
+    reference = [row["loss"] for row in read_metrics(single)]
+    assert_same_losses(reference, sharded)
+    # Each wrap() call made a unit; the embedding and head (outside any unit) got the root unit.
+    assert sorted(summary["setup"]["fsdp_units"]) == ["<root>", "blocks.0", "blocks.1"]
+
+
+@pytest.mark.distributed
+def test_optimizer_from_parameters_captured_before_wrapping_is_refused(tmp_path: Path) -> None:
+    """With use_orig_params=false FSDP replaces parameters by flat ones; an optimizer over the old
+    ones would silently train nothing."""
+    run_dir = tmp_path / "captured"
+    args = [
+        *MANUAL,
+        "+model.optimizer_params=captured",
+        "strategy=fsdp",
+        "strategy.use_orig_params=false",
+        "devices=2",
+        *PARITY,
+    ]
+    result = run_cli(args, run_dir)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = read_summary(run_dir)["error"]
+    assert "FSDP replaced" in error and "self.parameters()" in error and "configure_optimizers()" in error
+
+
+@pytest.mark.distributed
+def test_unknown_wrap_class_lists_the_model_block_classes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "badwrap"
+    result = run_cli(
+        ["strategy=fsdp", "devices=2", "wrap=classes", "wrap.classes=[LlamaDecoderLayer]", *PARITY], run_dir
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("fsdp-train: error:")]
+    assert lines and "wrap.classes=LlamaDecoderLayer" in lines[0] and "TransformerBlock" in lines[0], (
+        result.stderr[-2000:]
+    )
+    assert read_summary(run_dir)["status"] == "failed"
+    assert not (run_dir / "metrics.jsonl").exists(), "nothing trained"
+
+
+@pytest.mark.distributed
+def test_ddp_fully_sharded_runs_as_native_fsdp(tmp_path: Path, reference_losses: list[float]) -> None:
+    run_dir = tmp_path / "fairscale"
+    args = [
+        "strategy=ddp_fully_sharded",
+        "devices=2",
+        "strategy.cpu_offload=true",
+        "strategy.activation_checkpointing=[TransformerBlock]",
+        *PARITY,
+    ]
+    result = run_cli(args, run_dir)
+    summary = assert_ok(result, run_dir)
+    assert "strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP" in result.stderr
+    assert "strategy.activation_checkpointing is deprecated" in result.stderr
+    assert summary["strategy"] == "fsdp" and summary["setup"]["activation_checkpointing"] == 4
+    assert "name: fsdp\n" in (run_dir / "config.yaml").read_text()
+    assert_same_losses(reference_losses, run_dir)
+
+
+def test_fairscale_keywords_translate() -> None:
+    cfg, notices = migrate(
+        composed(
+            "strategy=ddp_fully_sharded",
+            "strategy.reshard_after_forward=false",
+            "strategy.compute_dtype=bfloat16",
+            "strategy.fp32_reduce_scatter=true",
+            "strategy.min_num_params=1000",
+            "strategy.flatten_parameters=true",
+            "precision='16'",  # as fsdp-train passes `precision=16` on to Hydra
+        )
+    )
+    strategy = cfg.strategy
+    assert type(strategy) is FSDPConfig and strategy.name == "fsdp"
+    assert strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert (strategy.mixed_precision.param_dtype, strategy.mixed_precision.reduce_dtype) == (
+        DType.bfloat16,
+        DType.float32,
+    )
+    assert (cfg.wrap.policy, cfg.wrap.min_num_params) == (WrapPolicy.size, 1000)
+    assert cfg.precision.name == "16-mixed"
+    assert any("precision=16 is the old name of precision=16-mixed" in n for n in notices)
+    assert any("flatten_parameters" in n and "ignored" in n for n in notices)
+
+
+def test_fsdp_native_and_legacy_precisions() -> None:
+    cfg, notices = migrate(composed("strategy=fsdp_native", "precision=bf16"))
+    assert type(cfg.strategy) is FSDPConfig and cfg.precision.name == "bf16-mixed"
+    assert any("fsdp_native" in n for n in notices)
+    cfg, notices = migrate(composed("strategy=fsdp", "strategy.activation_checkpointing=[TransformerBlock]"))
+    assert (
+        cfg.strategy.activation_checkpointing_policy == ["TransformerBlock"]
+        and cfg.strategy.activation_checkpointing is None
+    )
+    assert any("deprecated" in n for n in notices)
+
+
+def test_precision_16_on_cpu_is_refused_under_its_new_name(tmp_path: Path) -> None:
+    result = run_cli(["strategy=ddp_fully_sharded", "precision=16", "accelerator=cpu"], tmp_path / "p16")
+    assert result.returncode == 2
+    assert "precision=16 is the old name of precision=16-mixed" in result.stderr
+    assert "fsdp-train: error: precision=16-mixed: float16 needs a GPU" in result.stderr
