@@ -14,12 +14,14 @@ import os
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
+EXIT_PREEMPTED = 143
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +31,10 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     try:
         run(args)
+    except SignalException as err:
+        # Preemption: the ranks were sent the signal, saved, and exited; say so in one line.
+        print(f"fsdp-train: stopped by signal {err.sigval.name}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except ChildFailedError as err:
         _, first = err.get_first_failure()
         report = err.format_msg()
@@ -36,8 +42,8 @@ def main(argv: list[str]) -> int:
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             (Path(log_dir) / "launcher.log").write_text(report + "\n")
-        if first.exitcode == EXIT_CONFIG_ERROR:
-            return EXIT_CONFIG_ERROR
+        if first.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):
+            return first.exitcode
         print(report, file=sys.stderr, flush=True)
         return 1
     return 0

@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.config.convert import to_train_config, to_yaml
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
 from fsdp_cli.config.layout import detect_cluster_job, resolve_layout
@@ -27,6 +28,7 @@ from fsdp_cli.hydra_errors import quote_numeric_group_options, report_hydra_erro
 from fsdp_cli.report import CONFIG_FILE, STATUS_FAILED, print_summary, read_summary, write_summary
 
 PROG = "fsdp-train"
+EXIT_PREEMPTED = 143
 
 
 def fail(message: str) -> NoReturn:
@@ -45,7 +47,8 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
         typed = resolve_layout(typed, os.environ)
         typed = dataclasses.replace(typed, run_dir=str(run_dir))
         validate(typed)
-        for notice in advisories(typed):
+        typed, resume_notices = resolve_resume(typed)
+        for notice in [*advisories(typed), *resume_notices]:
             print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
     except ConfigError as err:
         fail(err.one_line())
@@ -74,7 +77,7 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
         sys.exit(EXIT_CONFIG_ERROR)
     print_summary(summary, run_dir)
     if code != 0 and not multirun:
-        sys.exit(1)
+        sys.exit(code if code == EXIT_PREEMPTED else 1)
     return summary
 
 

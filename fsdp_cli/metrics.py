@@ -43,6 +43,7 @@ class MetricsCallback(L.Callback):
         self._t_last = time.perf_counter()
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._keep_rows_up_to(trainer.global_step)
             self._file = open(self.path, "a")
 
     def on_train_batch_end(
@@ -87,6 +88,15 @@ class MetricsCallback(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.close()
         self.peak_memory_bytes = gather_peak_memory(trainer)
+
+    def _keep_rows_up_to(self, step: int) -> None:
+        """On resume, drop rows of steps after the checkpoint: they are about to be trained again."""
+        if not self.path.exists():
+            return
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line)["step"] <= step]
+        if len(kept) != len(rows):
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def close(self) -> None:
         if self._file is not None:

@@ -18,9 +18,18 @@ from typing import Any
 from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
-from fsdp_cli.report import STATUS_FAILED, STATUS_OK, SUMMARY_FILE, median_of, steady_state, write_summary
+from fsdp_cli.report import (
+    STATUS_FAILED,
+    STATUS_OK,
+    STATUS_PREEMPTED,
+    SUMMARY_FILE,
+    median_of,
+    steady_state,
+    write_summary,
+)
 
 LOG_DIR = "logs"
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect from a job that was told to stop
 
 
 def global_rank() -> int:
@@ -38,6 +47,12 @@ def run(cfg: TrainConfig) -> int:
     status, error, code = STATUS_OK, None, 0
     try:
         _fit(cfg, state)
+        if state.get("preempted"):
+            status, error, code = (
+                STATUS_PREEMPTED,
+                "stopped by SIGTERM after saving a checkpoint",
+                EXIT_PREEMPTED,
+            )
     except ConfigError as err:
         status, error, code = STATUS_FAILED, err.one_line(), EXIT_CONFIG_ERROR
         print(f"fsdp-train: error: {error}", file=sys.stderr, flush=True)
@@ -77,12 +92,13 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     import lightning as L
 
     _quiet_known_noise()
-
     from fsdp_cli.build.model import build_module
     from fsdp_cli.build.strategy import build_strategy
     from fsdp_cli.build.trainer import build_trainer
-    from fsdp_cli.checkpoint.run import final_checkpoint_path, resolve_resume
+    from fsdp_cli.checkpoint.callback import CheckpointCallback
+    from fsdp_cli.checkpoint.run import checkpoint_dir
     from fsdp_cli.clipping import GradientClipping
+    from fsdp_cli.config.convert import to_container
     from fsdp_cli.data.datamodule import TokenDataModule, ValidatedTokenDataModule
     from fsdp_cli.metrics import MetricsCallback
     from fsdp_cli.setup_report import SetupReport
@@ -92,27 +108,31 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
     data_cls = TokenDataModule if cfg.trainer.val_check_interval is None else ValidatedTokenDataModule
     datamodule = data_cls(cfg.data, seed=cfg.seed, dp_size=int(cfg.dp))
     strategy = build_strategy(cfg)
+    strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
     metrics = MetricsCallback(
         Path(cfg.run_dir),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=cfg.trainer.max_steps,
     )
+    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), cfg.trainer.max_steps)
     setup = SetupReport()
-    state["metrics"], state["setup"] = metrics, setup
-    callbacks: list[L.Callback] = [setup, metrics]
+    state.update(metrics=metrics, setup=setup, checkpoints=checkpoints, module=module)
+    callbacks: list[L.Callback] = [setup, metrics, checkpoints]
     if cfg.trainer.gradient_clip_val is not None:
         clipping = GradientClipping(cfg.trainer.gradient_clip_val, cfg.trainer.gradient_clip_algorithm)
         metrics.clipping = clipping
         callbacks.insert(0, clipping)
     trainer = build_trainer(cfg, strategy, callbacks=callbacks, accumulation=datamodule.accumulation)
-    state["module"] = module
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_resume(cfg))
+    checkpoints.install_signal_handler()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
     state["steps"] = trainer.global_step
-    if cfg.checkpoint.save_last:
-        path = final_checkpoint_path(cfg, trainer.global_step)
-        trainer.save_checkpoint(path, weights_only=False)
-        state["checkpoint"] = str(path)
+    last = checkpoints.last_saved
+    already_saved = last is not None and last.name.startswith(f"step_{trainer.global_step:08d}")
+    if (cfg.checkpoint.save_last or checkpoints.preempted) and not already_saved:
+        checkpoints.save(trainer)
+    state["checkpoint"] = str(checkpoints.last_saved) if checkpoints.last_saved else None
+    state["preempted"] = checkpoints.preempted
 
 
 def _summary(

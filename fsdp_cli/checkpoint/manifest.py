@@ -29,7 +29,7 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
         "epoch": int(checkpoint.get("epoch", 0)),
         "world_size": int(strategy.world_size),
         "strategy": type(strategy).__name__,
-        "mesh": _mesh_info(mesh),
+        "mesh": _mesh_info(mesh) or {"data_parallel": int(strategy.world_size)},
         # size() of a DTensor or ShardedTensor is the whole tensor's, so this holds on any layout.
         "parameter_count": int(sum(math.prod(t.size()) for t in tensors)),
         "dtypes": dtypes,

@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 from fsdp_cli.checkpoint.format import FULL_SUFFIX, PARTIAL_SUFFIX, CheckpointFormatError, checkpoint_format
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -39,17 +38,3 @@ def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
                 continue
             found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def resolve_resume(cfg: TrainConfig) -> str | None:
-    """``resume=null`` -> None; ``auto`` -> the newest complete checkpoint (or None); a path -> itself."""
-    if cfg.resume is None:
-        return None
-    if cfg.resume == "auto":
-        found = complete_checkpoints(checkpoint_dir(cfg))
-        return str(found[-1][1]) if found else None
-    try:
-        checkpoint_format(cfg.resume)
-    except CheckpointFormatError as err:
-        raise ConfigError("resume", cfg.resume, str(err), hint="fsdp-ckpt inspect PATH") from None
-    return str(cfg.resume)

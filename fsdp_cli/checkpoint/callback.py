@@ -1,0 +1,151 @@
+"""Periodic saves, retention, preemption, and the state Lightning does not checkpoint by itself.
+
+* ``checkpoint.every_n_steps``: save after every N-th optimizer step (through the strategy, so
+  in the configured format, atomically).
+* ``checkpoint.keep_last``: after each save, delete the oldest complete checkpoints beyond N; the
+  newest complete one is never deleted, and a save that did not finish never counts.
+* SIGTERM (preemption): the signal only sets a flag. At the next optimizer-step boundary all
+  ranks agree (one all-reduce of a CPU flag over a gloo group, so no GPU synchronisation), stop
+  training, and the worker saves before exiting with status ``preempted``.
+* Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
+  dropout resumes exactly too.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX
+from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
+from fsdp_cli.config.schema import CheckpointConfig
+
+
+class CheckpointCallback(L.Callback):
+    def __init__(self, config: CheckpointConfig, directory: Path, max_steps: int) -> None:
+        self.config = config
+        self.directory = Path(directory)
+        self.max_steps = max_steps
+        self.preempted = False
+        self.last_saved: Path | None = None
+        self._sigterm = False
+        self._flag_group: Any = None
+        self._seen_step = 0
+
+    # ------------------------------------------------------------------ preemption
+
+    def install_signal_handler(self) -> None:
+        """Call before ``fit``: a SIGTERM marks the run for a save at the next step boundary."""
+        if self.config.save_on_sigterm:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning's own SIGTERM handling broadcasts from inside the signal handler and from
+        # every training batch (a device sync per step on GPUs); this callback replaces both.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            backend = dist.get_backend()
+            self._flag_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+    def _any_rank_signalled(self) -> bool:
+        flag = torch.tensor([1 if self._sigterm else 0], dtype=torch.int32)
+        if self._flag_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ periodic saves
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:  # between micro-batches of one step
+            return
+        self._seen_step = step
+        if self.config.save_on_sigterm and self._any_rank_signalled():
+            self.preempted = True
+            trainer.should_stop = True
+            return
+        every = self.config.every_n_steps
+        if every and step % every == 0 and step < self.max_steps:  # the last step is saved by the worker
+            self.save(trainer)
+
+    def save(self, trainer: L.Trainer) -> Path:
+        path = self.directory / checkpoint_name(trainer.global_step, self.config.format)
+        trainer.save_checkpoint(path, weights_only=False)
+        self.last_saved = path
+        if trainer.is_global_zero:
+            self.prune()
+        return path
+
+    def prune(self) -> list[Path]:
+        """Delete complete checkpoints beyond ``keep_last`` (oldest first) and leftovers of
+        interrupted saves older than the newest complete checkpoint."""
+        complete = complete_checkpoints(self.directory)
+        removed = []
+        for _, path in complete[: max(0, len(complete) - max(1, self.config.keep_last))]:
+            _remove(path)
+            removed.append(path)
+        if complete:
+            newest = complete[-1][1].stat().st_mtime
+            for leftover in self.directory.glob(f"*{PARTIAL_SUFFIX}"):
+                if leftover.stat().st_mtime < newest:
+                    _remove(leftover)
+        return removed
+
+    # ------------------------------------------------------------------ RNG state
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = _rng_state()
+        if dist.is_available() and dist.is_initialized():
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            return {"rng": everyone}
+        return {"rng": [mine]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state.get("rng") or []
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        # Per-rank streams only mean something on the same layout; elsewhere keep the fresh seeds.
+        if len(states) == world:
+            _set_rng_state(states[rank])
+
+
+def _rng_state() -> dict[str, Any]:
+    # Plain types and tensors only: checkpoints are read back with torch.load(weights_only=True).
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,109 @@
+"""``fsdp-ckpt``: inspect and convert fsdp-train checkpoints offline.
+
+    fsdp-ckpt inspect PATH [--json]
+    fsdp-ckpt convert SRC DST --to full|sharded|safetensors
+
+No GPU and no process group are needed. Errors (not a checkpoint, an incomplete save, a missing
+shard) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from fsdp_cli.checkpoint.format import CheckpointFormatError
+
+PROG = "fsdp-ckpt"
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """What ``inspect`` shows; the manifest where there is one, else what the tensors tell."""
+    from fsdp_cli.checkpoint.convert import check_complete, load
+
+    fmt = check_complete(path)
+    ckpt = load(path)
+    manifest = ckpt.manifest or {}
+    tensors = [v for v in ckpt.state_dict.values() if hasattr(v, "dtype")]
+    return {
+        "path": str(path),
+        "format": fmt,
+        "step": manifest.get("step", ckpt.meta.get("global_step")),
+        "world_size": manifest.get("world_size"),
+        "mesh": manifest.get("mesh"),
+        "strategy": manifest.get("strategy"),
+        "parameter_count": sum(t.numel() for t in tensors),
+        "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+        "optimizer_state": bool(ckpt.optimizer_states and any(s.get("state") for s in ckpt.optimizer_states)),
+        "versions": manifest.get("versions"),
+        "saved_at": manifest.get("saved_at"),
+        "config": manifest.get("config"),
+    }
+
+
+def _print_table(info: dict[str, Any]) -> None:
+    from omegaconf import OmegaConf
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"checkpoint {escape(info['path'])}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    mesh = " x ".join(f"{k}={v}" for k, v in (info["mesh"] or {}).items()) or "-"
+    for key, value in (
+        ("format", info["format"]),
+        ("step", info["step"]),
+        ("saved by", f"{info['strategy']} on {info['world_size']} ranks" if info["world_size"] else "-"),
+        ("mesh", mesh),
+        ("parameters", f"{info['parameter_count']:,}"),
+        ("dtypes", ", ".join(info["dtypes"])),
+        ("optimizer state", "yes" if info["optimizer_state"] else "no"),
+        ("versions", ", ".join(f"{k} {v}" for k, v in (info["versions"] or {}).items()) or "-"),
+        ("saved at", info["saved_at"] or "-"),
+    ):
+        table.add_row(key, escape(str(value)))
+    console = Console()
+    console.print(table)
+    if info["config"]:
+        console.print("[bold]trained with:[/bold]")
+        console.print(escape(OmegaConf.to_yaml(OmegaConf.create(info["config"]))), highlight=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Inspect and convert fsdp-train checkpoints (offline)."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="format, step, layout, parameters, dtypes, config")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    convert = commands.add_parser("convert", help="rewrite a checkpoint in another format")
+    convert.add_argument("src", type=Path)
+    convert.add_argument("dst", type=Path)
+    convert.add_argument("--to", required=True, choices=("full", "sharded", "safetensors"))
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = describe(args.path)
+            if args.json:
+                print(json.dumps(info, indent=2, default=str))
+            else:
+                _print_table(info)
+        else:
+            from fsdp_cli.checkpoint.convert import convert as run_convert
+
+            out = run_convert(args.src, args.dst, args.to)
+            print(f"{PROG}: wrote {args.to} checkpoint {out}")
+    except (CheckpointFormatError, FileExistsError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except BrokenPipeError:  # `fsdp-ckpt inspect --json | head`
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

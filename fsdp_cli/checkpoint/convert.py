@@ -1,0 +1,184 @@
+"""Offline checkpoint tools: read, check and convert, on one machine, without a process group.
+
+Formats (see :mod:`fsdp_cli.checkpoint.format`): ``full`` (one torch file), ``sharded`` (a DCP
+folder) and ``safetensors`` (model weights only, for other tools). Every conversion is atomic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_cli.checkpoint.format import (
+    MANIFEST_FILE,
+    MANIFEST_KEY,
+    META_FILE,
+    PARTIAL_SUFFIX,
+    CheckpointFormatError,
+    checkpoint_format,
+    fsync_tree,
+    write_json_atomic,
+)
+
+MODEL_PREFIX = "model."
+# Offline use is the point here; DCP's note that no process group exists is noise.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint in memory: model weights, optimizer states, the rest of Lightning's dict, manifest."""
+
+    state_dict: dict[str, torch.Tensor]
+    optimizer_states: list[dict[str, Any]]
+    meta: dict[str, Any]
+    manifest: dict[str, Any] | None
+
+
+def check_complete(path: Path) -> str:
+    """The format, after checking that nothing is missing; :class:`CheckpointFormatError` otherwise."""
+    fmt = checkpoint_format(path)
+    if fmt == "sharded":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(path)).read_metadata()
+        files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+        missing = [name for name in files if not (path / name).is_file()]
+        if missing:
+            raise CheckpointFormatError(
+                f"{path}: missing shard file(s) {', '.join(missing)} listed in .metadata"
+            )
+        if not (path / META_FILE).is_file():
+            raise CheckpointFormatError(f"{path}: no {META_FILE}; not a checkpoint written by fsdp-train")
+    return fmt
+
+
+def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
+    """Read a full or sharded checkpoint into memory (``weights_only_model``: skip optimizer state)."""
+    path = Path(path)
+    if check_complete(path) == "full":
+        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(data, dict) or "state_dict" not in data:
+            raise CheckpointFormatError(
+                f"{path}: a torch file without 'state_dict'; not an fsdp-train checkpoint"
+            )
+        manifest = data.pop(MANIFEST_KEY, None)
+        state = data.pop("state_dict")
+        optim = [] if weights_only_model else list(data.pop("optimizer_states", []))
+        data.pop("optimizer_states", None)
+        return Checkpoint(state, optim, data, manifest)
+    tensors = _load_dcp(path, only_model=weights_only_model)
+    optim_tree = tensors.get("optimizer_states", {})
+    optim = (
+        [optim_tree[k] for k in sorted(optim_tree, key=int)]
+        if isinstance(optim_tree, dict)
+        else list(optim_tree)
+    )
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    manifest = _read_json(path / MANIFEST_FILE)
+    return Checkpoint(tensors.get("state_dict", {}), optim, meta, manifest)
+
+
+def _load_dcp(path: Path, *, only_model: bool) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not only_model:
+        # What torch's own dcp_to_torch_save does: let the planner rebuild every entry from .metadata.
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        state: dict[str, Any] = {}
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(str(path)),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+        return state
+    # Allocate only the model's tensors (no optimizer state) and let DCP fill them in.
+    metadata = FileSystemReader(str(path)).read_metadata()
+    model: dict[str, torch.Tensor] = {}
+    for key, info in metadata.state_dict_metadata.items():
+        if key.startswith("state_dict.") and isinstance(info, TensorStorageMetadata):
+            model[key[len("state_dict.") :]] = torch.empty(info.size, dtype=info.properties.dtype)
+    dcp.load({"state_dict": model}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return {"state_dict": model}
+
+
+def save_full(ckpt: Checkpoint, dst: Path) -> None:
+    data = {**ckpt.meta, "state_dict": ckpt.state_dict, "optimizer_states": ckpt.optimizer_states}
+    data[MANIFEST_KEY] = _manifest_as(ckpt.manifest, "full")
+    partial = _partial(dst)
+    torch.save(data, partial)
+    fsync_tree(partial)
+    os.replace(partial, dst)
+
+
+def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    partial = _partial(dst)
+    tensors = {
+        "state_dict": ckpt.state_dict,
+        "optimizer_states": {str(i): s for i, s in enumerate(ckpt.optimizer_states)},
+    }
+    dcp.save(tensors, checkpoint_id=str(partial), no_dist=True)
+    torch.save(ckpt.meta, partial / META_FILE)
+    write_json_atomic(partial / MANIFEST_FILE, _manifest_as(ckpt.manifest, "sharded"))
+    fsync_tree(partial)
+    os.replace(partial, dst)
+
+
+def save_safetensors(ckpt: Checkpoint, dst: Path) -> None:
+    """Model weights only, named as the model's own ``state_dict`` names them (no ``model.`` prefix)."""
+    from safetensors.torch import save_file
+
+    state = ckpt.state_dict
+    if state and all(k.startswith(MODEL_PREFIX) for k in state):
+        state = {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
+    # clone(): safetensors refuses tensors that share memory (tied embeddings) and mmap'd views.
+    tensors = {k: v.detach().clone().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
+    partial = _partial(dst)
+    save_file(tensors, str(partial), metadata={"format": "pt", "producer": "fsdp-ckpt", "step": str(step)})
+    fsync_tree(partial)
+    os.replace(partial, dst)
+
+
+def convert(src: Path, dst: Path, to: str) -> Path:
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst}: already exists; choose another destination")
+    ckpt = load(src, weights_only_model=to == "safetensors")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    {"full": save_full, "sharded": save_sharded, "safetensors": save_safetensors}[to](ckpt, dst)
+    return dst
+
+
+def _partial(dst: Path) -> Path:
+    partial = dst.with_name(dst.name + PARTIAL_SUFFIX)
+    if partial.is_dir():
+        shutil.rmtree(partial)
+    elif partial.exists():
+        partial.unlink()
+    return partial
+
+
+def _manifest_as(manifest: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    out = dict(manifest or {})
+    out["format"] = fmt
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    import json
+
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,92 @@
+"""What ``resume`` means for this run, decided in the parent before any rank starts.
+
+``resume=auto`` becomes the newest complete checkpoint of ``checkpoint.dir`` (default
+``<run dir>/checkpoints``) or null; a path is checked to be a complete checkpoint. The
+checkpoint's manifest is compared with the new config: changed layout, precision or training
+settings are listed and the run proceeds (sharded checkpoints reshard on load); a different
+model shape stops the run with the keys that differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from fsdp_cli.checkpoint.format import CheckpointFormatError, checkpoint_format, read_manifest
+from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
+from fsdp_cli.config.convert import to_container
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.schema import TrainConfig
+
+# Keys whose change makes the saved tensors unusable (shapes, or a different model altogether).
+SHAPE_KEYS = (
+    "model.name",
+    "model._target_",
+    "model.vocab_size",
+    "model.dim",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.ffn_hidden_dim",
+    "model.multiple_of",
+    "model.tie_embeddings",
+)
+# Keys that differ between any two runs and say nothing about compatibility.
+IGNORED = ("run_dir", "resume", "checkpoint.dir", "launcher.")
+
+
+def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """The config with ``resume`` made concrete (a path or None), and notices for the user."""
+    if cfg.resume is None:
+        return cfg, []
+    if cfg.resume == "auto":
+        found = complete_checkpoints(checkpoint_dir(cfg))
+        if not found:
+            return dataclasses.replace(cfg, resume=None), [
+                f"note: resume=auto: no checkpoint in {checkpoint_dir(cfg)}; starting fresh"
+            ]
+        path = str(found[-1][1])
+    else:
+        path = str(cfg.resume)
+        try:
+            checkpoint_format(path)
+        except CheckpointFormatError as err:
+            raise ConfigError(
+                "resume", path, str(err), hint="fsdp-ckpt inspect PATH shows what a checkpoint holds"
+            ) from None
+    manifest = read_manifest(path)
+    notices = [f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else "")]
+    if manifest and "config" in manifest:
+        notices.extend(compare(manifest["config"], to_container(cfg), path))
+    return dataclasses.replace(cfg, resume=path), notices
+
+
+def compare(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> list[str]:
+    """Notices for compatible changes; :class:`ConfigError` for an incompatible model."""
+    before, after = _flat(saved), _flat(current)
+    changed = sorted(
+        k for k in before.keys() | after.keys() if before.get(k) != after.get(k) and not k.startswith(IGNORED)
+    )
+    shape = [k for k in changed if k in SHAPE_KEYS or (k.startswith("model.") and "_target_" in before)]
+    if shape:
+        detail = ", ".join(f"{k}: {before.get(k)} -> {after.get(k)}" for k in shape)
+        raise ConfigError(
+            "resume",
+            path,
+            f"the checkpoint holds a different model ({detail})",
+            hint="resume with the model settings it was trained with, or start fresh with resume=null",
+        )
+    if not changed:
+        return []
+    listed = ", ".join(f"{k}: {before.get(k)} -> {after.get(k)}" for k in changed)
+    return [f"note: changed since the checkpoint (compatible, proceeding): {listed}"]
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
