@@ -80,6 +80,7 @@ def _quiet_known_noise() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
 
     class _NormPartialNote(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:

@@ -84,16 +84,39 @@ def composed(*overrides: str) -> Any:
 
 
 # The fp32 settings every loss-parity comparison uses; the single-process run is the reference.
-PARITY = [*FAST, "precision=32-true", "accelerator=cpu", "seed=11"]
+# Each run also leaves checkpoints at steps 3 and 6, which the checkpoint tests resume from.
+PARITY = [*FAST, "precision=32-true", "accelerator=cpu", "seed=11", "checkpoint.every_n_steps=3"]
 SINGLE_PROCESS = ["strategy=ddp", "devices=1"]
+# Runs shared across test modules (started at most once per session, on first use).
+LAYOUTS = {
+    "single": SINGLE_PROCESS,
+    "ddp": ["strategy=ddp", "devices=2"],
+    "fsdp2": ["strategy=fsdp2", "devices=2"],
+    "fsdp2_tp2": ["strategy=fsdp2", "devices=2", "tp=2"],
+    "fsdp": ["strategy=fsdp", "devices=2", "checkpoint=full"],
+}
 
 
 @pytest.fixture(scope="session")
-def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def layout_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``layout_run(name)`` -> the run directory of ``LAYOUTS[name]`` with ``PARITY`` settings."""
+    root = tmp_path_factory.mktemp("layouts")
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            run_dir = root / name
+            assert_ok(run_cli([*LAYOUTS[name], *PARITY], run_dir), run_dir)
+            done[name] = run_dir
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_losses(layout_run: Any) -> list[float]:
     """Per-step losses of the single-process fp32 run that every layout must reproduce."""
-    run_dir = tmp_path_factory.mktemp("reference") / "single"
-    assert_ok(run_cli([*SINGLE_PROCESS, *PARITY], run_dir), run_dir)
-    return losses(run_dir)
+    return losses(layout_run("single"))
 
 
 def assert_same_losses(reference: list[float], run_dir: Path, tol: float = 1e-5) -> None:

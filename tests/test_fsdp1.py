@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -20,7 +21,7 @@ from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.schema import DType, FSDPConfig, ShardingStrategy, WrapPolicy
 
 SHARDING = {
-    "full_shard": ["devices=2"],
+    "full_shard": None,  # the shared `fsdp` layout run
     "shard_grad_op": ["devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
     "no_shard": ["devices=2", "strategy.sharding_strategy=NO_SHARD"],
     "hybrid_shard_2x2": [
@@ -37,10 +38,14 @@ MANUAL = ["model=custom", "model._target_=tests.assets.manual_wrap.ManuallyWrapp
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SHARDING))
 def test_sharding_option_keeps_single_process_losses(
-    tmp_path: Path, reference_losses: list[float], name: str
+    tmp_path: Path, reference_losses: list[float], layout_run: Any, name: str
 ) -> None:
-    run_dir = tmp_path / name
-    summary = assert_ok(run_cli(["strategy=fsdp", *SHARDING[name], *PARITY], run_dir), run_dir)
+    if SHARDING[name] is None:
+        run_dir = layout_run("fsdp")
+        summary = read_summary(run_dir)
+    else:
+        run_dir = tmp_path / name
+        summary = assert_ok(run_cli(["strategy=fsdp", *SHARDING[name], *PARITY], run_dir), run_dir)
     assert_same_losses(reference_losses, run_dir)
     assert summary["strategy"] == "fsdp"
     setup = summary["setup"]

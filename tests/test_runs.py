@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import (
-    PARITY,
-    SINGLE_PROCESS,
-    assert_ok,
-    assert_same_losses,
-    losses,
-    read_metrics,
-    read_summary,
-    run_cli,
-)
+from conftest import LAYOUTS, assert_ok, assert_same_losses, losses, read_metrics, read_summary, run_cli
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {
-    "single": SINGLE_PROCESS,
-    "ddp": ["strategy=ddp", "devices=2"],
-    "fsdp2": ["strategy=fsdp2", "devices=2"],
-    "fsdp2_tp2": ["strategy=fsdp2", "devices=2", "tp=2"],
-}
 SUMMARY_FIELDS = (
     "status",
     "error",
@@ -42,19 +28,9 @@ SUMMARY_FIELDS = (
 )
 
 
-@pytest.fixture(scope="session")
-def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("layouts")
-    dirs = {}
-    for name, args in LAYOUTS.items():
-        dirs[name] = root / name
-        assert_ok(run_cli([*args, *PARITY], dirs[name]), dirs[name])
-    return dirs
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_run_writes_config_metrics_and_summary(layout_runs: dict[str, Path], name: str) -> None:
-    run_dir = layout_runs[name]
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp2", "fsdp2_tp2"])
+def test_run_writes_config_metrics_and_summary(layout_run: Any, name: str) -> None:
+    run_dir = layout_run(name)
     config = (run_dir / "config.yaml").read_text()
     assert "devices: auto" not in config and "dp: auto" not in config, "config.yaml is fully resolved"
     rows = read_metrics(run_dir)
@@ -83,10 +59,10 @@ def test_run_writes_config_metrics_and_summary(layout_runs: dict[str, Path], nam
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_tp2"])
-def test_losses_match_single_process(layout_runs: dict[str, Path], name: str) -> None:
+def test_losses_match_single_process(layout_run: Any, name: str) -> None:
     """Same seed, same global batch, fp32: the layout must not change what is learned."""
-    reference = losses(layout_runs["single"])
-    assert_same_losses(reference, layout_runs[name])
+    reference = losses(layout_run("single"))
+    assert_same_losses(reference, layout_run(name))
     assert reference[-1] < reference[0], "the model learns"
 
 

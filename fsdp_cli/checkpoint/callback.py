@@ -51,8 +51,11 @@ class CheckpointCallback(L.Callback):
         self._sigterm = True
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Lightning's own SIGTERM handling broadcasts from inside the signal handler and from
+        # Lightning's own SIGTERM handling broadcasts from inside the signal handler (a collective
+        # at a random point of the other ranks' program: mismatched, it kills the job) and from
         # every training batch (a device sync per step on GPUs); this callback replaces both.
+        # (setup runs before the Trainer registers its handlers, so the override takes effect.)
+        trainer._signal_connector.register_signal_handlers = lambda: None
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             backend = dist.get_backend()

@@ -23,6 +23,7 @@ from fsdp_cli.checkpoint.format import (
     CheckpointFormatError,
     checkpoint_format,
     fsync_tree,
+    load_full,
     write_json_atomic,
 )
 
@@ -63,7 +64,7 @@ def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
     """Read a full or sharded checkpoint into memory (``weights_only_model``: skip optimizer state)."""
     path = Path(path)
     if check_complete(path) == "full":
-        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        data = load_full(path)
         if not isinstance(data, dict) or "state_dict" not in data:
             raise CheckpointFormatError(
                 f"{path}: a torch file without 'state_dict'; not an fsdp-train checkpoint"

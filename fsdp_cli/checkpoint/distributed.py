@@ -105,7 +105,7 @@ class DistributedCheckpointing:
         else:
             self._save_full(checkpoint, partial, manifest, storage_options)
         self.barrier("checkpoint-written")
-        _maybe_pause_for_test()
+        _maybe_pause_for_test(int(checkpoint.get("global_step", -1)))
         if self.is_global_zero:
             # Every rank has closed its files; flush them all before the folder becomes visible.
             fsync_tree(partial)
@@ -219,12 +219,16 @@ def _replace(partial: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def _maybe_pause_for_test() -> None:
+def _maybe_pause_for_test(step: int) -> None:
+    """Test hook: with FSDP_CLI_TEST_PAUSE_IN_SAVE=SECONDS (and optionally ..._AT_STEP=N), every rank
+    writes ``<..._MARKER>.rank<R>`` (holding its pid) and sleeps, shards written but not yet visible."""
     seconds = float(os.environ.get(PAUSE_ENV, "0") or 0)
-    if seconds > 0:
-        import time
+    at_step = os.environ.get("FSDP_CLI_TEST_PAUSE_AT_STEP")
+    if seconds <= 0 or (at_step is not None and int(at_step) != step):
+        return
+    import time
 
-        marker = os.environ.get(PAUSE_ENV + "_MARKER")
-        if marker:
-            Path(marker).touch()
-        time.sleep(seconds)
+    marker = os.environ.get(PAUSE_ENV + "_MARKER")
+    if marker:
+        Path(f"{marker}.rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+    time.sleep(seconds)

@@ -90,7 +90,16 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
     if checkpoint_format(path) == "sharded":
         file = path / MANIFEST_FILE
         return json.loads(file.read_text()) if file.is_file() else None
+    data = load_full(path)
+    return data.get(MANIFEST_KEY) if isinstance(data, dict) else None
+
+
+def load_full(path: Union[str, Path]) -> Any:
+    """``torch.load`` of a full checkpoint: weights only (nothing arbitrary is unpickled), memory-mapped."""
     import torch
 
-    data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    return data.get(MANIFEST_KEY) if isinstance(data, dict) else None
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is "not a checkpoint" to the user
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointFormatError(f"{path}: not an fsdp-train checkpoint (torch.load: {reason})") from None
