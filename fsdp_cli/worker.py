@@ -195,7 +195,13 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     cfg = load_train_config(args[0])
-    sys.exit(record(run)(cfg))
+    code = record(run)(cfg)
+    # Everything is written and flushed by now (metrics, summary, checkpoints are closed or
+    # fsynced). Skipping the interpreter's teardown of torch, gloo and Lightning saves over a
+    # second per rank, which every run and every test pays.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from conftest import LAYOUTS, PARITY, assert_ok, entry_point, losses, read_metrics, read_summary, run_cli
 
 from fsdp_cli.checkpoint.callback import CheckpointCallback
+from fsdp_cli.checkpoint.cli import main as ckpt_main
 from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.config.schema import CheckpointConfig, CheckpointFormat
 
@@ -28,6 +29,15 @@ def ckpt(run_dir: Path, name: str) -> Path:
         if candidate.exists():
             return candidate
     raise FileNotFoundError(f"{run_dir}/checkpoints/{name}")
+
+
+def fsdp_ckpt(*args: str) -> int:
+    """``fsdp-ckpt ARGS`` in-process (the entry point itself is exercised by the inspect test)."""
+    try:
+        ckpt_main(list(args))
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
 
 
 def assert_same_state(a: Path, b: Path) -> None:
@@ -157,33 +167,30 @@ def test_convert_every_direction_keeps_the_weights(layout_run: Any, tmp_path: Pa
     sharded, full = ckpt(layout_run("fsdp2"), STEP6), ckpt(layout_run("fsdp"), STEP6)
     out = tmp_path / "converted"
 
-    def fsdp_ckpt(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*entry_point("fsdp-ckpt"), *args], capture_output=True, text=True)
-
     for src, dst, to in (
         (sharded, out / "a.pt", "full"),
         (full, out / "b", "sharded"),
         (out / "a.pt", out / "c", "sharded"),
         (out / "b", out / "d.pt", "full"),
     ):
-        assert fsdp_ckpt("convert", str(src), str(dst), "--to", to).returncode == 0
+        assert fsdp_ckpt("convert", str(src), str(dst), "--to", to) == 0
     assert_same_state(out / "a.pt", sharded)
     assert_same_state(out / "b", full)
     assert_same_state(out / "c", sharded)
     assert_same_state(out / "d.pt", full)
     for src in (sharded, full):
         dst = out / f"{src.name}.safetensors"
-        assert fsdp_ckpt("convert", str(src), str(dst), "--to", "safetensors").returncode == 0
+        assert fsdp_ckpt("convert", str(src), str(dst), "--to", "safetensors") == 0
         weights = load_file(str(dst))
         model = load(src).state_dict
         assert weights.keys() == {k.removeprefix("model.") for k in model}
         assert all(torch.equal(weights[k.removeprefix("model.")], v) for k, v in model.items())
-    assert (
-        fsdp_ckpt("convert", str(full), str(out / "a.pt"), "--to", "full").returncode == 2
-    )  # never overwrites
+    assert fsdp_ckpt("convert", str(full), str(out / "a.pt"), "--to", "full") == 2, "never overwrites"
 
 
-def test_fsdp_ckpt_errors_are_one_line(layout_run: Any, tmp_path: Path) -> None:
+def test_fsdp_ckpt_errors_are_one_line(
+    layout_run: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     source = ckpt(layout_run("fsdp2"), STEP6)
     broken = tmp_path / "broken"
     shutil.copytree(source, broken)
@@ -199,12 +206,12 @@ def test_fsdp_ckpt_errors_are_one_line(layout_run: Any, tmp_path: Path) -> None:
         (tmp_path / "nope", "no such file"),
         (not_ckpt, "not an fsdp-train checkpoint"),
     ):
-        result = subprocess.run(
-            [*entry_point("fsdp-ckpt"), "inspect", str(path)], capture_output=True, text=True
+        assert fsdp_ckpt("inspect", str(path)) == 2, path
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fsdp-ckpt: error: ") and words in lines[0], (
+            words,
+            lines,
         )
-        assert result.returncode == 2, (path, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and words in lines[0], (words, result.stderr)
 
 
 def test_retention_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:

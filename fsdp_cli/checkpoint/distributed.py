@@ -226,8 +226,12 @@ def _maybe_pause_for_test(step: int) -> None:
     at_step = os.environ.get("FSDP_CLI_TEST_PAUSE_AT_STEP")
     if seconds <= 0 or (at_step is not None and int(at_step) != step):
         return
+    import signal
     import time
 
+    # Simulating a crash mid-save: die at once when the launcher stops this rank, rather than
+    # finishing the save as the preemption handler would.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     marker = os.environ.get(PAUSE_ENV + "_MARKER")
     if marker:
         Path(f"{marker}.rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))

@@ -94,7 +94,7 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
     return data.get(MANIFEST_KEY) if isinstance(data, dict) else None
 
 
-def load_full(path: Union[str, Path]) -> Any:
+def load_full(path: str | Path) -> Any:
     """``torch.load`` of a full checkpoint: weights only (nothing arbitrary is unpickled), memory-mapped."""
     import torch
 
