@@ -29,8 +29,12 @@ SHARDING = {
         "strategy.sharding_strategy=HYBRID_SHARD",
         "strategy.hybrid_shard_size=2",
     ],
-    "size_based_auto_wrap": ["devices=2", "wrap=size", "wrap.min_num_params=20000"],
-    "activation_checkpointing": ["devices=2", "strategy.activation_checkpointing_policy=[TransformerBlock]"],
+    "size_wrap_and_activation_checkpointing": [
+        "devices=2",
+        "wrap=size",
+        "wrap.min_num_params=20000",
+        "strategy.activation_checkpointing_policy=[TransformerBlock]",
+    ],
 }
 MANUAL = ["model=custom", "model._target_=tests.assets.manual_wrap.ManuallyWrappedLM", "data.vocab_size=256"]
 
