@@ -25,32 +25,66 @@ HERE = Path(__file__).resolve().parent
 
 def run_fsdp_train(args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [
-        "fsdp-train", "strategy=fsdp2", f"model={args.model}", f"devices={args.devices}", f"precision={args.precision}",
-        f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=10", f"data.global_batch_size={args.batch}",
-        f"data.seq_len={args.seq}", "checkpoint.save_last=false", "optim.lr=3e-4", f"hydra.run.dir={run_dir}",
+        "fsdp-train",
+        "strategy=fsdp2",
+        f"model={args.model}",
+        f"devices={args.devices}",
+        f"precision={args.precision}",
+        f"trainer.max_steps={args.steps}",
+        "trainer.log_every_n_steps=10",
+        f"data.global_batch_size={args.batch}",
+        f"data.seq_len={args.seq}",
+        "checkpoint.save_last=false",
+        "optim.lr=3e-4",
+        f"hydra.run.dir={run_dir}",
     ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"fsdp-train failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r["step_time_s"] for r in rows if r["step"] > args.warmup + 10]
     summary = json.loads((run_dir / "summary.json").read_text())
     step_time = statistics.median(steady)
-    return {"step_time_s": step_time, "tokens_per_s": args.batch * args.seq / step_time,
-            "peak_memory_bytes": max(summary["peak_memory_bytes"]), "precision": summary["precision"]}
+    return {
+        "step_time_s": step_time,
+        "tokens_per_s": args.batch * args.seq / step_time,
+        "peak_memory_bytes": max(summary["peak_memory_bytes"]),
+        "precision": summary["precision"],
+    }
 
 
 def run_hand_loop(args: argparse.Namespace, out: Path, precision: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.devices)))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.devices))
+        ),
+    }
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}",
-        str(HERE / "hand_loop.py"), str(out), f"steps={args.steps}", f"warmup={args.warmup}",
-        f"global_batch_size={args.batch}", f"seq_len={args.seq}", f"precision={precision}", f"model={args.model}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.devices}",
+        str(HERE / "hand_loop.py"),
+        str(out),
+        f"steps={args.steps}",
+        f"warmup={args.warmup}",
+        f"global_batch_size={args.batch}",
+        f"seq_len={args.seq}",
+        f"precision={precision}",
+        f"model={args.model}",
     ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"hand-written loop failed:\n{result.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="auto")
@@ -70,11 +104,17 @@ def main() -> None:
             results["hand-written"].append(run_hand_loop(args, Path(tmp) / f"hand{i}.json", cli["precision"]))
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in results.items()}
     ratio = med["fsdp-train"] / med["hand-written"]
-    report = {"settings": vars(args) | {"out": str(args.out)}, "runs": results, "median_tokens_per_s": med,
-              "ratio_fsdp_train_to_hand": ratio}
+    report = {
+        "settings": vars(args) | {"out": str(args.out)},
+        "runs": results,
+        "median_tokens_per_s": med,
+        "ratio_fsdp_train_to_hand": ratio,
+    }
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=2, default=str))
-    print(f"model={args.model} devices={args.devices} precision={results['fsdp-train'][0]['precision']} "
-          f"batch={args.batch}x{args.seq} steps={args.steps} (median of {args.repeats} runs each)")
+    print(
+        f"model={args.model} devices={args.devices} precision={results['fsdp-train'][0]['precision']} "
+        f"batch={args.batch}x{args.seq} steps={args.steps} (median of {args.repeats} runs each)"
+    )
     for name, value in med.items():
         peak = results[name][0]["peak_memory_bytes"]
         peak_text = f"{peak / 2**20:,.0f} MiB" if peak else "-"

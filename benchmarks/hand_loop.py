@@ -10,6 +10,7 @@ the same mixed-precision policy), same data and sampler, same AdamW and gradient
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import sys
 import time
@@ -41,7 +42,11 @@ def main(out: str, opts: dict[str, str]) -> None:
     with torch.device("meta"):
         model = Llama(cfg, seed=1234)
     mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
@@ -51,7 +56,11 @@ def main(out: str, opts: dict[str, str]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
     data = SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=seq, seed=1234)
-    sampler = iter(StepBatchSampler(global_batch_size=batch, micro_batch_size=batch // world, dp_rank=rank, dp_size=world))
+    sampler = iter(
+        StepBatchSampler(
+            global_batch_size=batch, micro_batch_size=batch // world, dp_rank=rank, dp_size=world
+        )
+    )
     times, log_every, t_last = [], 10, None
     for step in range(1, steps + 1):
         tokens = torch.stack([data[i] for i in next(sampler)]).to(device, non_blocking=True)
@@ -71,10 +80,18 @@ def main(out: str, opts: dict[str, str]) -> None:
             if t_last is not None and step > warmup:
                 times.append((now - t_last) / log_every)
             t_last = now
-    peak = torch.cuda.max_memory_allocated() if gpu else None
+    # The same measure fsdp-train reports: CUDA allocator peak on GPU, max RSS on CPU.
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if gpu
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     if rank == 0:
         step_time = statistics.median(times)
-        json.dump({"step_time_s": step_time, "tokens_per_s": batch * seq / step_time, "peak_memory_bytes": peak}, open(out, "w"))
+        json.dump(
+            {"step_time_s": step_time, "tokens_per_s": batch * seq / step_time, "peak_memory_bytes": peak},
+            open(out, "w"),
+        )
     dist.destroy_process_group()
 
 

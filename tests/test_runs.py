@@ -118,3 +118,33 @@ def test_multirun_launches_each_job_once(tmp_path: Path) -> None:
     for job in ("0", "1"):
         assert [r["step"] for r in read_metrics(sweep / job)] == [1, 2, 3], "each job ran exactly once"
     assert "sweep: 2 jobs" in result.stdout
+
+
+def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None:
+    """Under an existing torchrun (or srun) job fsdp-train launches nothing: every process is a rank."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "torchrun"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "fsdp_cli.cli",
+        "strategy=fsdp2",
+        "accelerator=cpu",
+        "trainer.max_steps=3",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert (summary["status"], summary["world_size"], summary["dp"]) == ("ok", 2, 2)
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3], "one job of two ranks, not two jobs"
+    assert (run_dir / "logs" / "rank1.log").exists()
