@@ -19,9 +19,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR
+from fsdp_cli.report import EXIT_PREEMPTED
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
-EXIT_PREEMPTED = 143
 
 
 def main(argv: list[str]) -> int:
@@ -32,9 +32,10 @@ def main(argv: list[str]) -> int:
     try:
         run(args)
     except SignalException as err:
-        # Preemption: the ranks were sent the signal, saved, and exited; say so in one line.
+        # Preemption (SIGTERM): the ranks were sent the signal, saved, and exited. Ctrl-C and
+        # the others keep the shell's 128 + signal convention.
         print(f"fsdp-train: stopped by signal {err.sigval.name}", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         _, first = err.get_first_failure()
         report = err.format_msg()

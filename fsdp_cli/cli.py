@@ -25,10 +25,17 @@ from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
-from fsdp_cli.report import CONFIG_FILE, STATUS_FAILED, print_summary, read_summary, write_summary
+from fsdp_cli.report import (
+    CONFIG_FILE,
+    EXIT_PREEMPTED,
+    STATUS_FAILED,
+    global_rank,
+    print_summary,
+    read_summary,
+    write_summary,
+)
 
 PROG = "fsdp-train"
-EXIT_PREEMPTED = 143
 
 
 def fail(message: str) -> NoReturn:
@@ -39,7 +46,8 @@ def fail(message: str) -> NoReturn:
 @hydra.main(version_base="1.3", config_path="pkg://fsdp_cli.configs", config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
+    job = detect_cluster_job(os.environ)
+    run_dir = _run_dir(hydra_cfg, job)
     try:
         typed, notices = migrate(to_train_config(cfg))
         for notice in notices:
@@ -53,32 +61,54 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     except ConfigError as err:
         fail(err.one_line())
 
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    rank = global_rank()
+    if rank == 0:
         (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
 
     from fsdp_cli.launch import launch
 
     code = launch(typed)
-    if detect_cluster_job(os.environ) is not None and int(os.environ.get("RANK", "0")) != 0:
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if job is not None and rank != 0:
+        # One rank of a torchrun/SLURM job: rank 0 reports; a failing rank still fails its process.
+        if code != 0:
+            sys.exit(code)
         return None
     summary = read_summary(run_dir)
     if summary is None:
-        # The ranks died before rank 0 could write it (killed, segfault): record that much.
+        if code == 0:
+            # Multi-node: global rank 0 (and its summary) lives on another node.
+            print(f"{PROG}: this node's ranks finished; rank 0's node holds summary.json", flush=True)
+            return None
+        # The ranks died before any could write it (killed, segfault): record that much.
         summary = {
             "status": STATUS_FAILED,
             "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
             "run_dir": str(run_dir),
         }
         write_summary(run_dir, summary)
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if code == EXIT_CONFIG_ERROR and not multirun:
         # A mistake only the built model could reveal (a wrap class it does not have, ...):
         # the rank already printed the one line; nothing else to show.
         sys.exit(EXIT_CONFIG_ERROR)
     print_summary(summary, run_dir)
-    if code != 0 and not multirun:
+    # A preempted job stops a sweep too: the signal was meant for the whole command.
+    if code == EXIT_PREEMPTED or (code != 0 and not multirun):
         sys.exit(code if code == EXIT_PREEMPTED else 1)
     return summary
+
+
+def _run_dir(hydra_cfg: Any, job: Any) -> Path:
+    """Hydra's run directory; inside torchrun/SLURM every rank must agree on it, and Hydra's
+    default (a timestamp) can differ by a second between ranks, so the job id names it instead."""
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    explicit = any(o.startswith(("hydra.run.dir=", "hydra.sweep.")) for o in hydra_cfg.overrides.hydra)
+    if job is None or explicit or hydra_cfg.mode == RunMode.MULTIRUN:
+        return run_dir
+    job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "job"
+    shared = Path("outputs") / f"{job.kind}-{job_id}"
+    shared.mkdir(parents=True, exist_ok=True)
+    return shared.resolve()
 
 
 def main() -> None:

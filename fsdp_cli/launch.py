@@ -29,13 +29,19 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     if cfg.num_nodes == 1 and cfg.launcher.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        endpoint = cfg.launcher.rdzv_endpoint or "127.0.0.1:29500"
+        endpoint = cfg.launcher.rdzv_endpoint
+        # Every node must present the same id: derive it from what they share, the endpoint
+        # (run directories differ between nodes: Hydra's default is a local timestamp).
+        rdzv_id = (
+            os.environ.get("FSDP_CLI_RDZV_ID")
+            or "fsdp-cli-" + uuid.uuid5(uuid.NAMESPACE_URL, str(endpoint)).hex[:12]
+        )
         cmd += [
             f"--nnodes={cfg.num_nodes}",
             f"--node-rank={cfg.launcher.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={os.environ.get('FSDP_CLI_RDZV_ID', 'fsdp-cli-' + uuid.uuid5(uuid.NAMESPACE_URL, str(config_path)).hex[:12])}",
+            f"--rdzv-id={rdzv_id}",
         ]
     cmd += [f"--max-restarts={cfg.launcher.max_restarts}", "-m", "fsdp_cli.worker", str(config_path)]
     return cmd
@@ -51,6 +57,8 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, per_rank))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["FSDP_CLI_LOG_DIR"] = str(Path(cfg.run_dir) / "logs")
+    # How long the launcher waits for ranks to save after forwarding SIGTERM, before SIGKILL.
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(cfg.launcher.shutdown_timeout_s))
     return env
 
 

@@ -35,9 +35,12 @@ class MetricsCallback(L.Callback):
         self._step_last = 0
         self._file: Any | None = None
         self.clipping: Any | None = None  # GradientClipping, whose norm is logged
+        # For user LightningModules: the micro-batch losses of the current step, summed.
+        self._user_loss: torch.Tensor | None = None
+        self._user_count = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if torch.cuda.is_available():
+        if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self._seen_step = self._step_last = trainer.global_step
         self._t_last = time.perf_counter()
@@ -49,12 +52,14 @@ class MetricsCallback(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        take = getattr(pl_module, "take_step_loss", None)
+        if not callable(take):
+            self._add_user_loss(outputs, trainer.accumulate_grad_batches)
         step = trainer.global_step
         if step == self._seen_step:  # still accumulating gradients
             return
         self._seen_step = step
-        take = getattr(pl_module, "take_step_loss", None)
-        loss = take() if callable(take) else _loss_of(outputs)
+        loss = take() if callable(take) else self._take_user_loss()
         if step % self.log_every != 0 and step != self.max_steps:
             return
         if loss is None:
@@ -87,7 +92,22 @@ class MetricsCallback(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.close()
-        self.peak_memory_bytes = gather_peak_memory(trainer)
+        self.peak_memory_bytes = gather_peak_memory(trainer, cuda=trainer.strategy.root_device.type == "cuda")
+
+    def _add_user_loss(self, outputs: Any, accumulation: int) -> None:
+        # Lightning hands on_train_batch_end the loss already divided by the accumulation factor.
+        loss = _loss_of(outputs)
+        if loss is not None:
+            loss = loss * accumulation
+            self._user_loss = loss if self._user_loss is None else self._user_loss + loss
+            self._user_count += 1
+
+    def _take_user_loss(self) -> torch.Tensor | None:
+        if self._user_loss is None:
+            return None
+        mean = self._user_loss / self._user_count
+        self._user_loss, self._user_count = None, 0
+        return mean
 
     def _keep_rows_up_to(self, step: int) -> None:
         """On resume, drop rows of steps after the checkpoint: they are about to be trained again."""
@@ -104,16 +124,16 @@ class MetricsCallback(L.Callback):
             self._file = None
 
 
-def peak_memory_bytes() -> int:
+def peak_memory_bytes(cuda: bool) -> int:
     """This process's peak: CUDA allocator peak on GPU, max resident set size on CPU."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda:
         return int(torch.cuda.max_memory_allocated())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def gather_peak_memory(trainer: L.Trainer) -> list[int]:
-    mine = peak_memory_bytes()
+def gather_peak_memory(trainer: L.Trainer, cuda: bool) -> list[int]:
+    mine = peak_memory_bytes(cuda)
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return [mine]
     everyone: list[Any] = [None] * torch.distributed.get_world_size()

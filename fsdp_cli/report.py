@@ -17,13 +17,12 @@ SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
 
 STATUS_OK, STATUS_FAILED, STATUS_PREEMPTED = "ok", "failed", "preempted"
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: what schedulers expect from a job that was told to stop
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def global_rank() -> int:
+    """This process's rank from torchrun's or SLURM's environment (0 outside a job)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def steady_state(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -19,21 +19,18 @@ from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
 from fsdp_cli.report import (
+    EXIT_PREEMPTED,
     STATUS_FAILED,
     STATUS_OK,
     STATUS_PREEMPTED,
     SUMMARY_FILE,
+    global_rank,
     median_of,
     steady_state,
     write_summary,
 )
 
 LOG_DIR = "logs"
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect from a job that was told to stop
-
-
-def global_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def run(cfg: TrainConfig) -> int:
@@ -126,7 +123,7 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
         callbacks.insert(0, clipping)
     trainer = build_trainer(cfg, strategy, callbacks=callbacks, accumulation=datamodule.accumulation)
     checkpoints.install_signal_handler()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_path(cfg))
     state["steps"] = trainer.global_step
     last = checkpoints.last_saved
     already_saved = last is not None and last.name.startswith(f"step_{trainer.global_step:08d}")
@@ -134,6 +131,17 @@ def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
         checkpoints.save(trainer)
     state["checkpoint"] = str(checkpoints.last_saved) if checkpoints.last_saved else None
     state["preempted"] = checkpoints.preempted
+
+
+def _resume_path(cfg: TrainConfig) -> str | None:
+    """The parent resolved ``resume``; after an elastic restart the newest checkpoint wins."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
+
+        found = complete_checkpoints(checkpoint_dir(cfg))
+        if found:
+            return str(found[-1][1])
+    return cfg.resume
 
 
 def _summary(

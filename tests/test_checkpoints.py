@@ -106,6 +106,19 @@ def test_resume_refuses_another_model_shape(tmp_path: Path, layout_run: Any) -> 
     assert len(lines) == 1 and "different model (model.dim: 128 -> 64)" in lines[0], result.stderr
 
 
+def test_manifest_comparison_rules() -> None:
+    from fsdp_cli.checkpoint.resume import compare
+    from fsdp_cli.config.errors import ConfigError
+
+    custom = {"model": {"_target_": "pkg.LM", "hidden": 256}, "dp": 2, "data": {"global_batch_size": 8}}
+    with pytest.raises(ConfigError, match="model.hidden: 256 -> 512"):
+        compare(custom, {**custom, "model": {"_target_": "pkg.LM", "hidden": 512}}, "ckpt")
+    assert "dp: 2 -> 1" in compare(custom, {**custom, "dp": 1}, "ckpt")[0]
+    micro = {"dp": 2, "data": {"global_batch_size": 8, "micro_batch_size": 2}}
+    with pytest.raises(ConfigError, match="accumulation would change from 2 to 4"):
+        compare(micro, {**micro, "dp": 1}, "ckpt")
+
+
 def test_resume_auto_with_nothing_saved_starts_fresh(tmp_path: Path) -> None:
     from dataclasses import replace
 

@@ -48,6 +48,11 @@ CLI_CASES = [
         ["full"],
     ),
     (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint", ["no such checkpoint"]),
+    (["resume=README.md"], "resume=README.md", ["not an fsdp-train checkpoint"]),
+    (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0", ["must be positive", "null"]),
+    (["num_nodes=2"], "launcher.rdzv_endpoint=null", ["num_nodes=2", "node0:29500"]),
+    (["model.n_heads=0"], "model.n_heads=0", ["at least 1"]),
+    (["data=text", "data.path=fsdp_cli/configs_missing"], "data.path=fsdp_cli/configs_missing", ["matches no file"]),
 ]
 
 

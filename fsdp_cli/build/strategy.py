@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 
 from fsdp_cli.build.precision import fsdp2_mp_policy, mixed_precision_dtypes
+from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import (
     CheckpointFormat,
     DDPConfig,
@@ -19,10 +20,18 @@ from fsdp_cli.config.schema import (
 )
 
 
-def import_object(path: str) -> Any:
-    """``package.module.Name`` -> the object."""
+def import_object(path: str, key: str) -> Any:
+    """``package.module.Name`` -> the object; a path that does not resolve is a ConfigError on ``key``."""
     module, _, attr = path.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(
+            key,
+            path,
+            f"cannot be imported ({err})",
+            hint="run from the folder that holds the module, or add it to PYTHONPATH",
+        ) from None
 
 
 def build_strategy(cfg: TrainConfig) -> Strategy:
@@ -65,7 +74,9 @@ def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:
         data_parallel_size=int(cfg.dp),
         tensor_parallel_size=cfg.tp,
         mp_policy=fsdp2_mp_policy(dtypes),
-        parallelize_fn=import_object(strategy.parallelize_fn) if strategy.parallelize_fn else None,
+        parallelize_fn=import_object(strategy.parallelize_fn, "strategy.parallelize_fn")
+        if strategy.parallelize_fn
+        else None,
         replicate_size=strategy.replicate_size,
         # Pinned host memory needs CUDA; on a CPU run the "offload" is a no-op move anyway.
         offload_policy=CPUOffloadPolicy(pin_memory=cfg.accelerator.value == "gpu")

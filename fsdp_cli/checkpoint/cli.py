@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except BrokenPipeError:  # `fsdp-ckpt inspect --json | head`
         sys.exit(0)
+    except Exception as err:  # noqa: BLE001 - a damaged file; FSDP_CKPT_DEBUG=1 shows the traceback
+        if os.environ.get("FSDP_CKPT_DEBUG") == "1":
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(
+            f"{PROG}: error: cannot read it ({type(err).__name__}: {first}); FSDP_CKPT_DEBUG=1 shows the traceback",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,8 @@ def _replace(partial: Path, path: Path) -> None:
     """Make ``partial`` visible as ``path``; an existing checkpoint of that name is replaced."""
     if path.exists():
         old = path.with_name(path.name + ".old" + PARTIAL_SUFFIX)
+        if old.exists():  # left by a crash during an earlier replace
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
         os.replace(path, old)
         os.replace(partial, path)
         shutil.rmtree(old) if old.is_dir() else old.unlink()

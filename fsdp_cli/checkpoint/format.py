@@ -34,16 +34,6 @@ class CheckpointFormatError(ValueError):
     """A path that is not a complete checkpoint."""
 
 
-def is_sharded(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / DCP_METADATA).is_file()
-
-
-def is_full(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_file() and not path.name.endswith(PARTIAL_SUFFIX)
-
-
 def checkpoint_format(path: str | Path) -> str:
     """``sharded`` or ``full``; :class:`CheckpointFormatError` with a reason otherwise."""
     path = Path(path)

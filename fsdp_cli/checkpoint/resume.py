@@ -55,7 +55,12 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
             raise ConfigError(
                 "resume", path, str(err), hint="fsdp-ckpt inspect PATH shows what a checkpoint holds"
             ) from None
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointFormatError as err:
+        raise ConfigError(
+            "resume", path, str(err), hint="fsdp-ckpt inspect PATH shows what a checkpoint holds"
+        ) from None
     notices = [f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else "")]
     if manifest and "config" in manifest:
         notices.extend(compare(manifest["config"], to_container(cfg), path))
@@ -68,7 +73,8 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> 
     changed = sorted(
         k for k in before.keys() | after.keys() if before.get(k) != after.get(k) and not k.startswith(IGNORED)
     )
-    shape = [k for k in changed if k in SHAPE_KEYS or (k.startswith("model.") and "_target_" in before)]
+    custom = "model._target_" in before
+    shape = [k for k in changed if k in SHAPE_KEYS or (custom and k.startswith("model."))]
     if shape:
         detail = ", ".join(f"{k}: {before.get(k)} -> {after.get(k)}" for k in shape)
         raise ConfigError(
@@ -77,10 +83,25 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> 
             f"the checkpoint holds a different model ({detail})",
             hint="resume with the model settings it was trained with, or start fresh with resume=null",
         )
+    was, now = _accumulation(before), _accumulation(after)
+    if was and now and was != now:
+        raise ConfigError(
+            "resume",
+            path,
+            f"gradient accumulation would change from {was} to {now} micro-batches per step",
+            hint="keep global_batch_size / (dp * micro_batch_size) as it was, e.g. adjust data.micro_batch_size",
+        )
     if not changed:
         return []
     listed = ", ".join(f"{k}: {before.get(k)} -> {after.get(k)}" for k in changed)
     return [f"note: changed since the checkpoint (compatible, proceeding): {listed}"]
+
+
+def _accumulation(flat: dict[str, Any]) -> int | None:
+    micro, dp, batch = flat.get("data.micro_batch_size"), flat.get("dp"), flat.get("data.global_batch_size")
+    if micro is None or not isinstance(dp, int) or not batch:
+        return 1 if batch else None
+    return batch // (dp * micro)
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -20,10 +20,6 @@ def checkpoint_name(step: int, fmt: CheckpointFormat) -> str:
     return f"step_{step:08d}" + (FULL_SUFFIX if fmt is CheckpointFormat.full else "")
 
 
-def final_checkpoint_path(cfg: TrainConfig, step: int) -> Path:
-    return checkpoint_dir(cfg) / checkpoint_name(step, cfg.checkpoint.format)
-
-
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of the complete checkpoints in ``directory``, oldest first; partial saves are skipped."""
     found = []

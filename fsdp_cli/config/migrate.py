@@ -18,7 +18,6 @@ from fsdp_cli.config.schema import (
     DType,
     FSDPConfig,
     FSDPNativeConfig,
-    MixedPrecisionPolicyConfig,
     ShardingStrategy,
     TrainConfig,
     WrapConfig,
@@ -81,7 +80,7 @@ def _from_fairscale(
         mp = dataclasses.replace(mp, param_dtype=old.compute_dtype)
     if old.fp32_reduce_scatter:
         mp = dataclasses.replace(mp, reduce_dtype=DType.float32)
-    new = dataclasses.replace(new, mixed_precision=MixedPrecisionPolicyConfig(**dataclasses.asdict(mp)))
+    new = dataclasses.replace(new, mixed_precision=mp)
     if old.move_grads_to_cpu:
         new = dataclasses.replace(new, cpu_offload=True)
     if old.min_num_params is not None:

@@ -367,7 +367,9 @@ class LauncherConfig:
     """host:port of the rendezvous for multi-node runs; null = 127.0.0.1 and a free port."""
     node_rank: int = 0
     max_restarts: int = 0
-    """torch elastic restarts of a failed worker group."""
+    """torch elastic restarts of a failed worker group (each restart resumes from the newest checkpoint)."""
+    shutdown_timeout_s: int = 300
+    """After forwarding SIGTERM, how long the launcher lets ranks finish their preemption save."""
 
 
 @dataclass

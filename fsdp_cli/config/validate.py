@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 
 from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.layout import detect_cluster_job
 from fsdp_cli.config.schema import (
     Accelerator,
     CustomModelConfig,
@@ -26,6 +27,7 @@ from fsdp_cli.config.schema import (
     WrapPolicy,
 )
 
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")  # what data=text reads from a folder
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
 
@@ -39,7 +41,7 @@ def advisories(cfg: TrainConfig) -> list[str]:
     """Settings that run but do nothing on this layout, worth one line each."""
     notes = []
     if (
-        isinstance(cfg.strategy, FSDPConfig)
+        isinstance(cfg.strategy, (FSDPConfig, FSDP2Config))
         and cfg.strategy.cpu_offload
         and cfg.accelerator is Accelerator.cpu
     ):
@@ -160,12 +162,36 @@ def check_precision(cfg: TrainConfig) -> None:
         )
 
 
+def check_launcher(cfg: TrainConfig) -> None:
+    if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None and detect_cluster_job(os.environ) is None:
+        raise ConfigError(
+            "launcher.rdzv_endpoint",
+            None,
+            f"num_nodes={cfg.num_nodes} needs a rendezvous address every node can reach",
+            allowed="HOST:PORT of node 0",
+            hint="launcher.rdzv_endpoint=node0:29500 launcher.node_rank=R, or run under srun/torchrun",
+        )
+
+
 def check_model(cfg: TrainConfig) -> None:
     model, tp = cfg.model, cfg.tp
     if isinstance(model, CustomModelConfig):
         _check_dotted("model._target_", model.target)
         return
     assert isinstance(model, LlamaConfig)
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
+        if getattr(model, key) < 1:
+            raise ConfigError(
+                f"model.{key}", getattr(model, key), "must be at least 1", allowed="a positive integer"
+            )
+    for key in ("n_kv_heads", "ffn_hidden_dim"):
+        if getattr(model, key) is not None and getattr(model, key) < 1:
+            raise ConfigError(
+                f"model.{key}",
+                getattr(model, key),
+                "must be at least 1 or null",
+                allowed="a positive integer or null",
+            )
     kv = model.n_kv_heads or model.n_heads
     if model.dim % model.n_heads != 0 or (model.dim // model.n_heads) % 2 != 0:
         raise ConfigError(
@@ -230,6 +256,10 @@ def check_data(cfg: TrainConfig) -> None:
             f"must divide the per-rank batch {per_rank} (global_batch_size={data.global_batch_size} / dp={dp})",
             allowed=", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0),
         )
+    if data.vocab_size is not None and data.vocab_size < 1:
+        raise ConfigError(
+            "data.vocab_size", data.vocab_size, "must be at least 1", allowed="a positive integer"
+        )
     if data.vocab_size is None:
         raise ConfigError(
             "data.vocab_size",
@@ -272,6 +302,14 @@ def check_trainer(cfg: TrainConfig) -> None:
         value = getattr(trainer, key)
         if value < 1:
             raise ConfigError(f"trainer.{key}", value, "must be at least 1")
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val <= 0:
+        raise ConfigError(
+            "trainer.gradient_clip_val",
+            trainer.gradient_clip_val,
+            "must be positive (clipping to 0 zeroes every gradient)",
+            allowed="a positive number, or null for no clipping",
+            hint="trainer.gradient_clip_val=null turns clipping off",
+        )
     if trainer.gradient_clip_algorithm not in ("norm", "value"):
         raise ConfigError(
             "trainer.gradient_clip_algorithm",
@@ -352,12 +390,19 @@ def _check_dotted(key: str, path: str) -> None:
 
 
 def _glob_matches(pattern: str) -> bool:
+    """A file, a folder holding text files (the suffixes data=text reads), or a glob matching files."""
     import glob
+    from pathlib import Path
 
-    return os.path.exists(pattern) or bool(glob.glob(pattern, recursive=True))
+    if os.path.isfile(pattern):
+        return True
+    if os.path.isdir(pattern):
+        return any(p.suffix in TEXT_SUFFIXES for p in Path(pattern).rglob("*"))
+    return any(os.path.isfile(p) for p in glob.glob(pattern, recursive=True))
 
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
+    check_launcher,
     check_strategy_layout,
     check_precision,
     check_model,

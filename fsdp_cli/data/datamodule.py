@@ -8,11 +8,23 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 from fsdp_cli.data.text import ByteWindows, read_corpus, split_corpus
 
 VAL_SEED_OFFSET = 7_777_777
+
+
+def _windows(key: str, corpus: torch.Tensor, seq_len: int, seed: int) -> ByteWindows:
+    if len(corpus) <= seq_len + 1:
+        raise ConfigError(
+            key,
+            f"{len(corpus)} bytes",
+            f"too little text for data.seq_len={seq_len}",
+            hint="point data.path at more text or lower data.seq_len",
+        )
+    return ByteWindows(corpus, seq_len=seq_len, seed=seed)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -21,6 +33,8 @@ class TokenDataModule(L.LightningDataModule):
     The rank's data-parallel coordinate comes from the strategy (``distributed_sampler_kwargs``),
     so it is right for DDP, FSDP1, FSDP2, HSDP and tensor parallel alike.
     """
+
+    validates = False
 
     def __init__(self, data: Any, *, seed: int, dp_size: int) -> None:
         super().__init__()
@@ -41,8 +55,9 @@ class TokenDataModule(L.LightningDataModule):
         data = self.data
         if data.name == "text":
             train, val = split_corpus(read_corpus(data.path, data.max_bytes))
-            self._train = ByteWindows(train, seq_len=data.seq_len, seed=self.seed)
-            self._val = ByteWindows(val, seq_len=data.seq_len, seed=self.seed)
+            self._train = _windows("data.path", train, data.seq_len, self.seed)
+            if self.validates:
+                self._val = _windows("data.path (held-out part)", val, data.seq_len, self.seed)
         else:
             self._train = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed)
             self._val = SyntheticTokens(
@@ -80,6 +95,8 @@ class TokenDataModule(L.LightningDataModule):
 
 class ValidatedTokenDataModule(TokenDataModule):
     """Adds held-out batches (only when validation is configured, so Lightning sees no unused loader)."""
+
+    validates = True
 
     def val_dataloader(self) -> DataLoader:
         assert self._val is not None

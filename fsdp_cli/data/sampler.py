@@ -43,10 +43,6 @@ class StepBatchSampler(Sampler[list[int]]):
         self.dp_rank = dp_rank
         self.start_step = start_step
 
-    @property
-    def accumulation(self) -> int:
-        return self.per_rank // self.micro_batch_size
-
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+from fsdp_cli.config.validate import TEXT_SUFFIXES
+
 HELD_OUT_FRACTION = 0.05
 
 

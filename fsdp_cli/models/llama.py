@@ -145,10 +145,6 @@ class Llama(nn.Module):
             seeded_normal_(param, std=std, seed=self.seed, name=name)
 
 
-def build_llama(cfg: LlamaConfig, seed: int) -> Llama:
-    return Llama(cfg, seed=seed)
-
-
 def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
     """The tensor-parallel plan for :func:`torch.distributed.tensor.parallel.parallelize_module`.
 

@@ -6,14 +6,16 @@ the CLI::
     trainer = L.Trainer(strategy=FSDP2Strategy(data_parallel_size=4, tensor_parallel_size=2), ...)
 
 The LightningModule needs no ``configure_model`` boilerplate: the strategy parallelizes the
-module's ``model`` attribute (or the module itself) in :meth:`parallelize`, once.
+module's ``model`` attribute (or the module itself) in :meth:`parallelize`, once. Created under
+``tensor_init_context(empty_init=True)`` (``Trainer.init_module``), a model lives on the meta
+device until each rank materialises its own shard in :meth:`setup`; the built-in model's
+``init_weights`` is layout-independent, so that equals a normal init with the same seed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -235,14 +237,6 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Create the model on the meta device when ``empty_init`` is true: nothing is allocated
-        until each rank materialises its own shard in :meth:`setup`. The model's ``init_weights``
-        is layout-independent, so the result equals a normal init with the same seed."""
-        with super().tensor_init_context(empty_init=empty_init):
-            yield
 
     # ------------------------------------------------------------------ steps
 
