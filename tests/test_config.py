@@ -59,8 +59,16 @@ def test_every_recipe_composes_and_validates(recipe: str) -> None:
     assert "fsdp-train recipe=" + recipe in text, "a recipe opens with the command that runs it"
     cfg = composed(f"recipe={recipe}")
     env = CPU if "cpu" in recipe else EIGHT_GPUS
+    if cfg.num_nodes > 1:  # multi-node recipes run under srun: one task per GPU
+        tasks = 8 * cfg.num_nodes
+        env = {
+            **env,
+            "SLURM_NTASKS": str(tasks),
+            "SLURM_NNODES": str(cfg.num_nodes),
+            "SLURM_NTASKS_PER_NODE": "8",
+        }
     resolved = resolve_layout(cfg, env)
-    validate(resolved)
+    validate(resolved, env)
 
 
 def test_default_config_keys_snapshot() -> None:

@@ -52,7 +52,11 @@ CLI_CASES = [
     (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0", ["must be positive", "null"]),
     (["num_nodes=2"], "launcher.rdzv_endpoint=null", ["num_nodes=2", "node0:29500"]),
     (["model.n_heads=0"], "model.n_heads=0", ["at least 1"]),
-    (["data=text", "data.path=fsdp_cli/configs_missing"], "data.path=fsdp_cli/configs_missing", ["matches no file"]),
+    (
+        ["data=text", "data.path=fsdp_cli/configs_missing"],
+        "data.path=fsdp_cli/configs_missing",
+        ["matches no file"],
+    ),
 ]
 
 

@@ -57,15 +57,7 @@ def _llama_factory(cfg: TrainConfig, model: LlamaConfig) -> Callable[[], nn.Modu
 
 
 def _build_custom(model: CustomModelConfig) -> L.LightningModule | Callable[[], nn.Module]:
-    try:
-        target = import_object(model.target)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(
-            "model._target_",
-            model.target,
-            f"cannot be imported ({err})",
-            hint="run from the folder that holds the module, or add it to PYTHONPATH",
-        ) from None
+    target = import_object(model.target, "model._target_")
     kwargs = dict(model.kwargs)
     if inspect.isclass(target) and issubclass(target, L.LightningModule):
         return target(**kwargs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.layout import detect_cluster_job
@@ -31,8 +31,10 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")  # what data=text reads from a fo
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Raise :class:`ConfigError` for the first combination that cannot run."""
+def validate(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`ConfigError` for the first combination that cannot run (``env``: the process
+    environment, which tells whether torchrun or SLURM started this process)."""
+    check_launcher(cfg, os.environ if env is None else env)
     for check in CHECKS:
         check(cfg)
 
@@ -162,8 +164,8 @@ def check_precision(cfg: TrainConfig) -> None:
         )
 
 
-def check_launcher(cfg: TrainConfig) -> None:
-    if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None and detect_cluster_job(os.environ) is None:
+def check_launcher(cfg: TrainConfig, env: Mapping[str, str]) -> None:
+    if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None and detect_cluster_job(env) is None:
         raise ConfigError(
             "launcher.rdzv_endpoint",
             None,
@@ -402,7 +404,6 @@ def _glob_matches(pattern: str) -> bool:
 
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    check_launcher,
     check_strategy_layout,
     check_precision,
     check_model,
