@@ -35,9 +35,9 @@ class MetricsCallback(L.Callback):
         self._step_last = 0
         self._file: Any | None = None
         self.clipping: Any | None = None  # GradientClipping, whose norm is logged
-        # For user LightningModules: the micro-batch losses of the current step, summed.
-        self._user_loss: torch.Tensor | None = None
-        self._user_count = 0
+        # The micro-batch losses of the current step, summed on the device (no sync).
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -52,14 +52,12 @@ class MetricsCallback(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        take = getattr(pl_module, "take_step_loss", None)
-        if not callable(take):
-            self._add_user_loss(outputs, trainer.accumulate_grad_batches)
+        self._add_loss(outputs, trainer.accumulate_grad_batches)
         step = trainer.global_step
         if step == self._seen_step:  # still accumulating gradients
             return
         self._seen_step = step
-        loss = take() if callable(take) else self._take_user_loss()
+        loss = self._take_loss()
         if step % self.log_every != 0 and step != self.max_steps:
             return
         if loss is None:
@@ -94,19 +92,19 @@ class MetricsCallback(L.Callback):
         self.close()
         self.peak_memory_bytes = gather_peak_memory(trainer, cuda=trainer.strategy.root_device.type == "cuda")
 
-    def _add_user_loss(self, outputs: Any, accumulation: int) -> None:
+    def _add_loss(self, outputs: Any, accumulation: int) -> None:
         # Lightning hands on_train_batch_end the loss already divided by the accumulation factor.
         loss = _loss_of(outputs)
         if loss is not None:
             loss = loss * accumulation
-            self._user_loss = loss if self._user_loss is None else self._user_loss + loss
-            self._user_count += 1
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_count += 1
 
-    def _take_user_loss(self) -> torch.Tensor | None:
-        if self._user_loss is None:
+    def _take_loss(self) -> torch.Tensor | None:
+        if self._loss_sum is None:
             return None
-        mean = self._user_loss / self._user_count
-        self._user_loss, self._user_count = None, 0
+        mean = self._loss_sum / self._loss_count
+        self._loss_sum, self._loss_count = None, 0
         return mean
 
     def _keep_rows_up_to(self, step: int) -> None:

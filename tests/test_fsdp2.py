@@ -24,6 +24,8 @@ OPTIONS = {
     ],
     "cpu_offload": ["devices=2", "strategy.cpu_offload=true"],
     "compile": ["devices=2", "strategy.compile=true"],
+    # 8 sequences per step = 2 ranks x 2 micro-batches x 2 sequences: same optimisation as one process.
+    "gradient_accumulation": ["devices=2", "data.micro_batch_size=2"],
 }
 
 

@@ -2,8 +2,7 @@
 
 ``forward(input_ids[B, T])`` must return logits ``[B, T, V]`` (or an object with ``.logits``).
 The module builds the model in ``configure_model`` (so strategies may create it on the meta
-device and shard it), computes next-token cross-entropy, and keeps the per-step loss for the
-metrics callback without any collective on the hot path.
+device and shard it) and computes next-token cross-entropy.
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ class CausalLMModule(L.LightningModule):
         self.optim = optim
         self.max_steps = max_steps
         # Sum of micro-batch losses since the last optimizer step (a device tensor: no sync).
-        self.loss_sum: torch.Tensor | None = None
-        self.loss_count = 0
         self.num_parameters: int | None = None
 
     def configure_model(self) -> None:
@@ -63,24 +60,12 @@ class CausalLMModule(L.LightningModule):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        detached = loss.detach()
-        self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
-        self.loss_count += 1
-        return loss
+        return self._loss(batch)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("val_loss", loss, sync_dist=True, prog_bar=True)
         return loss
-
-    def take_step_loss(self) -> torch.Tensor | None:
-        """Mean loss of the micro-batches since the last call (this rank's), then reset."""
-        if self.loss_sum is None:
-            return None
-        mean = self.loss_sum / self.loss_count
-        self.loss_sum, self.loss_count = None, 0
-        return mean
 
     def configure_optimizers(self) -> Any:
         opt = self.optim
