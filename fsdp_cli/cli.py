@@ -7,6 +7,7 @@ so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well unde
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -43,7 +44,15 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://fsdp_cli.configs", config_name="train")
+def _config_path() -> str:
+    """The configs shipped inside the package; from a source tree (``python -m fsdp_cli.cli`` run in
+    a checkout whose package is installed elsewhere) the top-level ``configs/`` folder."""
+    if importlib.util.find_spec("fsdp_cli.configs") is not None:
+        return "pkg://fsdp_cli.configs"
+    return str(Path(__file__).resolve().parents[1] / "configs")
+
+
+@hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)

@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LAYOUTS, assert_ok, assert_same_losses, losses, read_metrics, read_summary, run_cli
+from conftest import (
+    LAYOUTS,
+    assert_ok,
+    assert_same_losses,
+    entry_point,
+    losses,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -127,14 +136,16 @@ def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None
     import sys
 
     run_dir = tmp_path / "torchrun"
+    # As a user writes it: `torchrun --nproc-per-node 2 --no-python fsdp-train ...`
+    script = entry_point("fsdp-train")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
-        "-m",
-        "fsdp_cli.cli",
+        *(["--no-python"] if len(script) == 1 else []),
+        *script,
         "strategy=fsdp2",
         "accelerator=cpu",
         "trainer.max_steps=3",
