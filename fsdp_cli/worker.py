@@ -12,57 +12,170 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fsdp_cli.config.convert import load_train_config
-from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
+from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
-from fsdp_cli.report import (
+from fsdp_cli.launch.environment import global_rank
+from fsdp_cli.rundir.files import rank_log
+from fsdp_cli.rundir.status import (
+    EXIT_CONFIG_ERROR,
+    EXIT_FAILED,
+    EXIT_OK,
     EXIT_PREEMPTED,
     STATUS_FAILED,
     STATUS_OK,
     STATUS_PREEMPTED,
-    SUMMARY_FILE,
-    global_rank,
-    median_of,
-    steady_state,
-    write_summary,
 )
+from fsdp_cli.rundir.summary import median_of, steady_state, summary_exists, write_summary
 
-LOG_DIR = "logs"
+
+@dataclass
+class RankRun:
+    """What one rank builds for a run."""
+
+    module: Any
+    datamodule: Any
+    trainer: Any
+    callbacks: Any  # fsdp_cli.builders.callbacks.RunCallbacks
+
+
+@dataclass
+class FitResult:
+    steps: int
+    checkpoint: str | None
+    preempted: bool
+
+
+@dataclass
+class Outcome:
+    status: str = STATUS_OK
+    error: str | None = None
+    exit_code: int = EXIT_OK
 
 
 def run(cfg: TrainConfig) -> int:
     """Train as this rank; returns the process exit status."""
-    run_dir = Path(cfg.run_dir)
-    rank = global_rank()
+    run_dir, rank = Path(cfg.run_dir), global_rank()
     if rank != 0:
-        _redirect_output(run_dir / LOG_DIR / f"rank{rank}.log")
+        _redirect_output(rank_log(run_dir, rank))
     started = time.time()
-    state: dict[str, Any] = {}
-    status, error, code = STATUS_OK, None, 0
+    built: RankRun | None = None
+    result: FitResult | None = None
+    outcome = Outcome()
     try:
-        _fit(cfg, state)
-        if state.get("preempted"):
-            status, error, code = (
-                STATUS_PREEMPTED,
-                "stopped by SIGTERM after saving a checkpoint",
-                EXIT_PREEMPTED,
+        built = build(cfg)
+        result = fit(cfg, built)
+        if result.preempted:
+            outcome = Outcome(
+                STATUS_PREEMPTED, "stopped by SIGTERM after saving a checkpoint", EXIT_PREEMPTED
             )
     except ConfigError as err:
-        status, error, code = STATUS_FAILED, err.one_line(), EXIT_CONFIG_ERROR
-        print(f"fsdp-train: error: {error}", file=sys.stderr, flush=True)
-    except Exception as err:  # noqa: BLE001 - reported in summary.json, then re-raised as exit 1
-        status, error, code = STATUS_FAILED, f"{type(err).__name__}: {err}", 1
+        outcome = Outcome(STATUS_FAILED, err.one_line(), EXIT_CONFIG_ERROR)
+        print(f"fsdp-train: error: {outcome.error}", file=sys.stderr, flush=True)
+    except Exception as err:  # noqa: BLE001 - reported in summary.json, then exit 1
+        outcome = Outcome(STATUS_FAILED, f"{type(err).__name__}: {err}", EXIT_FAILED)
         traceback.print_exc()
-    summary = _summary(cfg, state, status=status, error=error, wall=time.time() - started)
-    summary["exit_code"] = code
+    summary = _summary(cfg, built, result, outcome, wall=time.time() - started)
     # Rank 0 writes the summary. When a run fails, another rank may get there first (and rank 0
     # may be stopped by the launcher before it can), so a failing rank writes one if none exists.
-    if rank == 0 or (code != 0 and not (run_dir / SUMMARY_FILE).exists()):
+    if rank == 0 or (outcome.exit_code != EXIT_OK and not summary_exists(run_dir)):
         write_summary(run_dir, summary)
-    return code
+    return outcome.exit_code
+
+
+def build(cfg: TrainConfig) -> RankRun:
+    """Module, data, strategy, callbacks and trainer from the config."""
+    import lightning as L
+
+    _quiet_known_noise()
+    from fsdp_cli.builders.callbacks import build_callbacks
+    from fsdp_cli.builders.data import build_datamodule
+    from fsdp_cli.builders.model import build_module
+    from fsdp_cli.builders.strategy import build_strategy
+    from fsdp_cli.builders.trainer import build_trainer
+    from fsdp_cli.config.convert import to_container
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg)
+    strategy = build_strategy(cfg)
+    strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
+    callbacks = build_callbacks(cfg)
+    trainer = build_trainer(
+        cfg, strategy, callbacks=callbacks.as_list(), accumulation=datamodule.accumulation
+    )
+    return RankRun(module=module, datamodule=datamodule, trainer=trainer, callbacks=callbacks)
+
+
+def fit(cfg: TrainConfig, built: RankRun) -> FitResult:
+    """Train (resuming where the config says), then save the final checkpoint if one is due."""
+    trainer, checkpoints = built.trainer, built.callbacks.checkpoints
+    checkpoints.install_signal_handler()
+    trainer.fit(built.module, datamodule=built.datamodule, ckpt_path=_resume_path(cfg))
+    last = checkpoints.last_saved
+    already_saved = last is not None and last.name.startswith(f"step_{trainer.global_step:08d}")
+    if (cfg.checkpoint.save_last or checkpoints.preempted) and not already_saved:
+        checkpoints.save(trainer)
+    saved = checkpoints.last_saved
+    return FitResult(
+        steps=trainer.global_step, checkpoint=str(saved) if saved else None, preempted=checkpoints.preempted
+    )
+
+
+def _resume_path(cfg: TrainConfig) -> str | None:
+    """The parent resolved ``resume``; after an elastic restart the newest checkpoint wins."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
+
+        found = complete_checkpoints(checkpoint_dir(cfg))
+        if found:
+            return str(found[-1][1])
+    return cfg.resume
+
+
+def _summary(
+    cfg: TrainConfig, built: RankRun | None, result: FitResult | None, outcome: Outcome, *, wall: float
+) -> dict[str, Any]:
+    metrics = built.callbacks.metrics if built is not None else None
+    setup = built.callbacks.setup if built is not None else None
+    rows = metrics.rows if metrics is not None else []
+    steady = steady_state(rows)
+    model = cfg.model
+    return {
+        "status": outcome.status,
+        "error": outcome.error,
+        "exit_code": outcome.exit_code,
+        "strategy": cfg.strategy.name,
+        "accelerator": cfg.accelerator.value,
+        "world_size": int(cfg.devices) * cfg.num_nodes,
+        "dp": int(cfg.dp),
+        "tp": cfg.tp,
+        "precision": cfg.precision.name,
+        "model": model.target if isinstance(model, CustomModelConfig) else model.name,
+        "parameters": _parameter_count(built.module) if built is not None else None,
+        "global_batch_size": cfg.data.global_batch_size,
+        "seq_len": cfg.data.seq_len,
+        "steps": result.steps if result is not None else (rows[-1]["step"] if rows else 0),
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "tokens_per_s": median_of(steady, "tokens_per_s"),
+        "step_time_s": median_of(steady, "step_time_s"),
+        "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
+        "checkpoint": result.checkpoint if result is not None else None,
+        "setup": setup.info if setup is not None else None,
+        "wall_time_s": round(wall, 3),
+        "run_dir": str(cfg.run_dir),
+    }
+
+
+def _parameter_count(module: Any) -> int:
+    counted = getattr(module, "num_parameters", None)
+    if counted is not None:
+        return int(counted)
+    return int(sum(p.numel() for p in module.parameters()))
 
 
 def _quiet_known_noise() -> None:
@@ -84,105 +197,6 @@ def _quiet_known_noise() -> None:
             return "_NormPartial" not in record.getMessage()
 
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NormPartialNote())
-
-
-def _fit(cfg: TrainConfig, state: dict[str, Any]) -> None:
-    import lightning as L
-
-    _quiet_known_noise()
-    from fsdp_cli.build.model import build_module
-    from fsdp_cli.build.strategy import build_strategy
-    from fsdp_cli.build.trainer import build_trainer
-    from fsdp_cli.checkpoint.callback import CheckpointCallback
-    from fsdp_cli.checkpoint.run import checkpoint_dir
-    from fsdp_cli.clipping import GradientClipping
-    from fsdp_cli.config.convert import to_container
-    from fsdp_cli.data.datamodule import TokenDataModule, ValidatedTokenDataModule
-    from fsdp_cli.metrics import MetricsCallback
-    from fsdp_cli.setup_report import SetupReport
-
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = build_module(cfg)
-    data_cls = TokenDataModule if cfg.trainer.val_check_interval is None else ValidatedTokenDataModule
-    datamodule = data_cls(cfg.data, seed=cfg.seed, dp_size=int(cfg.dp))
-    strategy = build_strategy(cfg)
-    strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
-    metrics = MetricsCallback(
-        Path(cfg.run_dir),
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
-        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
-        max_steps=cfg.trainer.max_steps,
-    )
-    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), cfg.trainer.max_steps)
-    setup = SetupReport()
-    state.update(metrics=metrics, setup=setup, checkpoints=checkpoints, module=module)
-    callbacks: list[L.Callback] = [setup, metrics, checkpoints]
-    if cfg.trainer.gradient_clip_val is not None:
-        clipping = GradientClipping(cfg.trainer.gradient_clip_val, cfg.trainer.gradient_clip_algorithm)
-        metrics.clipping = clipping
-        callbacks.insert(0, clipping)
-    trainer = build_trainer(cfg, strategy, callbacks=callbacks, accumulation=datamodule.accumulation)
-    checkpoints.install_signal_handler()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_path(cfg))
-    state["steps"] = trainer.global_step
-    last = checkpoints.last_saved
-    already_saved = last is not None and last.name.startswith(f"step_{trainer.global_step:08d}")
-    if (cfg.checkpoint.save_last or checkpoints.preempted) and not already_saved:
-        checkpoints.save(trainer)
-    state["checkpoint"] = str(checkpoints.last_saved) if checkpoints.last_saved else None
-    state["preempted"] = checkpoints.preempted
-
-
-def _resume_path(cfg: TrainConfig) -> str | None:
-    """The parent resolved ``resume``; after an elastic restart the newest checkpoint wins."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
-
-        found = complete_checkpoints(checkpoint_dir(cfg))
-        if found:
-            return str(found[-1][1])
-    return cfg.resume
-
-
-def _summary(
-    cfg: TrainConfig, state: dict[str, Any], *, status: str, error: str | None, wall: float
-) -> dict[str, Any]:
-    metrics = state.get("metrics")
-    rows = metrics.rows if metrics is not None else []
-    steady = steady_state(rows)
-    model = cfg.model
-    return {
-        "status": status,
-        "error": error,
-        "strategy": cfg.strategy.name,
-        "accelerator": cfg.accelerator.value,
-        "world_size": int(cfg.devices) * cfg.num_nodes,
-        "dp": int(cfg.dp),
-        "tp": cfg.tp,
-        "precision": cfg.precision.name,
-        "model": model.target if isinstance(model, CustomModelConfig) else model.name,
-        "parameters": _parameter_count(state.get("module")),
-        "global_batch_size": cfg.data.global_batch_size,
-        "seq_len": cfg.data.seq_len,
-        "steps": state.get("steps", rows[-1]["step"] if rows else 0),
-        "final_loss": rows[-1]["loss"] if rows else None,
-        "tokens_per_s": median_of(steady, "tokens_per_s"),
-        "step_time_s": median_of(steady, "step_time_s"),
-        "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
-        "checkpoint": state.get("checkpoint"),
-        "setup": state["setup"].info if state.get("setup") is not None else None,
-        "wall_time_s": round(wall, 3),
-        "run_dir": str(cfg.run_dir),
-    }
-
-
-def _parameter_count(module: Any) -> int | None:
-    if module is None:
-        return None
-    counted = getattr(module, "num_parameters", None)
-    if counted is not None:
-        return int(counted)
-    return int(sum(p.numel() for p in module.parameters()))
 
 
 def _redirect_output(path: Path) -> None:

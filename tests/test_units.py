@@ -106,7 +106,7 @@ def test_meta_then_init_equals_direct_init() -> None:
 
 
 def test_custom_factory_returning_logits_object_is_wrapped() -> None:
-    from fsdp_cli.build.model import build_module
+    from fsdp_cli.builders.model import build_module
     from fsdp_cli.models.causal_lm import CausalLMModule
 
     cfg = composed(
@@ -121,7 +121,7 @@ def test_custom_factory_returning_logits_object_is_wrapped() -> None:
 
 
 def test_custom_target_that_is_not_a_model() -> None:
-    from fsdp_cli.build.model import build_module
+    from fsdp_cli.builders.model import build_module
 
     cfg = composed("model=custom", "model._target_=collections.OrderedDict")
     with pytest.raises(ConfigError, match="not an nn.Module"):

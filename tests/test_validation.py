@@ -9,8 +9,8 @@ import pytest
 from conftest import composed, run_cli
 
 from fsdp_cli.config.errors import ConfigError
-from fsdp_cli.config.layout import resolve_layout
 from fsdp_cli.config.validate import validate
+from fsdp_cli.launch.layout import resolve_layout
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
 EIGHT_GPUS = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import random
-import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX
+from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
+from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
 from fsdp_cli.config.schema import CheckpointConfig
 
 
@@ -55,8 +55,7 @@ class CheckpointCallback(L.Callback):
         # at a random point of the other ranks' program: mismatched, it kills the job) and from
         # every training batch (a device sync per step on GPUs); this callback replaces both.
         # (setup runs before the Trainer registers its handlers, so the override takes effect.)
-        trainer._signal_connector.register_signal_handlers = lambda: None
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        disable_lightning_sigterm_handling(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             backend = dist.get_backend()
             self._flag_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
@@ -99,13 +98,13 @@ class CheckpointCallback(L.Callback):
         complete = complete_checkpoints(self.directory)
         removed = []
         for _, path in complete[: max(0, len(complete) - max(1, self.config.keep_last))]:
-            _remove(path)
+            remove_path(path)
             removed.append(path)
         if complete:
             newest = complete[-1][1].stat().st_mtime
             for leftover in self.directory.glob(f"*{PARTIAL_SUFFIX}"):
                 if leftover.stat().st_mtime < newest:
-                    _remove(leftover)
+                    remove_path(leftover)
         return removed
 
     # ------------------------------------------------------------------ RNG state
@@ -145,10 +144,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
+from fsdp_cli.dtypes import dtype_names
 
 PROG = "fsdp-ckpt"
 
@@ -37,7 +38,7 @@ def describe(path: Path) -> dict[str, Any]:
         "mesh": manifest.get("mesh"),
         "strategy": manifest.get("strategy"),
         "parameter_count": sum(t.numel() for t in tensors),
-        "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+        "dtypes": dtype_names(t.dtype for t in tensors),
         "optimizer_state": bool(ckpt.optimizer_states and any(s.get("state") for s in ckpt.optimizer_states)),
         "versions": manifest.get("versions"),
         "saved_at": manifest.get("saved_at"),
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except BrokenPipeError:  # `fsdp-ckpt inspect --json | head`
         sys.exit(0)
-    except Exception as err:  # noqa: BLE001 - a damaged file; FSDP_CKPT_DEBUG=1 shows the traceback
+    except Exception as err:  # a damaged file; FSDP_CKPT_DEBUG=1 shows the traceback
         if os.environ.get("FSDP_CKPT_DEBUG") == "1":
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from fsdp_cli.checkpoint.format import (
     checkpoint_format,
     fsync_tree,
     load_full,
+    remove_path,
     write_json_atomic,
 )
 
@@ -89,21 +90,17 @@ def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
 def _load_dcp(path: Path, *, only_model: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not only_model:
-        # What torch's own dcp_to_torch_save does: let the planner rebuild every entry from .metadata.
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+        # torch's public converter rebuilds every entry (tensors and pickled values such as the
+        # optimizer's param_groups) from .metadata; it writes one torch file, read back mapped.
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        state: dict[str, Any] = {}
-        _load_state_dict(
-            state,
-            storage_reader=FileSystemReader(str(path)),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
-        return state
+        with tempfile.TemporaryDirectory(prefix="fsdp-ckpt-") as tmp:
+            whole = Path(tmp) / "whole.pt"
+            dcp_to_torch_save(path, whole)
+            return torch.load(whole, map_location="cpu", mmap=True, weights_only=True)
     # Allocate only the model's tensors (no optimizer state) and let DCP fill them in.
     metadata = FileSystemReader(str(path)).read_metadata()
     model: dict[str, torch.Tensor] = {}
@@ -166,10 +163,7 @@ def convert(src: Path, dst: Path, to: str) -> Path:
 
 def _partial(dst: Path) -> Path:
     partial = dst.with_name(dst.name + PARTIAL_SUFFIX)
-    if partial.is_dir():
-        shutil.rmtree(partial)
-    elif partial.exists():
-        partial.unlink()
+    remove_path(partial)
     return partial
 
 

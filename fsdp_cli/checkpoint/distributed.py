@@ -12,7 +12,6 @@ finished and the files are flushed.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from fsdp_cli.checkpoint.format import (
     checkpoint_format,
     fsync_dir,
     fsync_tree,
+    remove_path,
     write_json_atomic,
 )
 
@@ -52,6 +52,15 @@ class DistributedCheckpointing:
 
     checkpoint_format: str = "sharded"
     checkpoint_manifest: dict[str, Any] | None = None
+    run_mesh: Any = None
+    """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The run's mesh as ``{dimension name: size}``, for the manifest and the setup report."""
+        mesh = self.run_mesh
+        if mesh is None or not mesh.mesh_dim_names:
+            return {"data_parallel": int(self.world_size)}
+        return {name: int(size) for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape)}
 
     @property
     def checkpoint_io(self) -> Any:
@@ -82,7 +91,7 @@ class DistributedCheckpointing:
         return self._gather_if_full(state)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = _unwrap(optimizer)
         return self._gather_if_full(get_optimizer_state_dict(self.model, optimizer))
 
     def _gather_if_full(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -132,19 +141,17 @@ class DistributedCheckpointing:
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            remove_path(Path(filepath))
 
     # ------------------------------------------------------------------ internals
 
     def _restore_optimizer_states(self, states: list[dict[str, Any]]) -> None:
         for optimizer, state in zip(self.optimizers, states):
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
             set_optimizer_state_dict(
-                self.model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
+                self.model,
+                _unwrap(optimizer),
+                optim_state_dict=state,
+                options=StateDictOptions(full_state_dict=True),
             )
 
     def _manifest(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,8 +162,8 @@ class DistributedCheckpointing:
     def _save_sharded(self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
-        if self.is_global_zero and partial.exists():
-            shutil.rmtree(partial)
+        if self.is_global_zero:
+            remove_path(partial)
         self.barrier("checkpoint-clean")
         tensors = {
             "state_dict": checkpoint.pop("state_dict"),
@@ -182,14 +189,20 @@ class DistributedCheckpointing:
         model_state = get_model_state_dict(self.model)
         dcp.load({"state_dict": model_state}, checkpoint_id=str(path))
         set_model_state_dict(self.model, model_state)
-        for index, optimizer in enumerate(self.optimizers):
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
+        for index, optimizer in enumerate(map(_unwrap, self.optimizers)):
             optim_state = get_optimizer_state_dict(self.model, optimizer)
             dcp.load({"optimizer_states": {str(index): optim_state}}, checkpoint_id=str(path))
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state)
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
         meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
         return meta
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's wrapper (Lightning hands the strategy either)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _gather_to_rank0(tree: Any, keep: bool) -> Any:
@@ -211,11 +224,10 @@ def _replace(partial: Path, path: Path) -> None:
     """Make ``partial`` visible as ``path``; an existing checkpoint of that name is replaced."""
     if path.exists():
         old = path.with_name(path.name + ".old" + PARTIAL_SUFFIX)
-        if old.exists():  # left by a crash during an earlier replace
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove_path(old)  # left by a crash during an earlier replace
         os.replace(path, old)
         os.replace(partial, path)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove_path(old)
     else:
         os.replace(partial, path)
     fsync_dir(path.parent)

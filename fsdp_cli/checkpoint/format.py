@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,14 @@ def fsync_tree(path: Path) -> None:
         with open(file, "rb") as fh:
             os.fsync(fh.fileno())
     fsync_dir(path if path.is_dir() else path.parent)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint or a leftover of one, folder or file; nothing if it is not there."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def fsync_dir(path: Path) -> None:

@@ -7,6 +7,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from fsdp_cli.dtypes import dtype_names
+
 MANIFEST_VERSION = 1
 
 
@@ -20,8 +22,7 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
     tensors = [
         v for v in checkpoint.get("state_dict", {}).values() if hasattr(v, "size") and hasattr(v, "dtype")
     ]
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
-    mesh = getattr(strategy, "_device_mesh", None)
+    dtypes = dtype_names(t.dtype for t in tensors)
     return {
         "manifest_version": MANIFEST_VERSION,
         "format": strategy.checkpoint_format,
@@ -29,7 +30,7 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
         "epoch": int(checkpoint.get("epoch", 0)),
         "world_size": int(strategy.world_size),
         "strategy": type(strategy).__name__,
-        "mesh": _mesh_info(mesh) or {"data_parallel": int(strategy.world_size)},
+        "mesh": strategy.mesh_sizes(),
         # size() of a DTensor or ShardedTensor is the whole tensor's, so this holds on any layout.
         "parameter_count": int(sum(math.prod(t.size()) for t in tensors)),
         "dtypes": dtypes,
@@ -42,10 +43,3 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **dict(extra),
     }
-
-
-def _mesh_info(mesh: Any) -> dict[str, int]:
-    if mesh is None:
-        return {}
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return {name: int(size) for name, size in zip(names, mesh.mesh.shape)}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from fsdp_cli.checkpoint.format import FULL_SUFFIX, PARTIAL_SUFFIX, CheckpointFormatError, checkpoint_format
 from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
+from fsdp_cli.rundir.files import CHECKPOINT_DIR
 
-CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8})(\.pt)?$")
 
 

@@ -54,13 +54,14 @@ class WrapPolicy(Enum):
 
 
 class ShardingStrategy(Enum):
-    """FSDP1 sharding strategies, as torch names them."""
+    """FSDP1 sharding strategies, as torch names them (its private zero-2 hybrid under a public name)."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
-    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+    """HYBRID_SHARD with SHARD_GRAD_OP inside each shard group (torch's ``_HYBRID_SHARD_ZERO2``)."""
 
 
 class BackwardPrefetch(Enum):
@@ -274,6 +275,13 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+
+    def feed_forward_dim(self) -> int:
+        """SwiGLU hidden size: ``ffn_hidden_dim``, or 8/3 * dim rounded up to ``multiple_of`` (Llama's rule)."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
 @dataclass

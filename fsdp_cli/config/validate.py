@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from fsdp_cli.config.errors import ConfigError
-from fsdp_cli.config.layout import detect_cluster_job
 from fsdp_cli.config.schema import (
     Accelerator,
     CustomModelConfig,
@@ -26,15 +25,14 @@ from fsdp_cli.config.schema import (
     TrainConfig,
     WrapPolicy,
 )
+from fsdp_cli.data.files import text_files
 
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")  # what data=text reads from a folder
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
 
-def validate(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> None:
-    """Raise :class:`ConfigError` for the first combination that cannot run (``env``: the process
-    environment, which tells whether torchrun or SLURM started this process)."""
-    check_launcher(cfg, os.environ if env is None else env)
+def validate(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError` for the first combination that cannot run (on a config whose
+    layout :func:`fsdp_cli.launch.layout.resolve_layout` has resolved and checked)."""
     for check in CHECKS:
         check(cfg)
 
@@ -80,16 +78,7 @@ def check_strategy_layout(cfg: TrainConfig) -> None:
 
 
 def _check_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> None:
-    dp = int(cfg.dp)
-    if strategy.replicate_size < 1 or dp % strategy.replicate_size != 0:
-        raise ConfigError(
-            "strategy.replicate_size",
-            strategy.replicate_size,
-            f"must divide dp={dp} (HSDP: replicate x shard = dp)",
-            allowed=", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0),
-            hint="replicate_size=1 is plain FSDP; replicate_size=num_nodes shards within each node",
-        )
-    shard = dp // strategy.replicate_size
+    shard = int(cfg.dp) // strategy.replicate_size  # replicate_size was checked with the layout
     raf = strategy.reshard_after_forward
     if not isinstance(raf, bool):
         if not isinstance(raf, int) or raf < 1 or shard % raf != 0:
@@ -120,7 +109,7 @@ def _check_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> None:
 def _check_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> None:
     hybrid = strategy.sharding_strategy in (
         ShardingStrategy.HYBRID_SHARD,
-        ShardingStrategy._HYBRID_SHARD_ZERO2,
+        ShardingStrategy.HYBRID_SHARD_ZERO2,
     )
     world = int(cfg.devices) * cfg.num_nodes
     if hybrid:
@@ -164,23 +153,16 @@ def check_precision(cfg: TrainConfig) -> None:
         )
 
 
-def check_launcher(cfg: TrainConfig, env: Mapping[str, str]) -> None:
-    if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None and detect_cluster_job(env) is None:
-        raise ConfigError(
-            "launcher.rdzv_endpoint",
-            None,
-            f"num_nodes={cfg.num_nodes} needs a rendezvous address every node can reach",
-            allowed="HOST:PORT of node 0",
-            hint="launcher.rdzv_endpoint=node0:29500 launcher.node_rank=R, or run under srun/torchrun",
-        )
+def check_custom_model(cfg: TrainConfig) -> None:
+    if isinstance(cfg.model, CustomModelConfig):
+        _check_dotted("model._target_", cfg.model.target)
 
 
-def check_model(cfg: TrainConfig) -> None:
-    model, tp = cfg.model, cfg.tp
-    if isinstance(model, CustomModelConfig):
-        _check_dotted("model._target_", model.target)
+def check_llama_sizes(cfg: TrainConfig) -> None:
+    """Every size positive; heads that split ``dim`` evenly; key/value heads that divide the heads."""
+    model = cfg.model
+    if not isinstance(model, LlamaConfig):
         return
-    assert isinstance(model, LlamaConfig)
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
         if getattr(model, key) < 1:
             raise ConfigError(
@@ -209,10 +191,17 @@ def check_model(cfg: TrainConfig) -> None:
             f"must divide model.n_heads={model.n_heads} (grouped-query attention)",
             allowed=", ".join(str(d) for d in range(1, model.n_heads + 1) if model.n_heads % d == 0),
         )
+
+
+def check_llama_tensor_parallel(cfg: TrainConfig) -> None:
+    """Each tensor-parallel rank needs an equal share of heads, FFN and vocabulary."""
+    model, tp = cfg.model, cfg.tp
+    if not isinstance(model, LlamaConfig):
+        return
     sizes = {
         "model.n_heads": model.n_heads,
-        "model.n_kv_heads": kv,
-        "model.ffn_hidden_dim": ffn_hidden_dim(model),
+        "model.n_kv_heads": model.n_kv_heads or model.n_heads,
+        "model.ffn_hidden_dim": model.feed_forward_dim(),
         "model.vocab_size": model.vocab_size,
     }
     for key, size in sizes.items():
@@ -239,7 +228,8 @@ def check_model(cfg: TrainConfig) -> None:
         )
 
 
-def check_data(cfg: TrainConfig) -> None:
+def check_batch(cfg: TrainConfig) -> None:
+    """The global batch splits across data-parallel ranks, and each rank's share into micro-batches."""
     data, dp = cfg.data, int(cfg.dp)
     if data.global_batch_size < 1 or data.global_batch_size % dp != 0:
         raise ConfigError(
@@ -258,6 +248,11 @@ def check_data(cfg: TrainConfig) -> None:
             f"must divide the per-rank batch {per_rank} (global_batch_size={data.global_batch_size} / dp={dp})",
             allowed=", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0),
         )
+
+
+def check_vocabulary(cfg: TrainConfig) -> None:
+    """Token ids the data produces fit the model's vocabulary."""
+    data = cfg.data
     if data.vocab_size is not None and data.vocab_size < 1:
         raise ConfigError(
             "data.vocab_size", data.vocab_size, "must be at least 1", allowed="a positive integer"
@@ -279,6 +274,10 @@ def check_data(cfg: TrainConfig) -> None:
             allowed=f"1..{model_vocab}",
             hint=f"use model.vocab_size>={data.vocab_size}",
         )
+
+
+def check_sequence(cfg: TrainConfig) -> None:
+    data = cfg.data
     max_len = getattr(cfg.model, "max_seq_len", None)
     if max_len is not None and data.seq_len > max_len:
         raise ConfigError(
@@ -289,7 +288,11 @@ def check_data(cfg: TrainConfig) -> None:
         )
     if data.seq_len < 1:
         raise ConfigError("data.seq_len", data.seq_len, "must be at least 1")
-    if data.name == "text" and data.path is not None and not _glob_matches(data.path):
+
+
+def check_data_path(cfg: TrainConfig) -> None:
+    data = cfg.data
+    if data.name == "text" and data.path is not None and not text_files(data.path):
         raise ConfigError(
             "data.path",
             data.path,
@@ -366,14 +369,6 @@ def check_wrap_and_logger(cfg: TrainConfig) -> None:
         )
 
 
-def ffn_hidden_dim(model: LlamaConfig) -> int:
-    """SwiGLU hidden size: explicit, or 8/3 * dim rounded up to ``multiple_of`` (Llama's rule)."""
-    if model.ffn_hidden_dim is not None:
-        return model.ffn_hidden_dim
-    hidden = int(8 * model.dim / 3)
-    return model.multiple_of * ((hidden + model.multiple_of - 1) // model.multiple_of)
-
-
 def _check_dotted(key: str, path: str) -> None:
     module, _, attr = path.rpartition(".")
     if not module or not attr:
@@ -391,23 +386,16 @@ def _check_dotted(key: str, path: str) -> None:
         )
 
 
-def _glob_matches(pattern: str) -> bool:
-    """A file, a folder holding text files (the suffixes data=text reads), or a glob matching files."""
-    import glob
-    from pathlib import Path
-
-    if os.path.isfile(pattern):
-        return True
-    if os.path.isdir(pattern):
-        return any(p.suffix in TEXT_SUFFIXES for p in Path(pattern).rglob("*"))
-    return any(os.path.isfile(p) for p in glob.glob(pattern, recursive=True))
-
-
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_strategy_layout,
     check_precision,
-    check_model,
-    check_data,
+    check_custom_model,
+    check_llama_sizes,
+    check_llama_tensor_parallel,
+    check_batch,
+    check_vocabulary,
+    check_sequence,
+    check_data_path,
     check_trainer,
     check_checkpoint,
     check_wrap_and_logger,

@@ -6,29 +6,13 @@ a real loss curve with no download.
 
 from __future__ import annotations
 
-import glob
-import os
-import sysconfig
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fsdp_cli.config.validate import TEXT_SUFFIXES
+from fsdp_cli.data.files import text_files
 
 HELD_OUT_FRACTION = 0.05
-
-
-def text_files(path: str | None) -> list[Path]:
-    """The files a ``data.path`` names: a file, a folder (its text files, recursively) or a glob."""
-    if path is None:
-        path = sysconfig.get_paths()["stdlib"]
-    if os.path.isfile(path):
-        return [Path(path)]
-    if os.path.isdir(path):
-        return sorted(p for p in Path(path).rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-    return sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
 
 
 def read_corpus(path: str | None, max_bytes: int) -> torch.Tensor:

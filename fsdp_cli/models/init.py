@@ -16,14 +16,9 @@ import zlib
 import torch
 from torch import nn
 
+from fsdp_cli.parallel.names import canonical_name
+
 ROWS_PER_BLOCK = 256
-# Segments wrappers insert into module/parameter names (activation checkpointing, torch.compile, FSDP1).
-_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-
-
-def canonical_name(name: str) -> str:
-    """A module's or parameter's name as the unwrapped model would report it."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 @torch.no_grad()
@@ -53,13 +48,13 @@ def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     """The local tensor of ``param`` and the (row, column) offset of its first element in the full tensor."""
     from torch.distributed.tensor import DTensor
 
+    from fsdp_cli.compat.torch_internals import global_offset
+
     if isinstance(param, nn.Parameter):
         param = param.data
     if not isinstance(param, DTensor):
         return param, (0, 0)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    offset = global_offset(param)
     local = param.to_local()
     if param.dim() > 2:
         raise ValueError("seeded_normal_ supports 1-D and 2-D parameters")

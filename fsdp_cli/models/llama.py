@@ -13,10 +13,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from fsdp_cli.config.schema import LlamaConfig
-from fsdp_cli.config.validate import ffn_hidden_dim
 from fsdp_cli.models.init import seeded_normal_
+from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +101,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+        self.feed_forward = FeedForward(cfg.dim, cfg.feed_forward_dim())
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -144,49 +151,38 @@ class Llama(nn.Module):
             std = depth_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
             seeded_normal_(param, std=std, seed=self.seed, name=name)
 
+    def tp_plan(self, *, sequence_parallel: bool) -> dict[str, Any]:
+        """The tensor-parallel plan for :func:`torch.distributed.tensor.parallel.parallelize_module`.
 
-def llama_tp_plan(model: Llama, *, sequence_parallel: bool) -> dict[str, Any]:
-    """The tensor-parallel plan for :func:`torch.distributed.tensor.parallel.parallelize_module`.
-
-    Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each block
-    needs one all-reduce forward (or a reduce-scatter/all-gather pair with sequence parallel).
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    from fsdp_cli.parallel.tensor_parallel import replicate_parallel
-
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        # Logits come back whole on every tensor-parallel rank, so the loss is the ordinary one.
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
-    }
-    # Norms: split along the sequence with sequence parallel, else replicated DTensors so that
-    # every parameter ends up on the same (dp, tp) mesh after fully_shard.
-    norm_style = SequenceParallel if sequence_parallel else replicate_parallel
-    plan["norm"] = norm_style()
-    for name in model.layers:
-        prefix = f"layers.{name}"
-        plan[f"{prefix}.attention.wq"] = ColwiseParallel()
-        plan[f"{prefix}.attention.wk"] = ColwiseParallel()
-        plan[f"{prefix}.attention.wv"] = ColwiseParallel()
-        plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=residual)
-        plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
-        plan[f"{prefix}.attention_norm"] = norm_style()
-        plan[f"{prefix}.ffn_norm"] = norm_style()
-        if sequence_parallel:
-            plan[f"{prefix}.attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-            )
-            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-    return plan
+        Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each
+        block needs one all-reduce forward (or a reduce-scatter/all-gather pair with sequence parallel).
+        """
+        residual = Shard(1) if sequence_parallel else Replicate()
+        plan: dict[str, Any] = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+            # Logits come back whole on every tensor-parallel rank, so the loss is the ordinary one.
+            "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+        }
+        # Norms: split along the sequence with sequence parallel, else replicated DTensors so that
+        # every parameter ends up on the same (dp, tp) mesh after fully_shard.
+        norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
+        plan["norm"] = norm_style()
+        for name in self.layers:
+            prefix = f"layers.{name}"
+            plan[f"{prefix}.attention.wq"] = ColwiseParallel()
+            plan[f"{prefix}.attention.wk"] = ColwiseParallel()
+            plan[f"{prefix}.attention.wv"] = ColwiseParallel()
+            plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=residual)
+            plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
+            plan[f"{prefix}.attention_norm"] = norm_style()
+            plan[f"{prefix}.ffn_norm"] = norm_style()
+            if sequence_parallel:
+                plan[f"{prefix}.attention"] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                )
+                plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+        return plan

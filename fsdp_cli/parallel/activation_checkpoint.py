@@ -16,7 +16,7 @@ def apply_ac(
     ``_checkpoint_wrapped_module`` segment that torch.distributed.checkpoint's state-dict helpers
     strip, so checkpoints stay interchangeable between runs with and without checkpointing.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from fsdp_cli.compat.torch_internals import checkpoint_wrapper
 
     if mode is ActivationCheckpointing.none:
         return 0

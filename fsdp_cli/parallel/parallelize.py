@@ -6,31 +6,71 @@ Order matters, and is the same as torchtitan's:
 3. ``torch.compile`` per block — compiles what will run, checkpoint wrapper included;
 4. ``fully_shard`` per unit, then the root — last, over whatever modules the steps above left.
 
-A user ``parallelize_fn`` replaces all of it. It is called with keywords only (NeMo's
-FSDP2Strategy calling convention), and receives just the keywords its signature accepts.
+Every setting travels in one :class:`ParallelizeOptions`, from the config (or
+``FSDP2Strategy``'s keywords) to here. A user ``parallelize_fn`` replaces all of it; it is
+called with keywords only (NeMo's FSDP2Strategy calling convention), and receives just the
+options its signature accepts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_cli.config.schema import ActivationCheckpointing, WrapConfig
-from fsdp_cli.models.init import canonical_name
 from fsdp_cli.parallel.activation_checkpoint import apply_ac
+from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
+from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
 from fsdp_cli.parallel.wrap import repeated_block_class, wrap_units
 
-log = logging.getLogger(__name__)
 
-DP_REPLICATE, DP_SHARD, TP = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
+@dataclass
+class ParallelizeOptions:
+    """How a model is parallelized, besides the mesh sizes (see :class:`~fsdp_cli.parallel.dims.ParallelDims`).
+
+    The fields of the same name in the ``strategy=fsdp2`` schema (:class:`~fsdp_cli.config.schema.FSDP2Config`)
+    are copied here by name; ``FSDP2Strategy`` accepts each as a keyword.
+    """
+
+    mp_policy: Any = None
+    """A ``torch.distributed.fsdp.MixedPrecisionPolicy`` (param/reduce/output dtypes); None = fp32."""
+    offload_policy: Any = None
+    """E.g. ``CPUOffloadPolicy()``: shards, gradients and optimizer state stay in CPU memory."""
+    reshard_after_forward: bool | int = True
+    """True (ZeRO-3), False (ZeRO-2) or an int (reshard to groups of that many ranks)."""
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    ac_every_n_blocks: int = 2
+    """With selective activation checkpointing: recompute every N-th block."""
+    compile: bool = False
+    """``torch.compile`` each block before sharding it."""
+    sequence_parallel: bool = False
+    """With tensor parallel, also shard norms and the residual stream along the sequence."""
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    """Which module classes become FSDP units (default: the model's repeated block)."""
+    tp_shard_plan: dict[str, Any] | None = None
+    """A tensor-parallel plan to use instead of ``model.tp_plan()``."""
+
+    def __post_init__(self) -> None:
+        # Keywords as users write them: "full", True/False.
+        ac = self.activation_checkpointing
+        if isinstance(ac, bool):
+            ac = ActivationCheckpointing.full if ac else ActivationCheckpointing.none
+        self.activation_checkpointing = ActivationCheckpointing(ac)
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def as_keywords(self) -> dict[str, Any]:
+        """Shallow: the policy objects are passed on as they are."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass
@@ -43,66 +83,41 @@ class ParallelizeReport:
     fsdp_units: list[str] = field(default_factory=list)
 
 
-def parallelize(
-    model: nn.Module,
-    *,
-    device_mesh: DeviceMesh,
-    mp_policy: object | None = None,
-    offload_policy: object | None = None,
-    tp_shard_plan: dict[str, Any] | None = None,
-    sequence_parallel: bool = False,
-    activation_checkpointing: ActivationCheckpointing | bool = ActivationCheckpointing.none,
-    ac_every_n_blocks: int = 2,
-    compile: bool = False,
-    reshard_after_forward: bool | int = True,
-    wrap: WrapConfig | None = None,
-) -> ParallelizeReport:
-    """Apply tensor parallel, activation checkpointing, compile and FSDP2 to ``model`` in place.
-
-    ``device_mesh`` has the dimensions ``data_parallel_replicate``, ``data_parallel_shard`` and
-    ``tensor_parallel`` (sizes may be 1).
-    """
+def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOptions) -> ParallelizeReport:
+    """Apply tensor parallel, activation checkpointing, compile and FSDP2 to ``model`` in place,
+    over the mesh ``dims`` has built."""
     report = ParallelizeReport()
-    wrap = wrap or WrapConfig()
-    if isinstance(activation_checkpointing, bool):
-        activation_checkpointing = (
-            ActivationCheckpointing.full if activation_checkpointing else ActivationCheckpointing.none
-        )
-
     # Units are chosen before any wrapper is inserted, from the model as the user wrote it.
-    units = wrap_units(model, wrap)
+    units = wrap_units(model, options.wrap)
     # Checkpointing and compile work per transformer block, whatever the FSDP units are.
     block_cls = repeated_block_class(model)
     blocks = [m for m in model.modules() if block_cls is not None and isinstance(m, block_cls)] or units
 
-    tp_mesh = device_mesh[TP]
-    if tp_mesh.size() > 1:
-        plan = tp_shard_plan or model_tp_plan(model, sequence_parallel=sequence_parallel)
+    if dims.tp_enabled:
+        plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
         if plan is None:
             raise ValueError(
-                f"tp={tp_mesh.size()} but {type(model).__name__} has no tensor-parallel plan: define "
+                f"tp={dims.tp} but {type(model).__name__} has no tensor-parallel plan: define "
                 "model.tp_plan(sequence_parallel) or pass strategy.parallelize_fn"
             )
-        apply_tp(model, tp_mesh, plan)
+        apply_tp(model, dims.tp_mesh, plan)
         report.tp_modules = len(plan)
 
-    report.ac_blocks = apply_ac(model, blocks, activation_checkpointing, ac_every_n_blocks)
+    report.ac_blocks = apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
 
-    if compile:
+    if options.compile:
         for block in blocks:
             # Module.compile() compiles in place: parameter names (and checkpoints) do not change.
             block.compile()
         report.compiled_blocks = len(blocks)
 
-    replicate = device_mesh[DP_REPLICATE].size()
-    dp_mesh = device_mesh[DP_REPLICATE, DP_SHARD] if replicate > 1 else device_mesh[DP_SHARD]
     apply_fsdp(
         model,
-        dp_mesh,
+        dims.fsdp_mesh,
         units,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
+        reshard_after_forward=options.reshard_after_forward,
+        mp_policy=options.mp_policy,
+        offload_policy=options.offload_policy,
     )
     names = {id(m): canonical_name(n) for n, m in model.named_modules()}
     report.fsdp_units = [names.get(id(u), type(u).__name__) for u in units] + ["<root>"]
@@ -110,12 +125,12 @@ def parallelize(
 
 
 def call_parallelize_fn(
-    fn: Callable[..., Any], model: nn.Module, device_mesh: DeviceMesh, **options: Any
+    fn: Callable[..., Any], model: nn.Module, device_mesh: Any, options: ParallelizeOptions
 ) -> Any:
-    """Call a user ``parallelize_fn`` with the keywords its signature accepts."""
+    """Call a user ``parallelize_fn`` with the options its signature accepts."""
     params = inspect.signature(fn).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in options.items() if takes_all or k in params}
+    kwargs = {k: v for k, v in options.as_keywords().items() if takes_all or k in params}
     if "device_mesh" in params or takes_all:
         return fn(model, device_mesh=device_mesh, **kwargs)
     return fn(model, device_mesh, **kwargs)

@@ -7,19 +7,21 @@ with the project's checkpoint formats.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["DDPStrategy", "FSDP2Strategy"]
+__all__ = ["DDPStrategy", "FSDP1Strategy", "FSDP2Strategy", "ModelParallelStrategy"]
+
+_MODULES = {
+    "DDPStrategy": "ddp",
+    "FSDP1Strategy": "fsdp1",
+    "FSDP2Strategy": "fsdp2",
+    "ModelParallelStrategy": "model_parallel",
+}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing fsdp_cli.strategies must not pull in lightning until a class is used.
-    if name == "FSDP2Strategy":
-        from fsdp_cli.strategies.fsdp2 import FSDP2Strategy
-
-        return FSDP2Strategy
-    if name == "DDPStrategy":
-        from fsdp_cli.strategies.ddp import DDPStrategy
-
-        return DDPStrategy
-    raise AttributeError(name)
+    if name not in _MODULES:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(f"fsdp_cli.strategies.{_MODULES[name]}"), name)

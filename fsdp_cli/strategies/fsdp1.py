@@ -14,32 +14,33 @@
   says what to write instead, whatever ``use_orig_params`` is.
 * Checkpoints use the project's formats (:mod:`fsdp_cli.checkpoint`): sharded DCP folders or one
   full file, interchangeable with every other strategy. Gradient clipping by norm is done by
-  :mod:`fsdp_cli.clipping` through the FSDP root's ``clip_grad_norm_``.
+  :mod:`fsdp_cli.callbacks.clipping` through the FSDP root's ``clip_grad_norm_``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.strategies.fsdp import (
-    _activation_checkpointing_kwargs,
-    _setup_activation_checkpointing,
-)
 from torch import nn
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
+from fsdp_cli.compat.lightning_internals import (
+    fsdp1_activation_checkpointing,
+    optimizers_to_device,
+    reset_optimizers,
+    set_fsdp1_activation_checkpointing,
+    setup_activation_checkpointing,
+)
 from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import WrapConfig
+from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.wrap import block_classes, resolve_classes
 
-log = logging.getLogger(__name__)
-
-HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # torch's member names
 _AUTO_MESH = (0, 0)
 
 
@@ -90,27 +91,21 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         return self.root_device if self.root_device.type == "cpu" else self.root_device.index
 
     def setup_environment(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = self.kwargs.pop("device_mesh", None)
         super().setup_environment()
-        if self.kwargs.get("process_group") is not None:
+        if self.kwargs.get("process_group") is not None or (mesh is not None and not isinstance(mesh, tuple)):
+            self.kwargs["device_mesh"] = self.run_mesh = mesh  # the user's own process group or mesh
             return
+        replicate = 1
         if self.sharding_strategy.name in HYBRID:
-            if isinstance(mesh, tuple) and mesh != _AUTO_MESH:
-                replicate, shard = mesh
+            if mesh != _AUTO_MESH:
+                replicate = mesh[0]
             else:
-                shard = self.hybrid_shard_size or self.num_processes
-                replicate = self.world_size // shard
-            mesh = init_device_mesh(
-                self.root_device.type, (replicate, shard), mesh_dim_names=("replicate", "shard")
-            )
-        elif mesh is None:
-            # A 1-D mesh makes FSDP1's sharded state dicts DTensors (as FSDP2's are) rather than
-            # the deprecated ShardedTensor, so checkpoints move between the two freely.
-            mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+                replicate = self.world_size // (self.hybrid_shard_size or self.num_processes)
+        dims = ParallelDims.resolve(world_size=self.world_size, replicate=replicate)
+        mesh = dims.build_fsdp1_mesh(self.root_device.type)
         self.kwargs["device_mesh"] = mesh
-        self._device_mesh = mesh
+        self.run_mesh = mesh
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -132,7 +127,6 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
     # ------------------------------------------------------------------ wrapping
 
     def setup(self, trainer: Any) -> None:
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.trainer.states import TrainerFn
 
         assert self.accelerator is not None and self.model is not None
@@ -145,7 +139,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -158,16 +152,14 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(classes)) if classes else None
         if self._ac_names is not None:
             classes = resolve_classes(module, self._ac_names, key="strategy.activation_checkpointing_policy")
-            self._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(
-                None, set(classes) or None
-            )
+            set_fsdp1_activation_checkpointing(self, set(classes) or None)
 
         kwargs = dict(self.kwargs)
         if any(isinstance(m, FSDP) for m in model.modules()):
             # Manually wrapped: only the parameters no unit owns are left for a root unit.
             kwargs.pop("auto_wrap_policy", None)
             if isinstance(model, FSDP) or not _has_unwrapped_parameters(model):
-                _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+                setup_activation_checkpointing(model, fsdp1_activation_checkpointing(self))
                 return model
         if kwargs.get("auto_wrap_policy") is None:
             kwargs.pop("auto_wrap_policy", None)
@@ -179,7 +171,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             device_id=self._device_id(),
             **kwargs,
         )
-        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        setup_activation_checkpointing(model, fsdp1_activation_checkpointing(self))
         return model
 
     def setup_optimizers(self, trainer: Any) -> None:
@@ -187,7 +179,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
 
         # Lightning's FSDPStrategy checks this only with use_orig_params=False and raises a
         # ValueError; the check below covers both settings and reports like any config mistake.
-        self._reset_optimizers_and_schedulers()
+        reset_optimizers(self)
         hint = (
             "create the optimizer inside configure_optimizers() from self.parameters() "
             "(or self.trainer.model.parameters()), not from parameters collected before wrapping"

@@ -14,7 +14,8 @@ device until each rank materialises its own shard in :meth:`setup`; the built-in
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -25,10 +26,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
-from fsdp_cli.config.schema import ActivationCheckpointing, WrapConfig
-from fsdp_cli.parallel.parallelize import DP_REPLICATE, DP_SHARD, TP, call_parallelize_fn, parallelize
-
-log = logging.getLogger(__name__)
+from fsdp_cli.compat.lightning_internals import optimizers_to_device, set_device_mesh, setup_distributed
+from fsdp_cli.parallel.dims import LIBRARY_NAMES, ParallelDims
+from fsdp_cli.parallel.parallelize import (
+    ParallelizeOptions,
+    ParallelizeReport,
+    call_parallelize_fn,
+    parallelize,
+)
 
 
 class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
@@ -47,14 +52,13 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             ``fn(model, device_mesh=..., mp_policy=..., offload_policy=..., tp_shard_plan=...,
             sequence_parallel=..., activation_checkpointing=..., compile=..., reshard_after_forward=...)``
             with the keywords its signature accepts (NeMo's calling convention works unchanged).
+        options: a :class:`~fsdp_cli.parallel.parallelize.ParallelizeOptions` holding every
+            parallelization setting; each of its fields (``offload_policy``,
+            ``reshard_after_forward``, ``activation_checkpointing``, ``ac_every_n_blocks``,
+            ``compile``, ``sequence_parallel``, ``wrap``, ``tp_shard_plan``) is also accepted as a
+            keyword and overrides it.
         replicate_size: HSDP replica groups; parameters are sharded within each of the
             ``data_parallel_size / replicate_size`` ranks of a group and replicated across groups.
-        offload_policy: e.g. ``CPUOffloadPolicy()`` to keep shards, gradients and optimizer state on CPU.
-        reshard_after_forward: ``True`` (ZeRO-3), ``False`` (ZeRO-2) or an int (reshard to that many ranks).
-        activation_checkpointing: ``none``, ``full`` or ``selective`` (every ``ac_every_n_blocks``-th block).
-        compile: ``torch.compile`` each block.
-        sequence_parallel: with tensor parallel, also shard norms/residuals along the sequence.
-        wrap: which module classes become FSDP units (default: the model's repeated block).
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
@@ -70,19 +74,16 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         mp_policy: Any | None = None,
         parallelize_fn: Callable[..., Any] | None = None,
         *,
+        options: ParallelizeOptions | None = None,
         replicate_size: int = 1,
-        offload_policy: Any | None = None,
-        reshard_after_forward: bool | int = True,
-        activation_checkpointing: ActivationCheckpointing | str | bool = ActivationCheckpointing.none,
-        ac_every_n_blocks: int = 2,
-        compile: bool = False,
-        sequence_parallel: bool = False,
-        wrap: WrapConfig | None = None,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelizeOptions.names()}
+        if mp_policy is not None:
+            overrides["mp_policy"] = mp_policy
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -93,23 +94,18 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         )
         if checkpoint_io is not None:
             self.checkpoint_io = checkpoint_io
-        self.mp_policy = mp_policy
+        self.options = dataclasses.replace(options or ParallelizeOptions(), **overrides)
         self.parallelize_fn = parallelize_fn
-        self.replicate_size = replicate_size
-        self.offload_policy = offload_policy
-        self.reshard_after_forward = reshard_after_forward
-        if isinstance(activation_checkpointing, str):
-            activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
-        self.activation_checkpointing = activation_checkpointing
-        self.ac_every_n_blocks = ac_every_n_blocks
-        self.compile = compile
-        self.sequence_parallel = sequence_parallel
-        self.wrap = wrap or WrapConfig()
+        self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
+        self.dims: ParallelDims | None = None
         self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"
+        self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
-        self.parallelize_report: Any = None
         self._pending_optimizer_states: list[dict[str, Any]] | None = None
-        self._dp_mesh: Any = None
+
+    @property
+    def mp_policy(self) -> Any:
+        return self.options.mp_policy
 
     # ------------------------------------------------------------------ process group and mesh
 
@@ -117,40 +113,29 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         """Initialise the process group and the device mesh
         (``data_parallel_replicate`` × ``data_parallel_shard`` × ``tensor_parallel``, with the first
         two flattened as ``data_parallel`` for code written against ModelParallelStrategy)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        setup_distributed(self)
+        self.dims = self._resolve_dims()
+        self.run_mesh = self.dims.build_mesh(self.root_device.type)
+        set_device_mesh(self, self.run_mesh)
 
-        self._setup_distributed()
-        dp, tp = self._resolve_sizes()
-        if dp % self.replicate_size != 0:
-            raise ValueError(f"replicate_size={self.replicate_size} must divide data_parallel_size={dp}")
-        self._data_parallel_size, self._tensor_parallel_size = dp, tp
-        mesh = init_device_mesh(
-            self.root_device.type,
-            (self.replicate_size, dp // self.replicate_size, tp),
-            mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP),
-        )
-        # Kept here: slicing a flattened dimension out of the root mesh is deprecated in torch.
-        self._dp_mesh = mesh[DP_REPLICATE, DP_SHARD]._flatten("data_parallel")
-        self._device_mesh = mesh
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = mesh
-
-    def _resolve_sizes(self) -> tuple[int, int]:
-        dp, tp, world = self._data_parallel_size, self._tensor_parallel_size, self.world_size
+    def _resolve_dims(self) -> ParallelDims:
+        dp, tp, replicate = self.requested_sizes
         if dp == "auto" and tp == "auto":
             dp, tp = self.num_nodes, self.num_processes
-        elif dp == "auto":
-            dp = world // int(tp)
         elif tp == "auto":
-            tp = world // int(dp)
-        dp, tp = int(dp), int(tp)
-        if dp * tp != world:
-            raise ValueError(f"data_parallel_size({dp}) * tensor_parallel_size({tp}) != world size ({world})")
-        return dp, tp
+            tp = self.world_size // int(dp)
+        return ParallelDims.resolve(
+            world_size=self.world_size,
+            dp=None if dp == "auto" else int(dp),
+            tp=int(tp),
+            replicate=replicate,
+            names=LIBRARY_NAMES,
+        )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self._dp_mesh
+        assert self.dims is not None
+        dp_mesh = self.dims.data_parallel_mesh
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     # ------------------------------------------------------------------ parallelize
@@ -164,24 +149,16 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         if self._parallelized:
             rank_zero_warn("FSDP2Strategy.parallelize() was already applied; ignoring the second call.")
             return
-        target = self._parallelize_target()
-        options = {
-            "mp_policy": self.mp_policy,
-            "offload_policy": self.offload_policy,
-            "sequence_parallel": self.sequence_parallel,
-            "activation_checkpointing": self.activation_checkpointing,
-            "ac_every_n_blocks": self.ac_every_n_blocks,
-            "compile": self.compile,
-            "reshard_after_forward": self.reshard_after_forward,
-            "wrap": self.wrap,
-        }
+        assert self.dims is not None
+        target = self.parallelize_target()
         if self.parallelize_fn is not None:
-            call_parallelize_fn(self.parallelize_fn, target, self.device_mesh, **options)
+            call_parallelize_fn(self.parallelize_fn, target, self.dims.mesh, self.options)
         else:
-            self.parallelize_report = parallelize(target, device_mesh=self.device_mesh, **options)
+            self.parallelize_report = parallelize(target, self.dims, self.options)
         self._parallelized = True
 
-    def _parallelize_target(self) -> nn.Module:
+    def parallelize_target(self) -> nn.Module:
+        """The module that is parallelized: the LightningModule's ``model`` attribute, or itself."""
         module = self.lightning_module
         assert module is not None
         inner = getattr(module, "model", None)
@@ -194,20 +171,19 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         move every parameter to the GPU; this strategy parallelizes by itself and must leave
         CPU-offloaded shards where FSDP put them.
         """
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.trainer.states import TrainerFn
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if not self._parallelized:
             self.parallelize()
-        self._materialize(self._parallelize_target())
+        self._materialize(self.parallelize_target())
         self.model = self.precision_plugin.convert_module(self.model)
         if self._offloaded:
             # FSDP keeps the sharded parameters on CPU; buffers still belong on the compute device.
             for module in self.model.modules():
-                for name, buf in module.named_buffers(recurse=False):
-                    module._buffers[name] = buf.to(self.root_device)
+                for name, buffer in module.named_buffers(recurse=False):
+                    setattr(module, name, buffer.to(self.root_device))
         else:
             self.model_to_device()
         self.barrier()
@@ -215,13 +191,13 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._offloaded:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     @property
     def _offloaded(self) -> bool:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        return isinstance(self.offload_policy, CPUOffloadPolicy)
+        return isinstance(self.options.offload_policy, CPUOffloadPolicy)
 
     def _materialize(self, model: nn.Module) -> None:
         """Allocate parameters created on the meta device (``tensor_init_context(empty_init=True)``)
@@ -272,8 +248,6 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
-    import inspect
-
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):

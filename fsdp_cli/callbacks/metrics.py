@@ -17,12 +17,18 @@ from typing import Any
 import lightning as L
 import torch
 
-from fsdp_cli.report import METRICS_FILE
+from fsdp_cli.rundir.files import METRICS_FILE
 
 
 class MetricsCallback(L.Callback):
     def __init__(
-        self, run_dir: Path, *, log_every_n_steps: int, tokens_per_step: int, max_steps: int
+        self,
+        run_dir: Path,
+        *,
+        log_every_n_steps: int,
+        tokens_per_step: int,
+        max_steps: int,
+        clipping: Any | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.log_every = log_every_n_steps
@@ -34,7 +40,7 @@ class MetricsCallback(L.Callback):
         self._t_last = 0.0
         self._step_last = 0
         self._file: Any | None = None
-        self.clipping: Any | None = None  # GradientClipping, whose norm is logged
+        self.clipping = clipping  # GradientClipping, whose norm is logged
         # The micro-batch losses of the current step, summed on the device (no sync).
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0

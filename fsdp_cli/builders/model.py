@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from fsdp_cli.build.strategy import import_object
+from fsdp_cli.builders.imports import import_object
 from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import (
     CustomModelConfig,

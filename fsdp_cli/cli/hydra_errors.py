@@ -2,8 +2,8 @@
 
 Hydra reports an unknown group option or a misspelled key over several lines (plus a hint about
 HYDRA_FULL_ERROR) and exits 1. Every config mistake of ``fsdp-train`` exits 2 with one line
-instead. Hydra has no hook for this, so its error reporter (``hydra._internal.utils.run_and_report``,
-stable through the 1.3 series we pin) is wrapped; anything that is not a config error still goes
+instead. Hydra has no hook for this, so its error reporter is wrapped (through
+:mod:`fsdp_cli.compat.hydra_internals`); anything that is not a config error still goes
 to Hydra's own reporter, traceback and all. ``HYDRA_FULL_ERROR=1`` shows Hydra's full output.
 """
 
@@ -15,9 +15,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hydra._internal import utils as hydra_utils
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
+
+from fsdp_cli.compat.hydra_internals import wrap_run_and_report
+from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 
 CONFIG_ERRORS = (
     ConfigCompositionException,
@@ -50,8 +52,12 @@ def one_line(err: BaseException) -> str:
 
 
 def report_hydra_errors_in_one_line(prog: str) -> None:
-    original: Callable[[Callable[[], Any]], Any] = hydra_utils.run_and_report
+    wrap_run_and_report(lambda original: _one_line_reporter(prog, original))
 
+
+def _one_line_reporter(
+    prog: str, original: Callable[[Callable[[], Any]], Any]
+) -> Callable[[Callable[[], Any]], Any]:
     def run_and_report(func: Callable[[], Any]) -> Any:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             return original(func)
@@ -59,16 +65,16 @@ def report_hydra_errors_in_one_line(prog: str) -> None:
             return func()
         except CONFIG_ERRORS as err:
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            sys.exit(EXIT_CONFIG_ERROR)
         except ValueError as err:
             if _raised_by_hydra(err):  # e.g. "Config group override must be a string"
                 print(f"{prog}: error: {err}; hint: {HINT}", file=sys.stderr, flush=True)
-                sys.exit(2)
+                sys.exit(EXIT_CONFIG_ERROR)
             return original(func_raising(err))
-        except Exception:
+        except Exception:  # noqa: BLE001 - handed on to Hydra's own reporter
             return original(func_raising(sys.exc_info()[1]))
 
-    hydra_utils.run_and_report = run_and_report
+    return run_and_report
 
 
 def _raised_by_hydra(err: BaseException) -> bool:

@@ -1,6 +1,6 @@
 """The launcher process: PyTorch's elastic agent (``torch.distributed.run``), reporting failures our way.
 
-``python -m fsdp_cli.agent <torchrun arguments>`` runs exactly what ``torchrun`` would. The
+``python -m fsdp_cli.launch.agent <torchrun arguments>`` runs exactly what ``torchrun`` would. The
 difference is at the end: when a rank fails, torchrun prints its own traceback and failure
 table; for a config error (a rank exited with status 2 after printing one line) that is noise,
 so the agent exits 2 quietly. For any other failure it prints the failure table, which names
@@ -18,10 +18,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from fsdp_cli.config.errors import EXIT_CONFIG_ERROR
-from fsdp_cli.report import EXIT_PREEMPTED
-
-LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
+from fsdp_cli.launch.launcher import LOG_DIR_ENV
+from fsdp_cli.rundir.files import LAUNCHER_LOG
+from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED
 
 
 def main(argv: list[str]) -> int:
@@ -42,11 +41,11 @@ def main(argv: list[str]) -> int:
         log_dir = os.environ.get(LOG_DIR_ENV)
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(log_dir) / "launcher.log").write_text(report + "\n")
+            (Path(log_dir) / LAUNCHER_LOG).write_text(report + "\n")
         if first.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):
             return first.exitcode
         print(report, file=sys.stderr, flush=True)
-        return 1
+        return EXIT_FAILED
     return 0
 
 

@@ -1,7 +1,8 @@
-"""``fsdp-train``: compose -> typed config -> validate -> launch -> report.
+"""``fsdp-train``: compose -> typed config -> resolve and validate -> launch -> report.
 
-Everything on this path before :func:`fsdp_cli.launch.launch` is free of torch and lightning,
-so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well under a second.
+Everything on this path before :func:`fsdp_cli.launch.launcher.launch` is free of torch and
+lightning, so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well under a
+second.
 """
 
 from __future__ import annotations
@@ -19,37 +20,29 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.convert import to_train_config, to_yaml
-from fsdp_cli.config.errors import EXIT_CONFIG_ERROR, ConfigError
-from fsdp_cli.config.layout import detect_cluster_job, resolve_layout
+from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.migrate import migrate
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.config.validate import advisories, validate
-from fsdp_cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
-from fsdp_cli.report import (
-    CONFIG_FILE,
-    EXIT_PREEMPTED,
-    STATUS_FAILED,
-    global_rank,
-    print_summary,
-    read_summary,
-    write_summary,
-)
+from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
+from fsdp_cli.launch.layout import resolve_layout
+from fsdp_cli.rundir.files import CONFIG_FILE
+from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED, STATUS_FAILED
+from fsdp_cli.rundir.summary import read_summary, write_summary
+from fsdp_cli.rundir.table import print_summary
 
 PROG = "fsdp-train"
 
 
-def fail(message: str) -> NoReturn:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_CONFIG_ERROR)
-
-
 def _config_path() -> str:
-    """The configs shipped inside the package; from a source tree (``python -m fsdp_cli.cli`` run in
-    a checkout whose package is installed elsewhere) the top-level ``configs/`` folder."""
+    """The configs shipped inside the package; from a source tree (``python -m fsdp_cli.cli.main``
+    run in a checkout whose package is installed elsewhere) the top-level ``configs/`` folder."""
     if importlib.util.find_spec("fsdp_cli.configs") is not None:
         return "pkg://fsdp_cli.configs"
-    return str(Path(__file__).resolve().parents[1] / "configs")
+    return str(Path(__file__).resolve().parents[2] / "configs")
 
 
 @hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
@@ -57,28 +50,35 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)
     run_dir = _run_dir(hydra_cfg, job)
+    typed = resolve(cfg, run_dir)
+    if global_rank() == 0:
+        (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
+
+    from fsdp_cli.launch.launcher import launch
+
+    code = launch(typed)
+    return finish(code, run_dir, job=job, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
+    """The composed config as the typed, resolved, validated config every rank reads; a mistake
+    is one line on stderr and exit status 2."""
     try:
         typed, notices = migrate(to_train_config(cfg))
-        for notice in notices:
-            print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
+        _notify(notices)  # before validation: an error may be about the new name
         typed = resolve_layout(typed, os.environ)
         typed = dataclasses.replace(typed, run_dir=str(run_dir))
         validate(typed)
         typed, resume_notices = resolve_resume(typed)
-        for notice in [*advisories(typed), *resume_notices]:
-            print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
     except ConfigError as err:
         fail(err.one_line())
+    _notify([*advisories(typed), *resume_notices])
+    return typed
 
-    rank = global_rank()
-    if rank == 0:
-        (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
 
-    from fsdp_cli.launch import launch
-
-    code = launch(typed)
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    if job is not None and rank != 0:
+def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) -> dict[str, Any] | None:
+    """Report the run (the summary table) and turn the ranks' status into ours."""
+    if job is not None and global_rank() != 0:
         # One rank of a torchrun/SLURM job: rank 0 reports; a failing rank still fails its process.
         if code != 0:
             sys.exit(code)
@@ -103,11 +103,21 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     print_summary(summary, run_dir)
     # A preempted job stops a sweep too: the signal was meant for the whole command.
     if code == EXIT_PREEMPTED or (code != 0 and not multirun):
-        sys.exit(code if code == EXIT_PREEMPTED else 1)
+        sys.exit(code if code == EXIT_PREEMPTED else EXIT_FAILED)
     return summary
 
 
-def _run_dir(hydra_cfg: Any, job: Any) -> Path:
+def _notify(notices: list[str]) -> None:
+    for notice in notices:
+        print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
+
+
+def fail(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+def _run_dir(hydra_cfg: Any, job: ClusterJob | None) -> Path:
     """Hydra's run directory; inside torchrun/SLURM every rank must agree on it, and Hydra's
     default (a timestamp) can differ by a second between ranks, so the job id names it instead."""
     run_dir = Path(hydra_cfg.runtime.output_dir)

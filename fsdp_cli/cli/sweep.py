@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from fsdp_cli.report import read_summary
+from fsdp_cli.rundir.summary import read_summary
 
 SWEEP_SUMMARY = "sweep_summary.json"
 COLUMNS = (

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 
-from fsdp_cli.build.precision import mixed_precision_dtypes
+from fsdp_cli.builders.precision import mixed_precision_dtypes
 from fsdp_cli.config.schema import BackwardPrefetch, FSDPConfig, TrainConfig, WrapConfig, WrapPolicy
 
 
@@ -16,10 +16,11 @@ def build_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> Strategy:
     from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
     from torch.distributed.fsdp import CPUOffload
 
+    from fsdp_cli.compat.torch_internals import fsdp1_sharding_strategy
     from fsdp_cli.strategies.fsdp1 import FSDP1Strategy
 
     return FSDP1Strategy(
-        sharding_strategy=strategy.sharding_strategy.value,
+        sharding_strategy=fsdp1_sharding_strategy(strategy.sharding_strategy.value),
         hybrid_shard_size=strategy.hybrid_shard_size,
         # FSDP1 pins offloaded memory, which needs CUDA; on CPU processes offloading is a no-op anyway.
         cpu_offload=CPUOffload(offload_params=True)

@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from fsdp_cli.build.precision import fsdp2_precision_plugin
+from fsdp_cli.builders.precision import fsdp2_precision_plugin
 from fsdp_cli.config.schema import FSDP2Config, LoggerName, TrainConfig
 
 
@@ -25,7 +25,7 @@ def build_trainer(
     cfg: TrainConfig, strategy: Any, *, callbacks: list[L.Callback], accumulation: int
 ) -> L.Trainer:
     """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
-    (:mod:`fsdp_cli.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes."""
+    (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes."""
     t = cfg.trainer
     kwargs: dict[str, Any] = {}
     plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None

@@ -14,9 +14,12 @@ import lightning as L
 import torch
 from torch import nn
 
+from fsdp_cli.dtypes import dtype_name
+from fsdp_cli.parallel.names import canonical_name
+
 
 def _name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).replace("torch.", "")
+    return None if dtype is None else dtype_name(dtype)
 
 
 def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
@@ -36,16 +39,17 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
     if autocast is not None:
         compute = autocast
     optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(stored)}
+    report = getattr(strategy, "parallelize_report", None)
     return {
         "mesh": _mesh(strategy),
-        "fsdp_units": _fsdp_units(strategy, module),
+        "fsdp_units": list(report.fsdp_units) if report is not None else _fsdp_units(strategy),
         "dtypes": {
             "param": _name(stored),
             "compute": _name(compute),
             "reduce": _name(reduce),
             "optimizer_state": sorted(d for d in optim_dtypes if d),
         },
-        "activation_checkpointing": _ac_blocks(module),
+        "activation_checkpointing": report.ac_blocks if report is not None else _ac_blocks(module),
     }
 
 
@@ -66,21 +70,16 @@ def _optimizer_state_dtypes(trainer: L.Trainer) -> set[str | None]:
 
 
 def _mesh(strategy: Any) -> dict[str, int]:
-    mesh = getattr(strategy, "_device_mesh", None)
-    if mesh is not None and mesh.mesh_dim_names:
-        return {name: int(size) for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape)}
-    return {"data_parallel": int(strategy.world_size)}
+    sizes = getattr(strategy, "mesh_sizes", None)
+    return sizes() if callable(sizes) else {"data_parallel": int(strategy.world_size)}
 
 
-def _fsdp_units(strategy: Any, module: nn.Module) -> list[str]:
-    report = getattr(strategy, "parallelize_report", None)
-    if report is not None:
-        return list(report.fsdp_units)
+def _fsdp_units(strategy: Any) -> list[str]:
+    """Walks the wrapped model: for strategies that wrap without a parallelize report (FSDP1,
+    a user's parallelize_fn or configure_model)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    from fsdp_cli.models.init import canonical_name
-
-    target = strategy._parallelize_target() if hasattr(strategy, "_parallelize_target") else strategy.model
+    target = strategy.parallelize_target() if hasattr(strategy, "parallelize_target") else strategy.model
     if target is None:
         return []
     return [
@@ -91,7 +90,7 @@ def _fsdp_units(strategy: Any, module: nn.Module) -> list[str]:
 
 
 def _ac_blocks(module: nn.Module) -> int:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from fsdp_cli.compat.torch_internals import CheckpointWrapper
 
     return sum(isinstance(m, CheckpointWrapper) for m in module.modules())
 

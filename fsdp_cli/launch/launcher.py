@@ -18,14 +18,17 @@ import sys
 import uuid
 from pathlib import Path
 
-from fsdp_cli.config.layout import detect_cluster_job
 from fsdp_cli.config.schema import TrainConfig
-from fsdp_cli.report import CONFIG_FILE
+from fsdp_cli.launch.environment import detect_cluster_job
+from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
+
+LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
+"""Tells the agent where the run's logs go (it writes its failure report there)."""
 
 
 def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
-    # fsdp_cli.agent is torch.distributed.run with quieter failure reporting (see its docstring).
-    cmd = [sys.executable, "-m", "fsdp_cli.agent", f"--nproc-per-node={cfg.devices}"]
+    # The agent is torch.distributed.run with quieter failure reporting (see its docstring).
+    cmd = [sys.executable, "-m", "fsdp_cli.launch.agent", f"--nproc-per-node={cfg.devices}"]
     if cfg.num_nodes == 1 and cfg.launcher.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
@@ -56,7 +59,7 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
         per_rank = (os.cpu_count() or 1) // int(cfg.devices) if cfg.accelerator.value == "cpu" else 1
         env["OMP_NUM_THREADS"] = str(max(1, per_rank))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env["FSDP_CLI_LOG_DIR"] = str(Path(cfg.run_dir) / "logs")
+    env[LOG_DIR_ENV] = str(log_dir(cfg.run_dir))
     # How long the launcher waits for ranks to save after forwarding SIGTERM, before SIGKILL.
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(cfg.launcher.shutdown_timeout_s))
     return env

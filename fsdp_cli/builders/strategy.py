@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from datetime import timedelta
-from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 
-from fsdp_cli.build.precision import fsdp2_mp_policy, mixed_precision_dtypes
-from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.builders.imports import import_object
+from fsdp_cli.builders.precision import fsdp2_mp_policy, mixed_precision_dtypes
 from fsdp_cli.config.schema import (
     CheckpointFormat,
     DDPConfig,
@@ -18,20 +17,7 @@ from fsdp_cli.config.schema import (
     ModelParallelConfig,
     TrainConfig,
 )
-
-
-def import_object(path: str, key: str) -> Any:
-    """``package.module.Name`` -> the object; a path that does not resolve is a ConfigError on ``key``."""
-    module, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(
-            key,
-            path,
-            f"cannot be imported ({err})",
-            hint="run from the folder that holds the module, or add it to PYTHONPATH",
-        ) from None
+from fsdp_cli.parallel.parallelize import ParallelizeOptions
 
 
 def build_strategy(cfg: TrainConfig) -> Strategy:
@@ -41,7 +27,7 @@ def build_strategy(cfg: TrainConfig) -> Strategy:
     if isinstance(strategy, FSDP2Config):
         return build_fsdp2(cfg, strategy)
     if isinstance(strategy, FSDPConfig):
-        from fsdp_cli.build.fsdp1 import build_fsdp1
+        from fsdp_cli.builders.fsdp1 import build_fsdp1
 
         return build_fsdp1(cfg, strategy)
     if isinstance(strategy, ModelParallelConfig):
@@ -65,32 +51,36 @@ def build_ddp(cfg: TrainConfig, strategy: DDPConfig) -> Strategy:
 
 
 def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     from fsdp_cli.strategies.fsdp2 import FSDP2Strategy
 
-    dtypes = mixed_precision_dtypes(cfg.precision.name, strategy.mp_policy)
     return FSDP2Strategy(
         data_parallel_size=int(cfg.dp),
         tensor_parallel_size=cfg.tp,
-        mp_policy=fsdp2_mp_policy(dtypes),
         parallelize_fn=import_object(strategy.parallelize_fn, "strategy.parallelize_fn")
         if strategy.parallelize_fn
         else None,
+        options=parallelize_options(cfg, strategy),
         replicate_size=strategy.replicate_size,
+        save_distributed_checkpoint=cfg.checkpoint.format is CheckpointFormat.sharded,
+        process_group_backend=strategy.process_group_backend,
+        timeout=timedelta(seconds=strategy.timeout_s),
+    )
+
+
+def parallelize_options(cfg: TrainConfig, strategy: FSDP2Config) -> ParallelizeOptions:
+    """The schema's settings, copied by name into ParallelizeOptions; only the two that become
+    torch objects (the mixed-precision and offload policies) are translated."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    same_name = {f.name for f in dataclasses.fields(strategy)} & ParallelizeOptions.names()
+    return ParallelizeOptions(
+        **{name: getattr(strategy, name) for name in same_name if name != "mp_policy"},
+        mp_policy=fsdp2_mp_policy(mixed_precision_dtypes(cfg.precision.name, strategy.mp_policy)),
         # Pinned host memory needs CUDA; on a CPU run the "offload" is a no-op move anyway.
         offload_policy=CPUOffloadPolicy(pin_memory=cfg.accelerator.value == "gpu")
         if strategy.cpu_offload
         else None,
-        reshard_after_forward=strategy.reshard_after_forward,
-        activation_checkpointing=strategy.activation_checkpointing,
-        ac_every_n_blocks=strategy.ac_every_n_blocks,
-        compile=strategy.compile,
-        sequence_parallel=strategy.sequence_parallel,
         wrap=cfg.wrap,
-        save_distributed_checkpoint=cfg.checkpoint.format is CheckpointFormat.sharded,
-        process_group_backend=strategy.process_group_backend,
-        timeout=timedelta(seconds=strategy.timeout_s),
     )
 
 

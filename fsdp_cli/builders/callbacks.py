@@ -1,0 +1,50 @@
+"""Callbacks builder: what every run measures, saves and reports, from the config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+
+from fsdp_cli.callbacks.clipping import GradientClipping
+from fsdp_cli.callbacks.metrics import MetricsCallback
+from fsdp_cli.callbacks.setup_report import SetupReport
+from fsdp_cli.checkpoint.callback import CheckpointCallback
+from fsdp_cli.checkpoint.run import checkpoint_dir
+from fsdp_cli.config.schema import TrainConfig
+
+
+@dataclass
+class RunCallbacks:
+    metrics: MetricsCallback
+    setup: SetupReport
+    checkpoints: CheckpointCallback
+    clipping: GradientClipping | None
+
+    def as_list(self) -> list[L.Callback]:
+        # Clipping first: the metrics row of a step reports the norm clipping computed.
+        first = [self.clipping] if self.clipping is not None else []
+        return [*first, self.setup, self.metrics, self.checkpoints]
+
+
+def build_callbacks(cfg: TrainConfig) -> RunCallbacks:
+    t = cfg.trainer
+    clipping = (
+        GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
+        if t.gradient_clip_val is not None
+        else None
+    )
+    metrics = MetricsCallback(
+        Path(cfg.run_dir),
+        log_every_n_steps=t.log_every_n_steps,
+        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+        max_steps=t.max_steps,
+        clipping=clipping,
+    )
+    return RunCallbacks(
+        metrics=metrics,
+        setup=SetupReport(),
+        checkpoints=CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps),
+        clipping=clipping,
+    )

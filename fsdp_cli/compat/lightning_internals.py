@@ -1,0 +1,76 @@
+"""Lightning internals: signal handling, FSDP1 activation-checkpointing helpers, strategy state.
+
+The strategies in :mod:`fsdp_cli.strategies` subclass Lightning's and set state Lightning keeps in
+private attributes (the device mesh, the FSDP1 checkpointing settings); they do it through these
+functions, whose names are checked below against a live instance of each class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.fabric.strategies import fsdp as _fabric_fsdp
+from lightning.fabric.utilities import optimizer as _fabric_optimizer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+from fsdp_cli.compat import require
+
+ENTRIES: list[tuple[Any, str]] = [
+    (_SignalConnector, "register_signal_handlers"),
+    (_TrainingEpochLoop, "_broadcast_sigterm_tensor"),
+    (_fabric_fsdp, "_activation_checkpointing_kwargs"),
+    (_fabric_fsdp, "_setup_activation_checkpointing"),
+    (_fabric_optimizer, "_optimizers_to_device"),
+    (ModelParallelStrategy, "_setup_distributed"),
+    (ModelParallelStrategy(), "_device_mesh"),
+    (Strategy, "_reset_optimizers_and_schedulers"),
+    (FSDPStrategy(), "_activation_checkpointing_kwargs"),
+    (L.LightningModule(), "_device_mesh"),
+    (L.Trainer, "_signal_connector"),
+]
+for _owner, _name in ENTRIES:
+    if _name == "_signal_connector":
+        continue  # an instance attribute of a Trainer; its class is checked above
+    require(_owner, _name, "lightning")
+
+activation_checkpointing_kwargs = _fabric_fsdp._activation_checkpointing_kwargs
+setup_activation_checkpointing = _fabric_fsdp._setup_activation_checkpointing
+optimizers_to_device = _fabric_optimizer._optimizers_to_device
+
+
+def disable_lightning_sigterm_handling(trainer: L.Trainer) -> None:
+    """Turn off Lightning's SIGTERM handling for this trainer: it broadcasts from inside the signal
+    handler (a collective at a random point of the other ranks' program, which kills the job) and
+    once per training batch (a device sync). Must run before ``fit`` registers the handlers."""
+    connector = require(trainer, "_signal_connector", "lightning")
+    connector.register_signal_handlers = lambda: None
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def setup_distributed(strategy: ModelParallelStrategy) -> None:
+    """Lightning's own process-group set-up (environment, backend, timeout)."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: Strategy, mesh: Any) -> None:
+    """Give the strategy and its LightningModule the mesh (``strategy.device_mesh``,
+    ``module.device_mesh`` read it)."""
+    strategy._device_mesh = mesh
+    if strategy.lightning_module is not None:
+        strategy.lightning_module._device_mesh = mesh
+
+
+def reset_optimizers(strategy: Strategy) -> None:
+    strategy._reset_optimizers_and_schedulers()
+
+
+def set_fsdp1_activation_checkpointing(strategy: FSDPStrategy, classes: set[type] | None) -> None:
+    """FSDPStrategy's activation-checkpointing policy, for classes resolved after construction."""
+    strategy._activation_checkpointing_kwargs = activation_checkpointing_kwargs(None, classes)
+
+
+def fsdp1_activation_checkpointing(strategy: FSDPStrategy) -> dict[str, Any]:
+    return strategy._activation_checkpointing_kwargs

@@ -1,0 +1,49 @@
+"""torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
+FSDP1's zero-2 hybrid strategy, and the ParallelStyle extension point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
+from torch.distributed.tensor import _utils as _dtensor_utils
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from fsdp_cli.compat import require
+
+ENTRIES: list[tuple[Any, str]] = [
+    (DeviceMesh, "_flatten"),
+    (_dtensor_utils, "compute_local_shape_and_global_offset"),
+    (_ac_wrapper, "checkpoint_wrapper"),
+    (_ac_wrapper, "CheckpointWrapper"),
+    (_FSDP1ShardingStrategy, "_HYBRID_SHARD_ZERO2"),
+    (ParallelStyle, "_apply"),
+]
+for _owner, _name in ENTRIES:
+    require(_owner, _name, "torch")
+
+checkpoint_wrapper = _ac_wrapper.checkpoint_wrapper
+CheckpointWrapper = _ac_wrapper.CheckpointWrapper
+
+# fsdp_cli's public names for FSDP1 sharding strategies torch keeps private.
+FSDP1_SHARDING = {"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh`` (a slice of a root mesh) as one flattened dimension called ``name``."""
+    return mesh._flatten(name)
+
+
+def global_offset(tensor: Any) -> tuple[int, ...]:
+    """Offset of a DTensor's local shard within the whole tensor, from shapes alone."""
+    _, offset = _dtensor_utils.compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple(offset)
+
+
+def fsdp1_sharding_strategy(name: str) -> Any:
+    """torch's FSDP1 ``ShardingStrategy`` member for one of our names."""
+    return _FSDP1ShardingStrategy[FSDP1_SHARDING.get(name, name)]

@@ -1,0 +1,69 @@
+"""What this process runs in, read from the environment without importing torch: the torchrun or
+SLURM job it may already be a rank of, its rank, and the GPUs it may use (counted through NVML,
+the library the NVIDIA driver ships)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    """A job whose ranks were started by someone else (torchrun or SLURM): we run as one rank."""
+
+    kind: str
+    world_size: int
+    local_world_size: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def detect_cluster_job(env: Mapping[str, str]) -> ClusterJob | None:
+    """The torchrun or SLURM job this process is a rank of, if any."""
+    if "TORCHELASTIC_RUN_ID" in env and "LOCAL_WORLD_SIZE" in env:
+        return ClusterJob("torchrun", int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]))
+    ntasks = int(env.get("SLURM_NTASKS", "0") or 0)
+    if ntasks > 1 and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        nnodes = int(env.get("SLURM_NNODES", "1") or 1)
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        local = int(per_node) if per_node.isdigit() else max(1, ntasks // nnodes)
+        return ClusterJob("slurm", ntasks, local)
+    return None
+
+
+def global_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank from torchrun's or SLURM's environment (0 outside a job)."""
+    env = os.environ if env is None else env
+    return int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+
+
+def visible_gpu_count(env: Mapping[str, str]) -> int:
+    """Number of CUDA devices this process may use (0 without a driver)."""
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        entries = [e for e in listed.split(",") if e.strip()]
+        if not entries or entries[0].strip().startswith("-"):
+            return 0
+        return min(len(entries), _nvml_device_count() or len(entries))
+    return _nvml_device_count()
+
+
+def _nvml_device_count() -> int:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_uint(0)
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return 0
+        ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
+        nvml.nvmlShutdown()
+    except AttributeError:
+        return 0
+    return int(count.value) if ok else 0

@@ -1,0 +1,122 @@
+"""Resolve the ``auto`` values of a config into a concrete process layout, without torch.
+
+``accelerator``, ``devices``, ``dp`` and ``precision`` may be ``auto``; this module turns them
+into numbers and names in the parent process, from the environment it runs in (visible GPUs, an
+enclosing torchrun/SLURM job), so the resolved ``config.yaml`` that every rank reads is explicit
+and the cross-field checks see real sizes. The sizes are checked by the same
+:class:`~fsdp_cli.parallel.dims.ParallelDims` every rank later builds its mesh from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.config.schema import Accelerator, TrainConfig
+from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, visible_gpu_count
+from fsdp_cli.parallel.dims import ParallelDims
+
+CPU_DEFAULT_DEVICES = 2
+"""Processes per node for ``devices=auto`` on a machine without GPUs."""
+
+
+def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
+    """Return ``cfg`` with accelerator, devices, num_nodes, dp and precision made concrete."""
+    job = detect_cluster_job(env)
+    gpus = visible_gpu_count(env)
+    accelerator = cfg.accelerator
+    if accelerator is Accelerator.auto:
+        accelerator = Accelerator.gpu if gpus > 0 else Accelerator.cpu
+    if accelerator is Accelerator.gpu and gpus == 0 and job is None:
+        raise ConfigError(
+            "accelerator",
+            "gpu",
+            "no CUDA GPU is visible to this process",
+            allowed="auto, cpu",
+            hint="use accelerator=cpu (or check CUDA_VISIBLE_DEVICES)",
+        )
+    _check_rendezvous(cfg, job)
+    devices, num_nodes = _devices(cfg, accelerator, gpus, job)
+    dims = parallel_dims(cfg, devices=devices, num_nodes=num_nodes)
+    precision = cfg.precision
+    if precision.name == "auto":
+        precision = dataclasses.replace(
+            precision, name="bf16-mixed" if accelerator is Accelerator.gpu else "32-true"
+        )
+    return dataclasses.replace(
+        cfg,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        dp=dims.dp,
+        tp=dims.tp,
+        precision=precision,
+    )
+
+
+def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> ParallelDims:
+    """The mesh sizes of ``cfg`` on ``devices x num_nodes`` processes; errors name every factor."""
+    tp = _positive_int("tp", cfg.tp)
+    dp = None if cfg.dp == "auto" else _positive_int("dp", cfg.dp, allow_auto=True)
+    return ParallelDims.resolve(
+        world_size=devices * num_nodes,
+        dp=dp,
+        tp=tp,
+        replicate=getattr(cfg.strategy, "replicate_size", 1),
+        world=f"devices={devices} x num_nodes={num_nodes}",
+    )
+
+
+def _check_rendezvous(cfg: TrainConfig, job: ClusterJob | None) -> None:
+    if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None and job is None:
+        raise ConfigError(
+            "launcher.rdzv_endpoint",
+            None,
+            f"num_nodes={cfg.num_nodes} needs a rendezvous address every node can reach",
+            allowed="HOST:PORT of node 0",
+            hint="launcher.rdzv_endpoint=node0:29500 launcher.node_rank=R, or run under srun/torchrun",
+        )
+
+
+def _devices(
+    cfg: TrainConfig, accelerator: Accelerator, gpus: int, job: ClusterJob | None
+) -> tuple[int, int]:
+    num_nodes = _positive_int("num_nodes", cfg.num_nodes)
+    if job is not None:
+        # The launcher already fixed the layout; a contradicting value is a mistake worth stopping on.
+        if cfg.devices != "auto" and int(cfg.devices) != job.local_world_size:
+            raise ConfigError(
+                "devices",
+                cfg.devices,
+                f"this {job.kind} job runs {job.local_world_size} processes per node",
+                allowed=f"auto or {job.local_world_size}",
+                hint="leave devices=auto inside torchrun/srun",
+            )
+        return job.local_world_size, job.num_nodes
+    if cfg.devices == "auto":
+        return (gpus if accelerator is Accelerator.gpu else CPU_DEFAULT_DEVICES), num_nodes
+    devices = _positive_int("devices", cfg.devices)
+    if accelerator is Accelerator.gpu and devices > gpus:
+        raise ConfigError(
+            "devices",
+            devices,
+            f"only {gpus} GPU(s) are visible",
+            allowed=f"1..{gpus} or auto",
+            hint="use devices=auto to take every visible GPU",
+        )
+    return devices, num_nodes
+
+
+def _positive_int(key: str, value: Any, allow_auto: bool = False) -> int:
+    try:
+        number = int(value)
+        if number != float(value):
+            raise ValueError
+    except (TypeError, ValueError):
+        allowed = "a positive integer" + (" or auto" if allow_auto or key in ("devices", "dp") else "")
+        raise ConfigError(key, value, "not an integer", allowed=allowed) from None
+    if number < 1:
+        raise ConfigError(key, value, "must be at least 1", allowed="a positive integer")
+    return number

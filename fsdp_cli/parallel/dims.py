@@ -1,0 +1,163 @@
+"""The sizes of a run's device mesh, checked once and turned into the mesh once.
+
+``ParallelDims`` is data-parallel replicate x data-parallel shard x tensor parallel. The parent
+process builds it from the config to check the layout before any rank starts (no torch import);
+every rank builds the same object and asks it for the mesh, whose dimensions every layer then
+takes by name: ``fully_shard`` the (replicate, shard) part, tensor parallel the ``tp`` part, the
+data sampler and the loss reduction the flattened data-parallel part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_cli.config.errors import ConfigError
+
+DP_REPLICATE, DP_SHARD, TP = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
+DATA_PARALLEL = "data_parallel"
+"""The flattened replicate x shard dimension (what Lightning's ModelParallelStrategy calls it)."""
+
+
+@dataclass(frozen=True)
+class SizeNames:
+    """How errors name the sizes: the CLI's keys, or the strategy's constructor arguments."""
+
+    dp: str = "dp"
+    tp: str = "tp"
+    replicate: str = "strategy.replicate_size"
+
+
+LIBRARY_NAMES = SizeNames("data_parallel_size", "tensor_parallel_size", "replicate_size")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    _mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _data_parallel_mesh: Any = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        world_size: int,
+        dp: int | None = None,
+        tp: int = 1,
+        replicate: int = 1,
+        names: SizeNames = SizeNames(),
+        world: str = "",
+    ) -> ParallelDims:
+        """Check the sizes against ``world_size`` (``dp=None``: the world size / tp); every error
+        names each factor. ``world`` says where the world size comes from (``devices=4 x num_nodes=1``)."""
+        origin = f" ({world})" if world else ""
+        if tp < 1 or world_size % tp != 0:
+            divisors = _divisors(world_size)
+            raise ConfigError(
+                names.tp,
+                tp,
+                f"must divide the world size {world_size}{origin}",
+                allowed=", ".join(map(str, divisors)),
+                hint=f"use {names.tp}={max(d for d in divisors if d <= max(tp, 1))} or change devices",
+            )
+        dp = world_size // tp if dp is None else dp
+        if dp * tp != world_size:
+            raise ConfigError(
+                names.dp,
+                dp,
+                f"{names.dp}({dp}) * {names.tp}({tp}) != world size {world_size}{origin}",
+                allowed=f"{names.dp}={world_size // tp} for {names.tp}={tp}",
+                hint=f"leave {names.dp}=auto to derive it from the world size",
+            )
+        if replicate < 1 or dp % replicate != 0:
+            raise ConfigError(
+                names.replicate,
+                replicate,
+                f"must divide {names.dp}={dp} (HSDP: replicate x shard = dp)",
+                allowed=", ".join(map(str, _divisors(dp))),
+                hint=f"{names.replicate}=1 is plain FSDP; {names.replicate}=num_nodes shards within each node",
+            )
+        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded (more than one rank per shard group)."""
+        return self.dp_shard > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    # ------------------------------------------------------------------ the mesh (on a rank)
+
+    def build_mesh(self, device_type: str) -> Any:
+        """The 3-D mesh (replicate, shard, tp), built once; sizes of 1 are kept so that every
+        dimension can be asked for by name."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from fsdp_cli.compat.torch_internals import flatten_mesh
+
+            mesh = init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.dp_shard, self.tp),
+                mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP),
+            )
+            # Flattened once and kept: slicing a flattened dimension out of the root mesh is
+            # deprecated in torch.
+            self._data_parallel_mesh = flatten_mesh(mesh[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
+            self._mesh = mesh
+        return self._mesh
+
+    def build_fsdp1_mesh(self, device_type: str) -> Any:
+        """FSDP1's mesh, built once: (replicate, shard) for HYBRID_SHARD, else a 1-D (shard,) mesh
+        (which makes FSDP1's sharded state dicts DTensors, as FSDP2's are)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if self.hsdp_enabled:
+                shape, dim_names = (self.dp_replicate, self.dp_shard), ("replicate", "shard")
+            else:
+                shape, dim_names = (self.dp,), ("shard",)
+            self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=dim_names)
+        return self._mesh
+
+    @property
+    def mesh(self) -> Any:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called on this rank")
+        return self._mesh
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """What ``fully_shard`` shards over: (replicate, shard) for HSDP, else the shard dimension."""
+        return self.mesh[DP_REPLICATE, DP_SHARD] if self.hsdp_enabled else self.mesh[DP_SHARD]
+
+    @property
+    def tp_mesh(self) -> Any:
+        return self.mesh[TP]
+
+    @property
+    def data_parallel_mesh(self) -> Any:
+        """Every rank that sees a different batch: replicate x shard, flattened."""
+        if self._data_parallel_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called on this rank")
+        return self._data_parallel_mesh
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

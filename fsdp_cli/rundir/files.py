@@ -1,0 +1,23 @@
+"""Every file and folder a run writes, by name, in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG_FILE = "config.yaml"
+"""The fully resolved config every rank reads."""
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+"""Default home of checkpoints (``checkpoint.dir`` moves it)."""
+LOG_DIR = "logs"
+"""Console output of ranks other than 0, and the launcher's failure report."""
+LAUNCHER_LOG = "launcher.log"
+
+
+def log_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / LOG_DIR
+
+
+def rank_log(run_dir: str | Path, rank: int) -> Path:
+    return log_dir(run_dir) / f"rank{rank}.log"

@@ -1,0 +1,99 @@
+"""fsdp_cli.compat: every private name it relies on exists in the installed libraries, each fenced
+function does what its caller needs, and pyproject's version bounds are the tested ones."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+
+from fsdp_cli.compat import (
+    SUPPORTED,
+    IncompatibleVersionError,
+    hydra_internals,
+    installed_version,
+    lightning_internals,
+    require,
+    torch_internals,
+)
+
+ENTRIES = [
+    (module.__name__.rsplit(".", 1)[-1], owner, name)
+    for module in (hydra_internals, lightning_internals, torch_internals)
+    for owner, name in module.ENTRIES
+]
+
+
+@pytest.mark.parametrize(
+    ("library", "owner", "name"), ENTRIES, ids=[f"{lib}:{name}" for lib, _, name in ENTRIES]
+)
+def test_every_private_name_exists(library: str, owner: object, name: str) -> None:
+    if name == "_signal_connector":  # a Trainer's instance attribute
+        import lightning as L
+
+        owner = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert hasattr(owner, name), f"{library}: {owner!r} has no {name}"
+
+
+def test_a_missing_name_is_one_line_naming_the_version() -> None:
+    with pytest.raises(IncompatibleVersionError) as info:
+        require(types.SimpleNamespace(), "_gone", "torch")
+    message = str(info.value)
+    assert "\n" not in message
+    assert (
+        f"torch {installed_version('torch')}" in message
+        and f"supported: torch{SUPPORTED['torch']}" in message
+    )
+
+
+def test_pyproject_bounds_are_the_supported_ones_and_hold_for_what_is_installed() -> None:
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    requirements = {Requirement(r).name: Requirement(r) for r in pyproject["project"]["dependencies"]}
+    for package, bounds in SUPPORTED.items():
+        req = requirements[package]
+        assert str(req.specifier) == ",".join(sorted(bounds.split(","))), (package, str(req.specifier))
+        assert any(s.operator == "<" for s in req.specifier), f"{package} needs an upper bound"
+        assert req.specifier.contains(installed_version(package), prereleases=True), package
+
+
+def test_hydra_reporter_is_wrapped() -> None:
+    from hydra._internal import utils as hydra_utils
+
+    original = hydra_utils.run_and_report
+    seen = []
+    try:
+        hydra_internals.wrap_run_and_report(lambda inner: lambda func: seen.append(inner) or func())
+        assert hydra_utils.run_and_report(lambda: 7) == 7 and seen == [original]
+    finally:
+        hydra_utils.run_and_report = original
+
+
+def test_lightning_sigterm_handling_is_disabled_on_the_trainer() -> None:
+    import lightning as L
+
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    lightning_internals.disable_lightning_sigterm_handling(trainer)
+    assert trainer._signal_connector.register_signal_handlers() is None
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+    assert "_broadcast_sigterm_tensor" in vars(trainer.fit_loop.epoch_loop), "set on the instance, not added"
+
+
+def test_fsdp1_zero2_hybrid_has_a_public_name() -> None:
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert (
+        torch_internals.fsdp1_sharding_strategy("HYBRID_SHARD_ZERO2") is ShardingStrategy._HYBRID_SHARD_ZERO2
+    )
+    assert torch_internals.fsdp1_sharding_strategy("FULL_SHARD") is ShardingStrategy.FULL_SHARD
+
+
+def test_checkpoint_wrapper_keeps_the_module_and_its_names() -> None:
+    from torch import nn
+
+    wrapped = torch_internals.checkpoint_wrapper(nn.Linear(2, 2), preserve_rng_state=False)
+    assert isinstance(wrapped, torch_internals.CheckpointWrapper)
+    # The wrapper reports the wrapped module's own parameter names, so checkpoints do not change.
+    assert [n for n, _ in wrapped.named_parameters()] == ["weight", "bias"]
