@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.config.convert import load_train_config
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import global_rank
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (

@@ -108,7 +108,7 @@ def test_resume_refuses_another_model_shape(tmp_path: Path, layout_run: Any) -> 
 
 def test_manifest_comparison_rules() -> None:
     from fsdp_cli.checkpoint.resume import compare
-    from fsdp_cli.config.errors import ConfigError
+    from fsdp_cli.errors import ConfigError
 
     custom = {"model": {"_target_": "pkg.LM", "hidden": 256}, "dp": 2, "data": {"global_batch_size": 8}}
     with pytest.raises(ConfigError, match="model.hidden: 256 -> 512"):

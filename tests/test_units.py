@@ -7,11 +7,11 @@ import torch
 from conftest import composed
 from torch import nn
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import WrapConfig, WrapPolicy
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 from fsdp_cli.data.text import ByteWindows, read_corpus
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.llama import Llama, TransformerBlock
 from fsdp_cli.parallel.wrap import repeated_block_class, resolve_classes, wrap_units
 

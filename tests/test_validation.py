@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import composed, run_cli
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.validate import validate
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}

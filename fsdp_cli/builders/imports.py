@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.errors import ConfigError
 
 
 def import_object(path: str, key: str) -> Any:

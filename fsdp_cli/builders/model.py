@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from fsdp_cli.builders.imports import import_object
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import (
     CustomModelConfig,
     FSDP2Config,
@@ -18,6 +17,7 @@ from fsdp_cli.config.schema import (
     ModelParallelConfig,
     TrainConfig,
 )
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.causal_lm import CausalLMModule
 
 

@@ -50,6 +50,8 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
             "optimizer_state": sorted(d for d in optim_dtypes if d),
         },
         "activation_checkpointing": report.ac_blocks if report is not None else _ac_blocks(module),
+        "tensor_parallel_modules": report.tp_modules if report is not None else None,
+        "compiled_blocks": report.compiled_blocks if report is not None else None,
     }
 
 
@@ -103,14 +105,19 @@ def format_setup(info: dict[str, Any]) -> str:
         ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items()) if units else "none (not sharded)"
     )
     d = info["dtypes"]
-    return "\n".join(
-        [
-            f"mesh: {mesh}",
-            f"fsdp units: {len(units)} ({unit_text})",
-            f"activation checkpointing: {info['activation_checkpointing']} blocks",
-            f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}",
-        ]
+    lines = [
+        f"mesh: {mesh}",
+        f"fsdp units: {len(units)} ({unit_text})",
+        f"activation checkpointing: {info['activation_checkpointing']} blocks",
+    ]
+    if info.get("tensor_parallel_modules"):
+        lines.append(f"tensor parallel: {info['tensor_parallel_modules']} modules")
+    if info.get("compiled_blocks"):
+        lines.append(f"torch.compile: {info['compiled_blocks']} blocks")
+    lines.append(
+        f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}"
     )
+    return "\n".join(lines)
 
 
 class SetupReport(L.Callback):

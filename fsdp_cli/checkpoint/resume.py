@@ -16,8 +16,8 @@ from typing import Any
 from fsdp_cli.checkpoint.format import CheckpointFormatError, checkpoint_format, read_manifest
 from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
 from fsdp_cli.config.convert import to_container
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.errors import ConfigError
 
 # Keys whose change makes the saved tensors unusable (shapes, or a different model altogether).
 SHAPE_KEYS = (

@@ -22,12 +22,13 @@ from omegaconf import DictConfig
 from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.convert import to_train_config, to_yaml
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
+from fsdp_cli.launch.launcher import launch
 from fsdp_cli.launch.layout import resolve_layout
 from fsdp_cli.rundir.files import CONFIG_FILE
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED, STATUS_FAILED
@@ -54,10 +55,15 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     if global_rank() == 0:
         (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
 
-    from fsdp_cli.launch.launcher import launch
-
-    code = launch(typed)
+    code = _run_here(typed) if job is not None else launch(typed)
     return finish(code, run_dir, job=job, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+def _run_here(cfg: TrainConfig) -> int:
+    """Inside torchrun/SLURM this process already is a rank: train in place."""
+    from fsdp_cli.worker import run
+
+    return run(cfg)
 
 
 def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:

@@ -16,7 +16,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
@@ -37,6 +36,7 @@ from fsdp_cli.config.schema import (
     TrainerConfig,
     WrapConfig,
 )
+from fsdp_cli.errors import ConfigError
 
 # The `name` key of each group's node selects its schema.
 STRATEGY_SCHEMAS: dict[str, type] = {

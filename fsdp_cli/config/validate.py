@@ -11,7 +11,6 @@ import importlib.util
 import os
 from collections.abc import Callable
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import (
     Accelerator,
     CustomModelConfig,
@@ -26,6 +25,7 @@ from fsdp_cli.config.schema import (
     WrapPolicy,
 )
 from fsdp_cli.data.files import text_files
+from fsdp_cli.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
@@ -265,29 +265,22 @@ def check_vocabulary(cfg: TrainConfig) -> None:
             allowed="a positive integer",
             hint="set data.vocab_size=N (or +model.vocab_size=N for model=custom)",
         )
-    model_vocab = getattr(cfg.model, "vocab_size", None)
-    if model_vocab is not None and data.vocab_size > model_vocab:
-        raise ConfigError(
-            "data.vocab_size",
-            data.vocab_size,
-            f"exceeds model.vocab_size={model_vocab}",
-            allowed=f"1..{model_vocab}",
-            hint=f"use model.vocab_size>={data.vocab_size}",
-        )
+    _within_model(cfg, "vocab_size", "vocab_size", hint=f"use model.vocab_size>={data.vocab_size}")
 
 
 def check_sequence(cfg: TrainConfig) -> None:
-    data = cfg.data
-    max_len = getattr(cfg.model, "max_seq_len", None)
-    if max_len is not None and data.seq_len > max_len:
+    _within_model(cfg, "seq_len", "max_seq_len")
+    if cfg.data.seq_len < 1:
+        raise ConfigError("data.seq_len", cfg.data.seq_len, "must be at least 1")
+
+
+def _within_model(cfg: TrainConfig, data_key: str, model_key: str, hint: str | None = None) -> None:
+    """``data.<data_key>`` may not exceed ``model.<model_key>`` (when the model declares one)."""
+    limit, value = getattr(cfg.model, model_key, None), getattr(cfg.data, data_key)
+    if limit is not None and value > limit:
         raise ConfigError(
-            "data.seq_len",
-            data.seq_len,
-            f"exceeds model.max_seq_len={max_len}",
-            allowed=f"1..{max_len}",
+            f"data.{data_key}", value, f"exceeds model.{model_key}={limit}", allowed=f"1..{limit}", hint=hint
         )
-    if data.seq_len < 1:
-        raise ConfigError("data.seq_len", data.seq_len, "must be at least 1")
 
 
 def check_data_path(cfg: TrainConfig) -> None:

@@ -8,10 +8,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 from fsdp_cli.data.text import ByteWindows, read_corpus, split_corpus
+from fsdp_cli.errors import ConfigError
 
 VAL_SEED_OFFSET = 7_777_777
 

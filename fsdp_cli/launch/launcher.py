@@ -3,8 +3,8 @@
 The parent composes the config once and writes ``config.yaml``; torch.distributed.run then
 starts ``python -m fsdp_cli.worker config.yaml`` per local rank. ``sys.argv`` is never
 re-executed, so each Hydra multirun job is launched exactly once, with its own process group
-and (``--standalone``) its own free rendezvous port. Inside an existing torchrun or SLURM job
-this process is already a rank and trains in place.
+and (``--standalone``) its own free rendezvous port. (Inside an existing torchrun or SLURM job
+the entry point is already a rank and calls the worker itself.)
 
 No torch import here: the launcher runs in a subprocess.
 """
@@ -19,7 +19,6 @@ import uuid
 from pathlib import Path
 
 from fsdp_cli.config.schema import TrainConfig
-from fsdp_cli.launch.environment import detect_cluster_job
 from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
@@ -66,11 +65,7 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
 
 
 def launch(cfg: TrainConfig) -> int:
-    """Run the job; returns the exit status of the ranks (0 when all succeeded)."""
-    if detect_cluster_job(os.environ) is not None:
-        from fsdp_cli.worker import run
-
-        return run(cfg)
+    """Start the ranks and wait for them; returns their exit status (0 when all succeeded)."""
     config_path = Path(cfg.run_dir) / CONFIG_FILE
     proc = subprocess.Popen(torchrun_command(cfg, config_path), env=worker_env(cfg))
     # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to

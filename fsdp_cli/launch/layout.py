@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import Accelerator, TrainConfig
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, visible_gpu_count
 from fsdp_cli.parallel.dims import ParallelDims
 

@@ -39,7 +39,6 @@ class CausalLMModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.optim = optim
         self.max_steps = max_steps
-        # Sum of micro-batch losses since the last optimizer step (a device tensor: no sync).
         self.num_parameters: int | None = None
 
     def configure_model(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_cli.config.errors import ConfigError
+from fsdp_cli.errors import ConfigError
 
 DP_REPLICATE, DP_SHARD, TP = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
 DATA_PARALLEL = "data_parallel"

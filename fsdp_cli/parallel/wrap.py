@@ -12,8 +12,8 @@ from collections import Counter
 
 from torch import nn
 
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import WrapConfig, WrapPolicy
+from fsdp_cli.errors import ConfigError
 
 
 def class_path(cls: type) -> str:

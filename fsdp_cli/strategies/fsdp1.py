@@ -35,8 +35,8 @@ from fsdp_cli.compat.lightning_internals import (
     set_fsdp1_activation_checkpointing,
     setup_activation_checkpointing,
 )
-from fsdp_cli.config.errors import ConfigError
 from fsdp_cli.config.schema import WrapConfig
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.wrap import block_classes, resolve_classes
 

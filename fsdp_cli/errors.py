@@ -1,14 +1,12 @@
 """The one exception type for user mistakes in a config.
 
 A :class:`ConfigError` is printed as a single line (key, value, what is allowed, a hint) and
-the process exits with status 2, without a traceback.
+the process exits with status 2 (``rundir.status.EXIT_CONFIG_ERROR``), without a traceback.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-EXIT_CONFIG_ERROR = 2
 
 
 class ConfigError(ValueError):
