@@ -32,8 +32,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.gpt` from a checkout
 
-from fsdp_cli.data.sampler import StepBatchSampler  # noqa: E402
-from fsdp_cli.data.synthetic import SyntheticTokens  # noqa: E402
+from fsdp_cli.data.sampler import StepBatchSampler
+from fsdp_cli.data.synthetic import SyntheticTokens
 
 
 def build_model(opts: dict[str, str]) -> tuple[nn.Module, type[nn.Module], int]:

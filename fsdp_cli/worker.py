@@ -104,7 +104,7 @@ def build(cfg: TrainConfig) -> RankRun:
     datamodule = build_datamodule(cfg)
     strategy = build_strategy(cfg)
     strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
-    callbacks = build_callbacks(cfg)
+    callbacks = build_callbacks(cfg, module)
     trainer = build_trainer(
         cfg, strategy, callbacks=callbacks.as_list(), accumulation=datamodule.accumulation
     )
@@ -163,6 +163,8 @@ def _summary(
         "final_loss": rows[-1]["loss"] if rows else None,
         "tokens_per_s": median_of(steady, "tokens_per_s"),
         "step_time_s": median_of(steady, "step_time_s"),
+        "tflops_per_s": median_of(steady, "tflops_per_s"),
+        "mfu": median_of(steady, "mfu"),
         "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
         "checkpoint": result.checkpoint if result is not None else None,
         "setup": setup.info if setup is not None else None,

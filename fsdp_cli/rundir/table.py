@@ -26,6 +26,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
         ("tokens/s", _fmt(summary.get("tokens_per_s"), ",.0f")),
         ("step time", _fmt(summary.get("step_time_s"), ".4f", " s")),
+        ("TFLOP/s / rank", _fmt(summary.get("tflops_per_s"), ".3g")),
+        ("MFU", _fmt(summary.get("mfu"), ".1%")),
         ("peak memory / rank", _bytes(summary.get("peak_memory_bytes"))),
         ("checkpoint", summary.get("checkpoint") or "-"),
         ("run dir", str(run_dir)),
