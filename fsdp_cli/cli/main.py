@@ -8,7 +8,6 @@ second.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.cli.entry import config_path
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.convert import to_train_config, to_yaml
 from fsdp_cli.config.migrate import migrate
@@ -38,15 +38,7 @@ from fsdp_cli.rundir.table import print_summary
 PROG = "fsdp-train"
 
 
-def _config_path() -> str:
-    """The configs shipped inside the package; from a source tree (``python -m fsdp_cli.cli.main``
-    run in a checkout whose package is installed elsewhere) the top-level ``configs/`` folder."""
-    if importlib.util.find_spec("fsdp_cli.configs") is not None:
-        return "pkg://fsdp_cli.configs"
-    return str(Path(__file__).resolve().parents[2] / "configs")
-
-
-@hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)
@@ -55,6 +47,8 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     if global_rank() == 0:
         (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
 
+    if job is None:
+        _warn_if_plan_does_not_fit(typed)
     code = _run_here(typed) if job is not None else launch(typed)
     return finish(code, run_dir, job=job, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
 
@@ -111,6 +105,21 @@ def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) 
     if code == EXIT_PREEMPTED or (code != 0 and not multirun):
         sys.exit(code if code == EXIT_PREEMPTED else EXIT_FAILED)
     return summary
+
+
+def _warn_if_plan_does_not_fit(cfg: TrainConfig) -> None:
+    """One line before launch when the memory plan exceeds the detected GPU memory (GPU runs only:
+    on CPUs there is nothing to compare with). The run still starts: the plan is an estimate."""
+    if cfg.accelerator.value != "gpu":
+        return
+    from fsdp_cli.plan.check import plan_problem
+
+    try:
+        problem = plan_problem(cfg)
+    except Exception:  # noqa: BLE001 - a plan that cannot be made must never stop a run
+        return
+    if problem:
+        _notify([f"warning: {problem}"])
 
 
 def _notify(notices: list[str]) -> None:

@@ -219,6 +219,14 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
 
     # ------------------------------------------------------------------ steps
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(*args, **kwargs)
+        if self.options.float8:
+            from fsdp_cli.parallel.float8 import precompute_float8_scales
+
+            precompute_float8_scales(self.parallelize_target())
+        return result
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for every micro-batch but the last of an optimizer step (and
