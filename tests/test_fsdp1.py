@@ -16,6 +16,7 @@ from conftest import (
     read_summary,
     run_cli,
 )
+from test_plan import assert_plan_matches_the_run
 
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.schema import DType, FSDPConfig, ShardingStrategy, WrapPolicy
@@ -64,6 +65,8 @@ def test_sharding_option_keeps_single_process_losses(
         assert setup["mesh"] == {"replicate": 2, "shard": 2}
     if name == "size_wrap_and_activation_checkpointing":
         assert setup["activation_checkpointing"] == 4
+    if name in ("full_shard", "shard_grad_op", "no_shard"):
+        assert_plan_matches_the_run(run_dir)
     if name == "shard_grad_op":
         scatters = collectives_per_backward(run_dir, REDUCE_SCATTER)
         assert sorted(scatters) == [0, 0, 5, 5] and scatters[0] != scatters[1], scatters

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run_cli
+from test_plan import assert_plan_matches_the_run
 
 from tests.assets.traces import ALL_REDUCE, REDUCE_SCATTER, collectives_per_backward
 
@@ -58,6 +59,7 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
     if name == "hsdp_2x2":
         assert setup["mesh"] == {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 1}
         assert_synced_once_per_step(run_dir, units=5)
+        assert_plan_matches_the_run(run_dir)
     if name == "dp2_tp2_sequence_parallel":
         assert setup["mesh"] == {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2}
     if name.startswith("activation_checkpointing"):

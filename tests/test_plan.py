@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,11 +54,10 @@ def test_llama_description_equals_a_meta_build() -> None:
         built = module_spec(model, WrapConfig(), vocab_size=256, tp_plan=tp_plan)
         analytic = llama_spec(cfg, WrapConfig())
         assert analytic is not None
-        expected = analytic.params if not tied else [p for p in analytic.params]
-        got = built.params if not tied else [type(p)(p.name, p.shape, None) for p in built.params]
-        if tied:
-            expected = [type(p)(p.name, p.shape, None) for p in expected]
-        assert got == expected
+        if tied:  # no tensor parallel with tied embeddings: compare names and shapes
+            assert [(p.name, p.shape) for p in built.params] == [(p.name, p.shape) for p in analytic.params]
+        else:
+            assert built.params == analytic.params
         assert built.units == analytic.units == [f"layers.{i}" for i in range(3)]
         for act in (4, 2):
             probed, formula = built.activations(64, act), llama_activations(cfg, 64, act)
@@ -129,10 +128,22 @@ def test_fsdp_plan_searches_layouts_for_llama_8b_in_under_a_second() -> None:
     fitting = [r for r in rows if r["fits"]]
     assert fitting and any(not r["fits"] for r in rows)
     assert all(r["total_bytes"] <= 0.95 * 80e9 for r in fitting)
-    # The answer comes from the shapes alone: no torch import (see the timing below, per process).
-    assert "torch" not in result.stderr
+    # Reported, not asserted (no timing thresholds in tests); docs/memory.md has the figure.
     print(f"fsdp-plan --search for llama_8b on 8x80GB: {elapsed:.2f} s (process start included)")
-    assert sys.executable  # the timing is reported, not asserted (no thresholds in tests)
+
+
+def test_the_built_in_model_is_planned_without_importing_torch() -> None:
+    result = subprocess.run(
+        [*entry_point("fsdp-plan"), "model=llama_8b", "--gpus", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert imported and "torch" not in imported
 
 
 def test_fsdp_plan_errors_are_one_line() -> None:
