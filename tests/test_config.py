@@ -154,6 +154,7 @@ def test_omegaconf_is_the_only_config_dependency_below_the_entry_point() -> None
         "cli/main.py",
         "cli/hydra_errors.py",
         "cli/sweep.py",
+        "cli/plan.py",
         "config/store.py",
         "compat/hydra_internals.py",
     }

@@ -1,4 +1,4 @@
-"""The Lightning callback behind ``metrics.jsonl`` and the per-step console line.
+"""The Lightning callback behind ``metrics.jsonl`` (the console shows its rows through the progress display).
 
 On a logging step it averages the step's loss over all ranks (one all-reduce, no barrier;
 tensor-parallel ranks hold equal copies, so this is the mean over data-parallel ranks) and times

@@ -18,28 +18,25 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fsdp_cli.checkpoint.resume import resolve_resume
-from fsdp_cli.cli.entry import config_path
+from fsdp_cli.cli.configs import config_path
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
-from fsdp_cli.config.convert import to_train_config, to_yaml
-from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.store import register_schemas
-from fsdp_cli.config.validate import advisories, validate
-from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
-from fsdp_cli.launch.launcher import launch
-from fsdp_cli.launch.layout import resolve_layout
-from fsdp_cli.rundir.files import CONFIG_FILE
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED, STATUS_FAILED
-from fsdp_cli.rundir.summary import read_summary, write_summary
-from fsdp_cli.rundir.table import print_summary
+
+# Everything a run needs beyond composing is imported inside the functions that use it: `--cfg
+# job` never calls them, and answers about as fast as a bare Hydra app.
 
 PROG = "fsdp-train"
 
 
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any] | None:
+    from fsdp_cli.config.convert import to_yaml
+    from fsdp_cli.launch.launcher import launch
+    from fsdp_cli.rundir.files import CONFIG_FILE
+
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)
     run_dir = _run_dir(hydra_cfg, job)
@@ -63,6 +60,13 @@ def _run_here(cfg: TrainConfig) -> int:
 def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
     """The composed config as the typed, resolved, validated config every rank reads; a mistake
     is one line on stderr and exit status 2."""
+    from fsdp_cli.checkpoint.resume import resolve_resume
+    from fsdp_cli.config.convert import to_train_config
+    from fsdp_cli.config.migrate import migrate
+    from fsdp_cli.config.validate import advisories, validate
+    from fsdp_cli.errors import ConfigError
+    from fsdp_cli.launch.layout import resolve_layout
+
     try:
         typed, notices = migrate(to_train_config(cfg))
         _notify(notices)  # before validation: an error may be about the new name
@@ -78,6 +82,9 @@ def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
 
 def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) -> dict[str, Any] | None:
     """Report the run (the summary table) and turn the ranks' status into ours."""
+    from fsdp_cli.rundir.summary import read_summary, write_summary
+    from fsdp_cli.rundir.table import print_summary
+
     if job is not None and global_rank() != 0:
         # One rank of a torchrun/SLURM job: rank 0 reports; a failing rank still fails its process.
         if code != 0:
