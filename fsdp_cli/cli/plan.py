@@ -150,20 +150,34 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f}"
 
 
-def _rank_groups(plan: Any) -> list[tuple[str, Any]]:
-    """Ranks with identical figures shown as one row (``0-3``)."""
-    groups: list[tuple[list[int], Any]] = []
+def _rank_groups(plan: Any) -> list[tuple[str, list[str]]]:
+    """Ranks whose figures print the same, shown as one row (``0-3``)."""
+    groups: list[tuple[list[int], list[str]]] = []
     for rank in plan.ranks:
-        key = (rank.params, rank.grads, rank.optimizer, rank.activations, rank.buffers)
-        if groups and groups[-1][1][0] == key:
+        cells = [
+            _gib(rank.params),
+            _gib(rank.grads),
+            _gib(rank.optimizer),
+            _gib(rank.activations),
+            f"{_gib(rank.activations_no_ac)} / {_gib(rank.activations_full_ac)}",
+            _gib(rank.buffers),
+            _gib(rank.total),
+        ]
+        if groups and groups[-1][1] == cells:
             groups[-1][0].append(rank.rank)
         else:
-            groups.append(([rank.rank], (key, rank)))
-    return [(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]), g[1]) for r, g in groups]
+            groups.append(([rank.rank], cells))
+    return [(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]), cells) for r, cells in groups]
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
 
 
 def print_plan(cfg: Any, plan: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from fsdp_cli.plan.check import hint
@@ -181,23 +195,14 @@ def print_plan(cfg: Any, plan: Any) -> None:
         "grads",
         "optimizer",
         "activations",
-        "(no AC / full AC)",
+        "no AC / full AC",
         "buffers",
         "total",
     ):
         table.add_column(column, justify="right")
-    for ranks, rank in _rank_groups(plan):
-        table.add_row(
-            ranks,
-            _gib(rank.params),
-            _gib(rank.grads),
-            _gib(rank.optimizer),
-            _gib(rank.activations),
-            f"{_gib(rank.activations_no_ac)} / {_gib(rank.activations_full_ac)}",
-            _gib(rank.buffers),
-            _gib(rank.total),
-        )
-    console = Console()
+    for ranks, cells in _rank_groups(plan):
+        table.add_row(ranks, *cells)
+    console = _console()
     console.print(table)
     if any(r.offloaded for r in plan.ranks):
         console.print(f"offloaded to host memory: {_gib(max(r.offloaded for r in plan.ranks))} GiB per rank")
@@ -213,7 +218,6 @@ def print_plan(cfg: Any, plan: Any) -> None:
 
 
 def print_search(found: list[Any], memory: int | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(
@@ -225,7 +229,7 @@ def print_search(found: list[Any], memory: int | None) -> None:
     for c in found:
         fits = "?" if c.plan.fits is None else ("yes" if c.plan.fits else "no")
         table.add_row(fits, _gib(c.plan.peak.total), _gib(c.plan.peak.activations), c.overrides)
-    Console().print(table)
+    _console().print(table)
 
 
 if __name__ == "__main__":
