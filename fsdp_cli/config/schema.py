@@ -89,6 +89,17 @@ class Scheduler(Enum):
     linear = "linear"
 
 
+class SweepObjective(Enum):
+    """A value of a run's ``summary.json`` that a sweep job returns to the sweeper."""
+
+    final_loss = "final_loss"
+    """Training loss of the last logged step."""
+    tokens_per_s = "tokens_per_s"
+    """Training throughput: median over the steady-state steps."""
+    step_time_s = "step_time_s"
+    """Seconds per optimizer step: median over the steady-state steps."""
+
+
 # --------------------------------------------------------------------------- strategy group
 
 
@@ -381,6 +392,15 @@ class LauncherConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How each job of a sweep (``fsdp-train -m ...``) reports to the sweeper."""
+
+    objective: SweepObjective = SweepObjective.final_loss
+    """What a job returns to the sweeper: Optuna minimises or maximises it, following
+    ``hydra.sweeper.direction``. A job that was skipped or failed returns the worst value."""
+
+
+@dataclass
 class TrainConfig:
     """The whole run. Group options fill the ``Any`` fields with their own schemas."""
 
@@ -394,6 +414,7 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     dp: Any = "auto"
     """Data-parallel size: ``auto`` = world size / tp."""
     tp: int = 1
