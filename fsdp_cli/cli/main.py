@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -165,14 +166,18 @@ def check_modes(argv: list[str]) -> None:
 def register_sweep_launcher() -> None:
     """Make ``hydra/launcher=fsdp_cli`` available however the package was installed.
 
-    From a wheel Hydra finds the plugin by scanning the ``hydra_plugins`` namespace package.
-    setuptools' editable install (an import hook, forced by our ``package-dir`` mapping) serves it
-    to ``import`` but not to that scan, so it is registered here explicitly, a documented API."""
+    Hydra finds the plugin by scanning the ``hydra_plugins`` namespace package. Some editable
+    installs (setuptools' import-hook mode) serve it to ``import`` but not to that scan; then it
+    is registered here explicitly, through Hydra's documented ``Plugins.register``."""
     from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
 
-    from hydra_plugins.fsdp_cli_sweep.launcher import SweepLauncher
+    plugins = Plugins.instance()  # scans
+    name = "hydra_plugins.fsdp_cli_sweep.launcher.SweepLauncher"
+    if not any(f"{c.__module__}.{c.__name__}" == name for c in plugins.discover(Launcher)):
+        from hydra_plugins.fsdp_cli_sweep.launcher import SweepLauncher
 
-    Plugins.instance().register(SweepLauncher)
+        plugins.register(SweepLauncher)
 
 
 def main() -> None:
@@ -181,6 +186,8 @@ def main() -> None:
         sys.path.insert(0, os.getcwd())
     register_schemas()
     register_sweep_launcher()
+    # Optuna imports alembic, whose INFO chatter ("setup plugin ...") Hydra's root logger prints.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)
     check_modes(sys.argv[1:])
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
