@@ -59,7 +59,11 @@ def _warn_on_opposite_direction(config: DictConfig) -> None:
     objective = OmegaConf.select(config, "sweep.objective", default=None)
     if direction is None or objective is None:
         return
-    wanted = "minimize" if str(getattr(objective, "value", objective)) in ("final_loss", "step_time_s") else "maximize"
+    wanted = (
+        "minimize"
+        if str(getattr(objective, "value", objective)) in ("final_loss", "step_time_s")
+        else "maximize"
+    )
     if direction_name(direction) != wanted:
         print(
             f"fsdp-train: note: hydra.sweeper.direction={direction_name(direction)} with "

@@ -383,8 +383,10 @@ class LauncherConfig:
     """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM)."""
 
     rdzv_endpoint: str | None = None
-    """host:port of the rendezvous for multi-node runs; null = 127.0.0.1 and a free port."""
-    node_rank: int = 0
+    """host:port of the rendezvous for multi-node runs (node 0's address and a free port); null =
+    ``$MASTER_ADDR:$MASTER_PORT`` when ``MASTER_ADDR`` is set, else (one node) 127.0.0.1 and a free port."""
+    node_rank: int | None = None
+    """This node's rank, 0 .. num_nodes-1; null = ``$NODE_RANK``, or 0."""
     max_restarts: int = 0
     """torch elastic restarts of a failed worker group (each restart resumes from the newest checkpoint)."""
     shutdown_timeout_s: int = 300

@@ -17,7 +17,6 @@ from typing import Any
 from fsdp_cli.rundir.status import STATUS_OK, STATUS_SKIPPED
 from fsdp_cli.rundir.sweep_jobs import JobResult, counts
 
-
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
