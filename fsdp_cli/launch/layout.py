@@ -129,6 +129,14 @@ def _devices(
                 allowed=f"auto or {job.local_world_size}",
                 hint="leave devices=auto inside torchrun/srun",
             )
+        if num_nodes > 1 and num_nodes != job.num_nodes:
+            raise ConfigError(
+                "num_nodes",
+                num_nodes,
+                f"this {job.kind} job spans {job.num_nodes} node(s)",
+                allowed=f"{job.num_nodes} (or 1, which takes the job's)",
+                hint=f"allocate {num_nodes} nodes (sbatch --nodes={num_nodes}) or set num_nodes={job.num_nodes}",
+            )
         return job.local_world_size, job.num_nodes
     if cfg.devices == "auto":
         return (gpus if accelerator is Accelerator.gpu else CPU_DEFAULT_DEVICES), num_nodes
