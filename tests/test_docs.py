@@ -88,7 +88,12 @@ def shown_commands() -> list[str]:
                     continue
                 found.append(pending)
                 pending = ""
-    return list(dict.fromkeys(c for c in found if _program(c)))
+    unique: dict[str, str] = {}  # one run per distinct command, whatever its comment says
+    for command in found:
+        parsed = _program(command)
+        if parsed is not None:
+            unique.setdefault(json.dumps(parsed, sort_keys=True), command)
+    return list(unique.values())
 
 
 def _program(line: str) -> tuple[str, dict[str, str], list[str]] | None:
@@ -155,7 +160,7 @@ def test_every_command_shown_in_readme_and_docs_runs(tmp_path: Path) -> None:
     commands = shown_commands()
     recipe_commands = [c for c in commands if _program(c)[0] == "fsdp-recipe"]  # type: ignore[index]
     train_commands = [c for c in commands if c not in recipe_commands]
-    assert len(train_commands) >= 40 and len(recipe_commands) >= 4, commands  # the extraction found them
+    assert len(train_commands) >= 35 and len(recipe_commands) >= 4, commands  # the extraction found them
     # fsdp-recipe first and in order: `fsdp-recipe cp` makes the copies later commands run.
     failures = [f for f in (run_shown(c, tmp_path) for c in recipe_commands) if f]
     with ThreadPoolExecutor(max_workers=2) as pool:
