@@ -77,7 +77,8 @@ def test_inside_a_cluster_job_the_ranks_share_a_run_directory_named_after_it() -
     assert cluster_run_dir(["tp=2"], slurm) == ["tp=2", "hydra.run.dir=outputs/slurm-4242"]
     torchrun = {"TORCHELASTIC_RUN_ID": "abc", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
     assert cluster_run_dir([], torchrun) == ["hydra.run.dir=outputs/torchrun-abc"]
-    # A directory the command names, a sweep, or no cluster job: left to Hydra.
+    # A directory the command names, or no cluster job: left to Hydra.
     assert cluster_run_dir(["hydra.run.dir=x"], slurm) == ["hydra.run.dir=x"]
-    assert cluster_run_dir(["-m", "tp=1,2"], slurm) == ["-m", "tp=1,2"]
+    assert cluster_run_dir(["-m", "tp=1,2"], slurm) == ["-m", "tp=1,2", "hydra.sweep.dir=multirun/slurm-4242"]
+    assert cluster_run_dir(["-m", "hydra.sweep.dir=s"], slurm) == ["-m", "hydra.sweep.dir=s"]
     assert cluster_run_dir(["tp=2"], {}) == ["tp=2"]

@@ -143,14 +143,18 @@ def fail(message: str) -> NoReturn:
 
 
 def cluster_run_dir(argv: list[str], env: Mapping[str, str]) -> list[str]:
-    """Inside torchrun/SLURM every rank composes the config itself, and Hydra's default run
-    directory (a timestamp) can differ by a second between ranks: name it after the job instead,
-    before Hydra creates it, so the ranks share one directory (unless the command names one)."""
+    """Inside torchrun/SLURM every rank composes the config itself, and Hydra's default run (or
+    sweep) directory, a timestamp, can differ by a second between ranks: name it after the job
+    instead, before Hydra creates it, so the ranks share one directory (unless the command names one)."""
     job = detect_cluster_job(env)
-    if job is None or any(a in MULTIRUN_FLAGS or a.startswith("hydra.run.dir=") for a in argv):
+    if job is None:
         return argv
     job_id = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "job"
-    return [*argv, f"hydra.run.dir=outputs/{job.kind}-{job_id}"]
+    multirun = any(a in MULTIRUN_FLAGS for a in argv)
+    key, root = ("hydra.sweep.dir", "multirun") if multirun else ("hydra.run.dir", "outputs")
+    if any(a.startswith(f"{key}=") for a in argv):
+        return argv
+    return [*argv, f"{key}={root}/{job.kind}-{job_id}"]
 
 
 def check_modes(argv: list[str]) -> None:
