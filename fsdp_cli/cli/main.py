@@ -23,9 +23,11 @@ from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.convert import to_train_config, to_yaml
 from fsdp_cli.config.migrate import migrate
+from fsdp_cli.config.model_folder import resolve_model_folder
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
 from fsdp_cli.launch.launcher import launch
@@ -51,7 +53,7 @@ def train(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)
     run_dir = _run_dir(hydra_cfg, job)
-    typed = resolve(cfg, run_dir)
+    typed = resolve(cfg, run_dir, explicit_data=_chooses_data(hydra_cfg.overrides.task))
     if global_rank() == 0:
         (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
 
@@ -66,15 +68,18 @@ def _run_here(cfg: TrainConfig) -> int:
     return run(cfg)
 
 
-def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
+def resolve(cfg: DictConfig, run_dir: Path, *, explicit_data: bool = False) -> TrainConfig:
     """The composed config as the typed, resolved, validated config every rank reads; a mistake
-    is one line on stderr and exit status 2."""
+    is one line on stderr and exit status 2. Data that needs preparing (``data=jsonl``) is
+    tokenized here, once, before any rank starts."""
     try:
         typed, notices = migrate(to_train_config(cfg))
         _notify(notices)  # before validation: an error may be about the new name
         typed = resolve_layout(typed, os.environ)
-        typed = dataclasses.replace(typed, run_dir=str(run_dir))
+        typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=explicit_data)
+        typed = resolve_model_folder(typed)
         validate(typed)
+        prepare_data(typed)
         typed, resume_notices = resolve_resume(typed)
     except ConfigError as err:
         fail(err.one_line())
@@ -111,6 +116,12 @@ def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) 
     if code == EXIT_PREEMPTED or (code != 0 and not multirun):
         sys.exit(code if code == EXIT_PREEMPTED else EXIT_FAILED)
     return summary
+
+
+def _chooses_data(task_overrides: list[str]) -> bool:
+    """Whether the command line picked the ``data`` option or set a ``data.*`` key (Hydra's
+    defaults always select one, so only the overrides tell)."""
+    return any(o.lstrip("+~").startswith(("data=", "data.")) for o in task_overrides)
 
 
 def _notify(notices: list[str]) -> None:
