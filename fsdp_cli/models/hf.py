@@ -91,7 +91,9 @@ class HFCausalLM(nn.Module):
             )
         plan = hf_tp_plan(self.hf)
         if plan is None:
-            raise ValueError(f"{name} has no tensor-parallel plan in transformers (config.base_model_tp_plan)")
+            raise ValueError(
+                f"{name} has no tensor-parallel plan in transformers (config.base_model_tp_plan)"
+            )
         resolved = {f"hf.{k}": v for k, v in plan.items()}
         for module_name, module in self.named_modules():
             if module_name not in resolved and any(True for _ in module.parameters(recurse=False)):
