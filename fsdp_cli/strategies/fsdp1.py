@@ -221,14 +221,29 @@ def meta_param_init_fn(module: nn.Module, device: torch.device) -> Callable[[nn.
         )
 
     def materialize_unit(unit: nn.Module) -> None:
-        # FSDP1 calls this for every module of the unit; the first call (the unit's root) fills them all.
-        fresh = [m for m in unit.modules() if any(t.is_meta for t in _own_tensors(m))]
-        if fresh:
-            for m in fresh:
-                m.to_empty(device=device, recurse=False)
-            fill(buffer_device=device, modules=fresh)
+        # FSDP1 calls this for every module of the unit: the first call (the unit's root) fills
+        # the unit's modules (those not already inside a wrapped child), later calls find nothing left.
+        members = _unit_members(unit)
+        if not any(t.is_meta for m in members for t in _own_tensors(m)):
+            return
+        for m in members:
+            m.to_empty(device=device, recurse=False)
+        fill(buffer_device=device, modules=members)
 
     return materialize_unit
+
+
+def _unit_members(unit: nn.Module) -> list[nn.Module]:
+    """The modules an FSDP1 unit rooted at ``unit`` owns: all below it except those of wrapped children."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    wrapped = {
+        id(m)
+        for child in unit.modules()
+        if isinstance(child, FSDP) and child is not unit
+        for m in child.modules()
+    }
+    return [m for m in unit.modules() if id(m) not in wrapped]
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
