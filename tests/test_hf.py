@@ -389,9 +389,8 @@ def test_tensor_parallel_plan_is_transformers_own_or_one_line_refusal(hf_files: 
         require_tp_plan(gpt2.hf, 2)
 
 
-CLI_ERRORS = [
+FOLDER_ERRORS = [
     (["model=hf"], "model.path=null: model=hf needs the model's folder"),
-    (["model=hf", "model.path=/no/such/folder"], "model.path=/no/such/folder: no such folder"),
     (["model=hf", "model.path={empty}"], "no config.json there"),
     (["model=hf", "model.path={config_only}"], "no model.safetensors or model.safetensors.index.json"),
     (
@@ -409,10 +408,15 @@ CLI_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(("args", "words"), CLI_ERRORS, ids=[c[1][:40] for c in CLI_ERRORS])
-def test_model_folder_mistakes_are_one_line_before_any_rank(
+@pytest.mark.parametrize(("args", "words"), FOLDER_ERRORS, ids=[c[1][:40] for c in FOLDER_ERRORS])
+def test_model_folder_mistakes_are_found_before_any_rank(
     hf_files: dict, tmp_path: Path, args: list[str], words: str
 ) -> None:
+    """The parent's checks (the CLI prints them as one line: next test)."""
+    from fsdp_cli.config.model_folder import resolve_model_folder
+    from fsdp_cli.config.validate import validate
+    from fsdp_cli.launch.layout import resolve_layout
+
     (tmp_path / "empty").mkdir()
     (tmp_path / "config_only").mkdir()
     (tmp_path / "config_only" / "config.json").write_text((hf_files["gpt2"] / "config.json").read_text())
@@ -422,14 +426,20 @@ def test_model_folder_mistakes_are_one_line_before_any_rank(
         "llama": hf_files["llama"],
         "gpt2_3heads": _three_heads(hf_files, tmp_path),
     }
+    cfg = composed(*(a.format(**places) for a in args))
+    with pytest.raises(ConfigError) as err:
+        validate(resolve_model_folder(resolve_layout(cfg, {"CUDA_VISIBLE_DEVICES": ""})))
+    assert words in err.value.one_line()
+
+
+def test_a_missing_model_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = run_cli(
-        [a.format(**places) for a in args], tmp_path / "run", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60
+        ["model=hf", "model.path=/no/such/folder"], tmp_path / "run", env={"CUDA_VISIBLE_DEVICES": ""}
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("fsdp-train: error: "), (
-        result.stderr
-    )
-    assert words in lines[0], lines[0]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("fsdp-train: error: model.path=/no/such/folder: no such folder; hint: ")
+    assert not (tmp_path / "run" / "config.yaml").exists(), "no rank started"
 
 
 def _three_heads(files: dict, tmp_path: Path) -> Path:
