@@ -148,10 +148,11 @@ def prepare(data: Any, *, wait: bool = False) -> None:
     check the result holds one window; ``wait``: another process (local rank 0) writes it."""
     spec = tokenizer_spec(data)
     if data.vocab_size is not None and spec.vocab_size > data.vocab_size:
+        what = "UTF-8 bytes (no tokenizer) need" if spec.file is None else "has"
         raise ConfigError(
             "data.tokenizer",
             data.tokenizer,
-            f"has {spec.vocab_size} tokens, more than data.vocab_size={data.vocab_size}",
+            f"{what} {spec.vocab_size} tokens, more than data.vocab_size={data.vocab_size}",
             hint="use the model's own tokenizer, or a model with a larger vocabulary",
         )
     for key in ("path", "val_path"):

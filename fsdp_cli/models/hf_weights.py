@@ -69,6 +69,8 @@ class WeightFiller:
         self.source = source
         self.report = LoadReport(pretrained=source.pretrained)
         self.names = {id(m): canonical_name(n) for n, m in hf.named_modules(remove_duplicate=False)}
+        # By name too: FSDP1 later inserts wrappers into the module paths, not into these.
+        self.modules = {canonical_name(n): m for n, m in hf.named_modules(remove_duplicate=False)}
         self.owners = _owners(hf)
         # Asked of the class now: after fully_shard it is FSDP<Class>, which transformers takes for remote code.
         self.custom_code = bool(type(hf).is_custom_code())
@@ -87,7 +89,7 @@ class WeightFiller:
         started = time.perf_counter()
         selected = list(self.hf.modules()) if modules is None else list(modules)
         ids = {id(m) for m in selected}
-        self._retie()
+        self._retie(ids)
         targets = {
             name: t
             for m in selected
@@ -108,17 +110,24 @@ class WeightFiller:
 
     # ------------------------------------------------------------------ ties
 
-    def _retie(self) -> None:
-        """``to_empty`` of plain modules gives each tied name its own tensor again; tie them back."""
+    def _retie(self, ids: set[int]) -> None:
+        """``to_empty`` of plain modules gives each tied name its own tensor again; tie them back
+        (for the pairs whose holder is being filled)."""
         for target, source in self.tied.items():
-            src, dst = self.hf.get_parameter(source), self.hf.get_parameter(target)
+            (dst_owner, dst_name), (src_owner, src_name) = (self._holder(target), self._holder(source))
+            if id(dst_owner) not in ids:
+                continue
+            src, dst = getattr(src_owner, src_name), getattr(dst_owner, dst_name)
             if src is dst:
                 continue
             if _fsdp2_managed(self.hf):
                 # Swapping a parameter behind FSDP2's back would leave it gathering the old one.
                 raise RuntimeError(f"{target} lost its tie to {source} under FSDP2")
-            owner, _, name = target.rpartition(".")
-            setattr(self.hf.get_submodule(owner), name, src)
+            setattr(dst_owner, dst_name, src)
+
+    def _holder(self, tensor_name: str) -> tuple[nn.Module, str]:
+        owner, _, name = tensor_name.rpartition(".")
+        return self.modules[owner], name
 
     # ------------------------------------------------------------------ pretrained weights
 
