@@ -402,6 +402,10 @@ FOLDER_ERRORS = [
         "data.seq_len=128: exceeds the model's 64 positions",
     ),
     (
+        ["model=hf", "model.path={llama}", "data=text"],
+        "data.vocab_size=256: exceeds the model's vocabulary of 128",
+    ),
+    (
         ["model=hf", "model.path={llama}", "tp=2", "devices=2", "strategy.sequence_parallel=true"],
         "strategy.sequence_parallel=True: model=hf",
     ),

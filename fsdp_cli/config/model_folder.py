@@ -128,6 +128,15 @@ def check_hf_model(cfg: TrainConfig) -> None:
     folder = read_model_folder(model.path)
     if model.pretrained:
         weight_files(folder.path)
+    vocab, ids = folder.vocab_size, getattr(cfg.data, "vocab_size", None)
+    if isinstance(vocab, int) and isinstance(ids, int) and ids > vocab:
+        raise ConfigError(
+            "data.vocab_size",
+            ids,
+            f"exceeds the model's vocabulary of {vocab} (config.json): token ids would index past its embedding",
+            allowed=f"1..{vocab}",
+            hint="data that the model's own tokenizer produced (data=jsonl data.tokenizer=MODEL_DIR, or data=tokens)",
+        )
     limit = folder.get("max_positions")
     if isinstance(limit, int) and cfg.data.seq_len > limit:
         raise ConfigError(
