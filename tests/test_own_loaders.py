@@ -168,11 +168,11 @@ def test_data_settings_given_for_such_a_module_are_refused(capsys: Any) -> None:
 
 
 def test_only_command_line_data_overrides_count_as_chosen() -> None:
-    from fsdp_cli.cli.main import _chooses_data
+    from fsdp_cli.cli.resolve import chooses_data
 
-    assert _chooses_data(["data=text", "strategy=ddp"])
-    assert _chooses_data(["+data.foo=1"]) and _chooses_data(["data.seq_len=8"])
-    assert not _chooses_data(["model=custom", "model._target_=a.B", "dataset=x"])
+    assert chooses_data(["data=text", "strategy=ddp"])
+    assert chooses_data(["+data.foo=1"]) and chooses_data(["data.seq_len=8"])
+    assert not chooses_data(["model=custom", "model._target_=a.B", "dataset=x"])
 
 
 def test_vocabulary_questions_wait_for_a_module_that_uses_the_data_group() -> None:

@@ -32,6 +32,7 @@ from fsdp_cli.config.schema import (
     ModelParallelConfig,
     OptimConfig,
     PrecisionConfig,
+    SweepConfig,
     SyntheticDataConfig,
     TextDataConfig,
     TokensDataConfig,
@@ -65,6 +66,7 @@ SECTION_SCHEMAS: dict[str, type] = {
     "logger": LoggerConfig,
     "optim": OptimConfig,
     "launcher": LauncherConfig,
+    "sweep": SweepConfig,
 }
 _MISSING = "???"
 
