@@ -28,7 +28,9 @@ class RunCallbacks:
         return [*first, self.setup, self.metrics, self.checkpoints]
 
 
-def build_callbacks(cfg: TrainConfig) -> RunCallbacks:
+def build_callbacks(cfg: TrainConfig, *, module_loaders: bool = False) -> RunCallbacks:
+    """``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
+    tokens is unknown; throughput is then counted in samples."""
     t = cfg.trainer
     clipping = (
         GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
@@ -38,7 +40,7 @@ def build_callbacks(cfg: TrainConfig) -> RunCallbacks:
     metrics = MetricsCallback(
         Path(cfg.run_dir),
         log_every_n_steps=t.log_every_n_steps,
-        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+        tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=t.max_steps,
         clipping=clipping,
     )
