@@ -38,11 +38,11 @@ def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
     """FLOPs per token of the model (formula for the built-in one, counted for others) and the peak."""
     import torch
 
-    seq = cfg.data.seq_len
+    seq = getattr(cfg.data, "seq_len", None)
     flops: float | None = None
     if isinstance(cfg.model, LlamaConfig):
         flops = llama_flops_per_token(cfg.model, seq)
-    elif callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
+    elif seq and callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
         flops = counted_flops_per_token(module.model_factory, seq, cfg.data.vocab_size)
     peak = cfg.trainer.peak_tflops
     if peak is None and cfg.accelerator.value == "gpu" and torch.cuda.is_available():
@@ -52,7 +52,10 @@ def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
     return Throughput(flops_per_token=flops, world_size=int(cfg.devices) * cfg.num_nodes, peak_tflops=peak)
 
 
-def build_callbacks(cfg: TrainConfig, module: Any = None) -> RunCallbacks:
+def build_callbacks(cfg: TrainConfig, module: Any = None, *, module_loaders: bool = False) -> RunCallbacks:
+    """``module``: the LightningModule (its model's FLOPs per token are counted for MFU);
+    ``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
+    tokens is unknown; throughput is then counted in samples (and MFU is not reported)."""
     t = cfg.trainer
     clipping = (
         GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
@@ -62,10 +65,10 @@ def build_callbacks(cfg: TrainConfig, module: Any = None) -> RunCallbacks:
     metrics = MetricsCallback(
         Path(cfg.run_dir),
         log_every_n_steps=t.log_every_n_steps,
-        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+        tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=t.max_steps,
         clipping=clipping,
-        throughput=build_throughput(cfg, module),
+        throughput=None if module_loaders else build_throughput(cfg, module),
     )
     return RunCallbacks(
         metrics=metrics,

@@ -24,13 +24,20 @@ def format_eta(seconds: float | None) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _rate(row: dict[str, Any]) -> str:
+    """tokens/s for token batches, samples/s for a LightningModule's own loaders."""
+    if row.get("tokens_per_s") is not None:
+        return f"{row['tokens_per_s']:>10,.0f} tok/s"
+    return f"{row.get('samples_per_s') or 0:>10,.1f} samples/s"
+
+
 def plain_line(row: dict[str, Any], max_steps: int, eta_s: float | None, memory_bytes: int) -> str:
     parts = [
         f"step {row['step']:>6}/{max_steps}",
         f"loss {row['loss']:8.4f}",
         f"lr {row['lr']:.2e}" if row.get("lr") is not None else "",
         f"{row['step_time_s'] * 1e3:8.1f} ms/step",
-        f"{row['tokens_per_s']:>10,.0f} tok/s",
+        _rate(row),
         f"mfu {row['mfu']:.1%}" if row.get("mfu") is not None else "",
         f"peak mem {memory_bytes / 2**20:,.0f} MiB",
         f"eta {format_eta(eta_s)}",
@@ -78,9 +85,7 @@ class ProgressDisplay(L.Callback):
         if self._live is None:
             print(plain_line(row, self.max_steps, self._eta(row["step"]), memory), flush=True)
             return
-        figures = (
-            f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  peak mem {memory / 2**20:,.0f} MiB"
-        )
+        figures = f"loss {row['loss']:.4f}  {_rate(row).strip()}  peak mem {memory / 2**20:,.0f} MiB"
         if row.get("mfu") is not None:
             figures += f"  mfu {row['mfu']:.1%}"
         self._live.update(self._task, completed=row["step"], figures=figures)

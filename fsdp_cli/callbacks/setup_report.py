@@ -10,6 +10,7 @@ memory plan (:mod:`fsdp_cli.plan`) is checked against.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -43,7 +44,7 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         compute = autocast
     optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(stored)}
     report = getattr(strategy, "parallelize_report", None)
-    return {
+    info = {
         "mesh": _mesh(strategy),
         "fsdp_units": list(report.fsdp_units) if report is not None else _fsdp_units(strategy),
         "dtypes": {
@@ -57,6 +58,11 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "compiled_blocks": report.compiled_blocks if report is not None else None,
         "float8_linears": report.float8_linears if report is not None else None,
     }
+    # A model filled in place after sharding (model=hf) says what this rank read and held.
+    weights = getattr(getattr(module, "model", None), "load_report", None)
+    if weights is not None:
+        info["weights"] = dataclasses.asdict(weights)
+    return info
 
 
 def _autocast_dtype(trainer: L.Trainer) -> torch.dtype | None:
@@ -120,6 +126,12 @@ def format_setup(info: dict[str, Any]) -> str:
         lines.append(f"torch.compile: {info['compiled_blocks']} blocks")
     if info.get("float8_linears"):
         lines.append(f"float8: {info['float8_linears']} linear layers (torchao, float8 all-gather)")
+    weights = info.get("weights")
+    if weights is not None and weights["pretrained"]:
+        lines.append(
+            f"weights: {weights['bytes_read'] / 2**20:,.1f} MiB read by this rank from {weights['files']} file(s) "
+            f"in {weights['seconds']:.2f} s; largest tensor held whole {weights['max_full_tensor_bytes'] / 2**20:,.2f} MiB"
+        )
     lines.append(
         f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}"
     )

@@ -1,5 +1,6 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
-FSDP1's zero-2 hybrid strategy, and the ParallelStyle extension point."""
+FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
+random fill of a tensor) and a module's set of non-persistent buffers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn import Module
+from torch.utils import _python_dispatch
 
 from fsdp_cli.compat import require
 
@@ -20,6 +23,8 @@ ENTRIES: list[tuple[Any, str]] = [
     (_ac_wrapper, "CheckpointWrapper"),
     (_FSDP1ShardingStrategy, "_HYBRID_SHARD_ZERO2"),
     (ParallelStyle, "_apply"),
+    (_python_dispatch, "TorchDispatchMode"),
+    (Module(), "_non_persistent_buffers_set"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -34,6 +39,23 @@ FSDP1_SHARDING = {"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``mesh`` (a slice of a root mesh) as one flattened dimension called ``name``."""
     return mesh._flatten(name)
+
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+"""Subclass and enter to see every aten call (the public API for this, kept under a private module)."""
+
+
+def non_persistent_buffer_names(module: Module) -> set[str]:
+    """Buffers of ``module`` itself that ``state_dict`` leaves out (recomputed, never saved)."""
+    return set(module._non_persistent_buffers_set)
+
+
+def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of a DTensor's local shard within the whole tensor, from shapes alone."""
+    shape, offset = _dtensor_utils.compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple(shape), tuple(offset)
 
 
 def global_offset(tensor: Any) -> tuple[int, ...]:

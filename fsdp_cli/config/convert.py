@@ -24,14 +24,18 @@ from fsdp_cli.config.schema import (
     FSDP2Config,
     FSDPConfig,
     FSDPNativeConfig,
+    HFModelConfig,
+    JsonlDataConfig,
     LauncherConfig,
     LlamaConfig,
     LoggerConfig,
     ModelParallelConfig,
     OptimConfig,
     PrecisionConfig,
+    SweepConfig,
     SyntheticDataConfig,
     TextDataConfig,
+    TokensDataConfig,
     TrainConfig,
     TrainerConfig,
     WrapConfig,
@@ -47,8 +51,13 @@ STRATEGY_SCHEMAS: dict[str, type] = {
     "ddp_fully_sharded": DDPFullyShardedConfig,
     "fsdp_native": FSDPNativeConfig,
 }
-MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig}
-DATA_SCHEMAS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig}
+MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "hf": HFModelConfig}
+DATA_SCHEMAS: dict[str, type] = {
+    "synthetic": SyntheticDataConfig,
+    "text": TextDataConfig,
+    "tokens": TokensDataConfig,
+    "jsonl": JsonlDataConfig,
+}
 SECTION_SCHEMAS: dict[str, type] = {
     "precision": PrecisionConfig,
     "wrap": WrapConfig,
@@ -57,6 +66,7 @@ SECTION_SCHEMAS: dict[str, type] = {
     "logger": LoggerConfig,
     "optim": OptimConfig,
     "launcher": LauncherConfig,
+    "sweep": SweepConfig,
 }
 _MISSING = "???"
 
