@@ -1,12 +1,19 @@
-"""fsdp-train against a hand-written FSDP2 loop on the same model and settings, in one run.
+"""fsdp-train against hand-written loops (``hand_loop.py``), the same model and settings, interleaved.
 
-    python benchmarks/compare_loop.py                      # tiny model, 2 CPU processes
-    python benchmarks/compare_loop.py --model llama_124m --devices 8 --precision bf16-mixed --batch 64 --seq 1024
+    python benchmarks/compare_loop.py                              # the whole matrix, 2 CPU processes
+    python benchmarks/compare_loop.py --record docs/benchmark.md   # ... and write the table there
+    python benchmarks/compare_loop.py --models builtin --sizes small --strategies fsdp2 --log-every 1
 
-Both sides: FSDP2 (fully_shard per block + root), the same mixed precision, synthetic data through
-the same sampler, AdamW, clipping at 1.0, a loss all-reduce every 10 steps. Step times are medians
-over the steps after warm-up; the runs alternate (A B A B ...) so drift hits both alike. Prints a
-table and writes benchmark.json (in --out) with every measurement and the ratios.
+The matrix: the built-in Llama (``model=tiny`` resized) and a plain ``nn.Module`` from this folder
+(``benchmarks/gpt.py`` through ``model=custom``), at an overhead-bound size (dim 64, 2 blocks,
+seq 128, batch 8) and a compute-bound one (dim 256, 4 blocks, seq 256, batch 8), under
+``strategy=fsdp2``, ``fsdp`` and ``ddp``, with ``trainer.log_every_n_steps=1`` and ``10``.
+
+Every cell is run as a pair, fsdp-train then the hand-written loop, and the pairs of all cells are
+interleaved (cell 1, cell 2, ..., then the next repeat), so load drifting on the machine hits both
+sides of a pair alike. A pair's ratio is fsdp-train's median step time over the hand loop's
+(steps after warm-up); a cell reports the median ratio over its repeats and their spread
+(min-max). Writes ``benchmark.json`` (every measurement) to ``--out``.
 """
 
 from __future__ import annotations
@@ -18,48 +25,92 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SIZES = {
+    "small": {"dim": 64, "n_layers": 2, "seq": 128, "batch": 8, "steps": 200, "warmup": 20},
+    "large": {"dim": 256, "n_layers": 4, "seq": 256, "batch": 8, "steps": 60, "warmup": 20},
+}
+N_HEADS, N_KV_HEADS, VOCAB = 4, 2, 256
+MARK_BEGIN, MARK_END = "<!-- compare_loop:begin -->", "<!-- compare_loop:end -->"
 
 
-def run_fsdp_train(args: argparse.Namespace, run_dir: Path) -> dict:
-    cmd = [
-        "fsdp-train",
-        "strategy=fsdp2",
-        f"model={args.model}",
+@dataclass(frozen=True)
+class Cell:
+    model: str  # builtin | custom
+    size: str
+    strategy: str
+    log_every: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.size}/{self.strategy}/log{self.log_every}"
+
+
+def fsdp_train_command(cell: Cell, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    size = SIZES[cell.size]
+    if cell.model == "builtin":
+        model = [
+            "model=tiny",
+            f"model.dim={size['dim']}",
+            f"model.n_layers={size['n_layers']}",
+            f"model.n_heads={N_HEADS}",
+            f"model.n_kv_heads={N_KV_HEADS}",
+        ]
+    else:
+        model = [
+            "model=custom",
+            "model._target_=benchmarks.gpt.GPT",
+            f"+model.dim={size['dim']}",
+            f"+model.n_layers={size['n_layers']}",
+            f"+model.n_heads={N_HEADS}",
+            f"+model.max_seq_len={size['seq']}",
+            f"+model.vocab_size={VOCAB}",
+        ]
+    fsdp_train = Path(sys.executable).parent / "fsdp-train"
+    return [
+        str(fsdp_train) if fsdp_train.exists() else "fsdp-train",
+        f"strategy={cell.strategy}",
+        *model,
         f"devices={args.devices}",
         f"precision={args.precision}",
-        f"trainer.max_steps={args.steps}",
-        "trainer.log_every_n_steps=10",
-        f"data.global_batch_size={args.batch}",
-        f"data.seq_len={args.seq}",
+        f"trainer.max_steps={size['steps']}",
+        f"trainer.log_every_n_steps={cell.log_every}",
+        f"data.global_batch_size={size['batch']}",
+        f"data.seq_len={size['seq']}",
         "checkpoint.save_last=false",
         "optim.lr=3e-4",
         f"hydra.run.dir={run_dir}",
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+
+
+def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path) -> dict:
+    result = subprocess.run(fsdp_train_command(cell, args, run_dir), capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
-        raise SystemExit(f"fsdp-train failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"fsdp-train failed ({cell.name}):\n{result.stderr[-3000:]}")
+    warmup = SIZES[cell.size]["warmup"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r["step_time_s"] for r in rows if r["step"] > args.warmup + 10]
+    samples = [r["step_time_s"] for r in rows if r["step"] > warmup]
     summary = json.loads((run_dir / "summary.json").read_text())
-    step_time = statistics.median(steady)
     return {
-        "step_time_s": step_time,
-        "tokens_per_s": args.batch * args.seq / step_time,
+        "step_time_s": statistics.median(samples),
+        "samples": len(samples),
         "peak_memory_bytes": max(summary["peak_memory_bytes"]),
         "precision": summary["precision"],
+        "mfu": summary.get("mfu"),
     }
 
 
-def run_hand_loop(args: argparse.Namespace, out: Path, precision: str) -> dict:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.devices))
-        ),
-    }
+def run_hand_loop(cell: Cell, args: argparse.Namespace, out: Path, precision: str) -> dict:
+    size = SIZES[cell.size]
+    env = dict(os.environ)
+    # fsdp-train's launcher gives each CPU rank its share of the cores; so does this side.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.devices)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     cmd = [
         sys.executable,
         "-m",
@@ -68,58 +119,116 @@ def run_hand_loop(args: argparse.Namespace, out: Path, precision: str) -> dict:
         f"--nproc-per-node={args.devices}",
         str(HERE / "hand_loop.py"),
         str(out),
-        f"steps={args.steps}",
-        f"warmup={args.warmup}",
-        f"global_batch_size={args.batch}",
-        f"seq_len={args.seq}",
+        f"model={'llama' if cell.model == 'builtin' else 'gpt'}",
+        f"strategy={cell.strategy}",
+        f"dim={size['dim']}",
+        f"n_layers={size['n_layers']}",
+        f"n_heads={N_HEADS}",
+        f"n_kv_heads={N_KV_HEADS}",
+        f"seq_len={size['seq']}",
+        f"global_batch_size={size['batch']}",
+        f"steps={size['steps']}",
+        f"warmup={size['warmup']}",
+        f"log_every={cell.log_every}",
         f"precision={precision}",
-        f"model={args.model}",
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if result.returncode != 0:
-        raise SystemExit(f"hand-written loop failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"hand-written loop failed ({cell.name}):\n{result.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str, list[dict]]:
+    pairs: dict[str, list[dict]] = {c.name: [] for c in cells}
+    for repeat in range(args.repeats):
+        for cell in cells:
+            started = time.time()
+            ours = run_fsdp_train(cell, args, tmp / f"{cell.name.replace('/', '_')}_{repeat}")
+            hand = run_hand_loop(
+                cell, args, tmp / f"{cell.name.replace('/', '_')}_{repeat}.json", ours["precision"]
+            )
+            pair = {
+                "fsdp_train_s": ours["step_time_s"],
+                "hand_s": hand["step_time_s"],
+                "ratio": ours["step_time_s"] / hand["step_time_s"],
+                "precision": ours["precision"],
+                "mfu": ours["mfu"],
+                "load_avg": os.getloadavg()[0],
+            }
+            pairs[cell.name].append(pair)
+            print(
+                f"[{repeat + 1}/{args.repeats}] {cell.name:28s} fsdp-train {pair['fsdp_train_s'] * 1e3:8.2f} ms  "
+                f"hand {pair['hand_s'] * 1e3:8.2f} ms  ratio {pair['ratio']:.3f}  "
+                f"(load {pair['load_avg']:.1f}, {time.time() - started:.0f} s)",
+                flush=True,
+            )
+    return pairs
+
+
+def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
+    lines = [
+        "| model | size | strategy | log every | fsdp-train ms/step | hand-written ms/step | ratio (median) | spread |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        runs = pairs[cell.name]
+        ratios = [p["ratio"] for p in runs]
+        lines.append(
+            f"| {cell.model} | {cell.size} | {cell.strategy} | {cell.log_every} | "
+            f"{statistics.median(p['fsdp_train_s'] for p in runs) * 1e3:.2f} | "
+            f"{statistics.median(p['hand_s'] for p in runs) * 1e3:.2f} | "
+            f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def record(path: Path, command: str, text: str, settings: str) -> None:
+    """Replace the block between the markers in ``path`` with this run's table."""
+    doc = path.read_text()
+    begin, end = doc.index(MARK_BEGIN), doc.index(MARK_END)
+    block = f"{MARK_BEGIN}\n`{command}` ({settings}):\n\n{text}\n{MARK_END}"
+    path.write_text(doc[:begin] + block + doc[end + len(MARK_END) :])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--models", default="builtin,custom")
+    parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--strategies", default="fsdp2,fsdp,ddp")
+    parser.add_argument("--log-every", default="1,10")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="auto")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmark_out"))
+    parser.add_argument("--record", type=Path, default=None, help="write the table into this markdown file")
     args = parser.parse_args()
+    cells = [
+        Cell(model, size, strategy, int(log))
+        for model in args.models.split(",")
+        for size in args.sizes.split(",")
+        for strategy in args.strategies.split(",")
+        for log in args.log_every.split(",")
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {"fsdp-train": [], "hand-written": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
-            cli = run_fsdp_train(args, Path(tmp) / f"cli{i}")
-            results["fsdp-train"].append(cli)
-            results["hand-written"].append(run_hand_loop(args, Path(tmp) / f"hand{i}.json", cli["precision"]))
-    med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in results.items()}
-    ratio = med["fsdp-train"] / med["hand-written"]
-    report = {
-        "settings": vars(args) | {"out": str(args.out)},
-        "runs": results,
-        "median_tokens_per_s": med,
-        "ratio_fsdp_train_to_hand": ratio,
-    }
-    (args.out / "benchmark.json").write_text(json.dumps(report, indent=2, default=str))
-    print(
-        f"model={args.model} devices={args.devices} precision={results['fsdp-train'][0]['precision']} "
-        f"batch={args.batch}x{args.seq} steps={args.steps} (median of {args.repeats} runs each)"
+        pairs = measure(cells, args, Path(tmp))
+    text = table(cells, pairs)
+    command = "python " + " ".join(
+        [
+            str(Path(sys.argv[0]).relative_to(REPO) if Path(sys.argv[0]).is_absolute() else sys.argv[0]),
+            *sys.argv[1:],
+        ]
     )
-    for name, value in med.items():
-        peak = results[name][0]["peak_memory_bytes"]
-        peak_text = f"{peak / 2**20:,.0f} MiB" if peak else "-"
-        print(f"  {name:13s} {value:12,.0f} tokens/s   peak {peak_text}")
-    print(f"  ratio fsdp-train / hand-written: {ratio:.3f}")
+    (args.out / "benchmark.json").write_text(
+        json.dumps({"command": command, "settings": vars(args), "pairs": pairs}, indent=2, default=str)
+    )
+    print(text)
+    if args.record is not None:
+        precision = next(iter(pairs.values()))[0]["precision"]
+        settings = f"{args.devices} processes, {precision}, {args.repeats} interleaved repeats, {os.cpu_count()} cores"
+        record(args.record, command, text, settings)
 
 
 if __name__ == "__main__":

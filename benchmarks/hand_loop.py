@@ -1,8 +1,16 @@
-"""A hand-written FSDP2 training loop: the baseline fsdp-train is measured against.
+"""Hand-written training loops: the baselines fsdp-train is measured against.
 
-Same model (the built-in Llama), same parallelization (fully_shard per block, then the root, with
-the same mixed-precision policy), same data and sampler, same AdamW and gradient clipping as
-``fsdp-train strategy=fsdp2``; no Lightning. Started by ``compare_loop.py`` through torchrun.
+The same model, parallelization, data and sampler, AdamW, clipping at 1.0 and loss logging as
+``fsdp-train`` with the matching settings, in plain PyTorch (no Lightning):
+
+* ``strategy=fsdp2``: ``fully_shard`` per block, then the root (the last block keeps its
+  parameters after forward, as fsdp-train does), with the same mixed-precision policy;
+* ``strategy=fsdp``: FSDP1 ``FullyShardedDataParallel`` with the block class as its wrap policy
+  (FULL_SHARD, use_orig_params, BACKWARD_PRE prefetch, limit_all_gathers: fsdp-train's defaults);
+* ``strategy=ddp``: ``DistributedDataParallel`` (25 MB buckets, gradients as bucket views).
+
+Every ``log_every`` steps the loss is averaged over the ranks (one all-reduce) and read on the
+host, as fsdp-train's metrics do. Started by ``compare_loop.py`` through torchrun::
 
     torchrun --standalone --nproc-per-node N benchmarks/hand_loop.py OUT.json KEY=VALUE...
 """
@@ -14,22 +22,95 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import nn
 
-from fsdp_cli.config.schema import LlamaConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.gpt` from a checkout
+
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
-from fsdp_cli.models.llama import Llama
+
+
+def build_model(opts: dict[str, str]) -> tuple[nn.Module, type[nn.Module], int]:
+    """The model on the meta device, its block class and its vocabulary size."""
+    dims = {k: int(opts[k]) for k in ("dim", "n_layers", "n_heads")}
+    with torch.device("meta"):
+        if opts["model"] == "gpt":
+            from benchmarks.gpt import GPT, Block
+
+            return GPT(vocab_size=256, max_seq_len=int(opts["seq_len"]), **dims), Block, 256
+        from fsdp_cli.config.schema import LlamaConfig
+        from fsdp_cli.models.llama import Llama, TransformerBlock
+
+        cfg = LlamaConfig(vocab_size=256, n_kv_heads=int(opts["n_kv_heads"]), max_seq_len=512, **dims)
+        return Llama(cfg, seed=1234), TransformerBlock, 256
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    model.to_empty(device=device)
+    if hasattr(model, "init_weights"):
+        model.init_weights(buffer_device=device)
+        return
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def parallelize(model: nn.Module, block_cls: type, strategy: str, device: torch.device, bf16: bool) -> Any:
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kwargs = {"mp_policy": mp} if mp else {}
+        for i, block in enumerate(blocks):
+            fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+        fully_shard(model, **kwargs)
+        materialize(model, device)
+        return model
+    materialize(model, device)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({block_cls}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else None,
+        device_id=device if device.type == "cpu" else device.index,
+        use_orig_params=True,
+        limit_all_gathers=True,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+    )
+
+
+def clip(model: Any, strategy: str) -> None:
+    if strategy == "fsdp":
+        model.clip_grad_norm_(1.0)
+        return
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
 
 
 def main(out: str, opts: dict[str, str]) -> None:
-    steps, warmup = int(opts["steps"]), int(opts["warmup"])
-    batch, seq = int(opts["global_batch_size"]), int(opts["seq_len"])
+    steps, warmup, log_every = int(opts["steps"]), int(opts["warmup"]), int(opts["log_every"])
+    batch, seq, strategy = int(opts["global_batch_size"]), int(opts["seq_len"]), opts["strategy"]
     bf16 = opts.get("precision", "32-true") == "bf16-mixed"
     gpu = torch.cuda.is_available()
     dist.init_process_group("nccl" if gpu else "gloo")
@@ -38,46 +119,33 @@ def main(out: str, opts: dict[str, str]) -> None:
     if gpu:
         torch.cuda.set_device(device)
     torch.manual_seed(1234)
-    cfg = _model(opts["model"])
-    with torch.device("meta"):
-        model = Llama(cfg, seed=1234)
-    mesh = init_device_mesh(device.type, (world,))
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16
-        else MixedPrecisionPolicy()
-    )
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device)
+    model, block_cls, vocab = build_model(opts)
+    model = parallelize(model, block_cls, strategy, device, bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and strategy == "ddp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-
-    data = SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=seq, seed=1234)
+    data = SyntheticTokens(vocab_size=vocab, seq_len=seq, seed=1234)
     sampler = iter(
         StepBatchSampler(
             global_batch_size=batch, micro_batch_size=batch // world, dp_rank=rank, dp_size=world
         )
     )
-    times, log_every, t_last = [], 10, None
+    times: list[float] = []
+    t_last: float | None = None
     for step in range(1, steps + 1):
         tokens = torch.stack([data[i] for i in next(sampler)]).to(device, non_blocking=True)
-        logits = model(tokens[:, :-1])
+        with autocast:
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], foreach=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, norm, foreach=True)
+        clip(model, strategy)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % log_every == 0 or step == warmup:
+        if step % log_every == 0:
             value = loss.detach().clone()
-            dist.all_reduce(value)  # the same per-log-step sync fsdp-train does
-            value.item()
+            dist.all_reduce(value)
+            (value / world).item()
             now = time.perf_counter()
-            if t_last is not None and step > warmup:
+            if t_last is not None and step > warmup:  # warmup is a multiple of log_every
                 times.append((now - t_last) / log_every)
             t_last = now
     # The same measure fsdp-train reports: CUDA allocator peak on GPU, max RSS on CPU.
@@ -87,23 +155,10 @@ def main(out: str, opts: dict[str, str]) -> None:
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
     if rank == 0:
-        step_time = statistics.median(times)
-        json.dump(
-            {"step_time_s": step_time, "tokens_per_s": batch * seq / step_time, "peak_memory_bytes": peak},
-            open(out, "w"),
+        Path(out).write_text(
+            json.dumps({"step_time_s": statistics.median(times), "samples": times, "peak_memory_bytes": peak})
         )
     dist.destroy_process_group()
-
-
-def _model(name: str) -> LlamaConfig:
-    """The same model config file fsdp-train's ``model=NAME`` composes."""
-    from importlib.resources import files
-
-    import yaml
-
-    fields = yaml.safe_load(files("fsdp_cli.configs").joinpath("model", f"{name}.yaml").read_text())
-    fields.pop("defaults", None)
-    return LlamaConfig(**fields)
 
 
 if __name__ == "__main__":

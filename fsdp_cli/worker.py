@@ -106,7 +106,7 @@ def build(cfg: TrainConfig) -> RankRun:
     own = datamodule is None
     strategy = build_strategy(cfg)
     strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
-    callbacks = build_callbacks(cfg, module_loaders=own)
+    callbacks = build_callbacks(cfg, module, module_loaders=own)
     trainer = build_trainer(
         cfg,
         strategy,
@@ -181,6 +181,8 @@ def _summary(
         "tokens_per_s": median_of(steady, "tokens_per_s"),
         "samples_per_s": median_of(steady, "samples_per_s"),
         "step_time_s": median_of(steady, "step_time_s"),
+        "tflops_per_s": median_of(steady, "tflops_per_s"),
+        "mfu": median_of(steady, "mfu"),
         "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
         "checkpoint": result.checkpoint if result is not None else None,
         "setup": setup.info if setup is not None else None,

@@ -27,7 +27,11 @@ def entry_point(name: str) -> list[str]:
     script = Path(sys.executable).parent / name
     if script.is_file():
         return [str(script)]
-    module = {"fsdp-train": "fsdp_cli.cli.main", "fsdp-ckpt": "fsdp_cli.checkpoint.cli"}[name]
+    module = {
+        "fsdp-train": "fsdp_cli.cli.main",
+        "fsdp-ckpt": "fsdp_cli.checkpoint.cli",
+        "fsdp-plan": "fsdp_cli.cli.plan",
+    }[name]
     return [sys.executable, "-m", module]
 
 

@@ -16,13 +16,21 @@ from conftest import (
     read_summary,
     run_cli,
 )
+from test_plan import assert_plan_matches_the_run
 
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.schema import DType, FSDPConfig, ShardingStrategy, WrapPolicy
+from tests.assets.traces import REDUCE_SCATTER, collectives_per_backward
 
 SHARDING = {
     "full_shard": None,  # the shared `fsdp` layout run
-    "shard_grad_op": ["devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
+    # Also accumulates 2 micro-batches and profiles: FSDP1's no_sync on all but the last.
+    "shard_grad_op": [
+        "devices=2",
+        "strategy.sharding_strategy=SHARD_GRAD_OP",
+        "data.micro_batch_size=2",
+        "trainer.profiler=torch",
+    ],
     "no_shard": ["devices=2", "strategy.sharding_strategy=NO_SHARD"],
     "hybrid_shard_2x2": [
         "devices=4",
@@ -57,6 +65,11 @@ def test_sharding_option_keeps_single_process_losses(
         assert setup["mesh"] == {"replicate": 2, "shard": 2}
     if name == "size_wrap_and_activation_checkpointing":
         assert setup["activation_checkpointing"] == 4
+    if name in ("full_shard", "shard_grad_op", "no_shard"):
+        assert_plan_matches_the_run(run_dir)
+    if name == "shard_grad_op":
+        scatters = collectives_per_backward(run_dir, REDUCE_SCATTER)
+        assert sorted(scatters) == [0, 0, 5, 5] and scatters[0] != scatters[1], scatters
     units = setup["fsdp_units"]
     assert "<root>" in units and (name.startswith("size_wrap") or len(units) == 5), units
     # Clipping by norm ran through the FSDP root (Lightning's FSDP plugin would refuse it).

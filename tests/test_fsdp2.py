@@ -9,12 +9,33 @@ from pathlib import Path
 
 import pytest
 from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run_cli
+from test_plan import assert_plan_matches_the_run
+
+from tests.assets.traces import ALL_REDUCE, REDUCE_SCATTER, collectives_per_backward
 
 pytestmark = pytest.mark.distributed
 
+
+def assert_synced_once_per_step(run_dir: Path, units: int) -> None:
+    """Two micro-batches per step, two steps profiled: the first micro-batch's backward neither
+    reduce-scatters nor all-reduces (FSDP2's set_requires_gradient_sync(False)); the last one
+    does both, once per FSDP unit."""
+    scatters = collectives_per_backward(run_dir, REDUCE_SCATTER)
+    all_reduces = collectives_per_backward(run_dir, ALL_REDUCE, within="FSDP::post_backward_reduce")
+    for counts in (scatters, all_reduces):
+        assert sorted(counts) == [0, 0, units, units] and counts[0] != counts[1], (scatters, all_reduces)
+
+
 OPTIONS = {
     "dp2_tp2_sequence_parallel": ["devices=4", "tp=2", "strategy.sequence_parallel=true"],
-    "hsdp_2x2": ["devices=4", "strategy.replicate_size=2"],
+    # Also accumulates 2 micro-batches per step and profiles them: the trace shows which backward
+    # passes reduce-scatter and all-reduce across the replicas (only the last of each step).
+    "hsdp_2x2": [
+        "devices=4",
+        "strategy.replicate_size=2",
+        "data.micro_batch_size=1",
+        "trainer.profiler=torch",
+    ],
     "reshard_after_forward_false": ["devices=2", "strategy.reshard_after_forward=false"],
     "activation_checkpointing_full": ["devices=2", "strategy.activation_checkpointing=full"],
     "activation_checkpointing_selective": [
@@ -37,6 +58,8 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
     setup = summary["setup"]
     if name == "hsdp_2x2":
         assert setup["mesh"] == {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 1}
+        assert_synced_once_per_step(run_dir, units=5)
+        assert_plan_matches_the_run(run_dir)
     if name == "dp2_tp2_sequence_parallel":
         assert setup["mesh"] == {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2}
     if name.startswith("activation_checkpointing"):

@@ -49,6 +49,12 @@ CLI_CASES = [
     ),
     (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint", ["no such checkpoint"]),
     (["resume=README.md"], "resume=README.md", ["not an fsdp-train checkpoint"]),
+    (["strategy.float8=true"], "strategy.float8=true", ["float8 tensor cores", "on CPU", "hint"]),
+    (
+        ["trainer.profiler=torch", "trainer.max_steps=3"],
+        "trainer.max_steps=3",
+        ["profiler=torch", "at least 4"],
+    ),
     (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0", ["must be positive", "null"]),
     (["num_nodes=2"], "launcher.rdzv_endpoint=null", ["num_nodes=2", "node0:29500"]),
     (["model.n_heads=0"], "model.n_heads=0", ["at least 1"]),

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 
 from fsdp_cli.callbacks.clipping import GradientClipping
 from fsdp_cli.callbacks.metrics import MetricsCallback
+from fsdp_cli.callbacks.progress import ProgressDisplay
 from fsdp_cli.callbacks.setup_report import SetupReport
+from fsdp_cli.callbacks.throughput import Throughput, counted_flops_per_token, llama_flops_per_token
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
-from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.config.schema import LlamaConfig, TrainConfig
 
 
 @dataclass
@@ -21,16 +24,38 @@ class RunCallbacks:
     setup: SetupReport
     checkpoints: CheckpointCallback
     clipping: GradientClipping | None
+    progress: ProgressDisplay | None = None
 
     def as_list(self) -> list[L.Callback]:
-        # Clipping first: the metrics row of a step reports the norm clipping computed.
+        # Clipping first: the metrics row of a step reports the norm clipping computed; the
+        # progress display after the metrics, whose rows it shows.
         first = [self.clipping] if self.clipping is not None else []
-        return [*first, self.setup, self.metrics, self.checkpoints]
+        last = [self.progress] if self.progress is not None else []
+        return [*first, self.setup, self.metrics, *last, self.checkpoints]
 
 
-def build_callbacks(cfg: TrainConfig, *, module_loaders: bool = False) -> RunCallbacks:
-    """``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
-    tokens is unknown; throughput is then counted in samples."""
+def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
+    """FLOPs per token of the model (formula for the built-in one, counted for others) and the peak."""
+    import torch
+
+    seq = getattr(cfg.data, "seq_len", None)
+    flops: float | None = None
+    if isinstance(cfg.model, LlamaConfig):
+        flops = llama_flops_per_token(cfg.model, seq)
+    elif seq and callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
+        flops = counted_flops_per_token(module.model_factory, seq, cfg.data.vocab_size)
+    peak = cfg.trainer.peak_tflops
+    if peak is None and cfg.accelerator.value == "gpu" and torch.cuda.is_available():
+        from fsdp_cli.callbacks.throughput import device_peak_tflops
+
+        peak = device_peak_tflops(torch.cuda.get_device_name(), cfg.precision.name)
+    return Throughput(flops_per_token=flops, world_size=int(cfg.devices) * cfg.num_nodes, peak_tflops=peak)
+
+
+def build_callbacks(cfg: TrainConfig, module: Any = None, *, module_loaders: bool = False) -> RunCallbacks:
+    """``module``: the LightningModule (its model's FLOPs per token are counted for MFU);
+    ``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
+    tokens is unknown; throughput is then counted in samples (and MFU is not reported)."""
     t = cfg.trainer
     clipping = (
         GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
@@ -43,10 +68,12 @@ def build_callbacks(cfg: TrainConfig, *, module_loaders: bool = False) -> RunCal
         tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=t.max_steps,
         clipping=clipping,
+        throughput=None if module_loaders else build_throughput(cfg, module),
     )
     return RunCallbacks(
         metrics=metrics,
         setup=SetupReport(),
         checkpoints=CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps),
         clipping=clipping,
+        progress=ProgressDisplay(metrics, t.max_steps),
     )

@@ -9,7 +9,8 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from fsdp_cli.builders.precision import fsdp2_precision_plugin
-from fsdp_cli.config.schema import FSDP2Config, LoggerName, TrainConfig
+from fsdp_cli.config.schema import FSDP2Config, LoggerName, Profiler, TrainConfig
+from fsdp_cli.rundir.files import profiler_dir
 
 
 def build_logger(cfg: TrainConfig) -> Logger | None:
@@ -19,6 +20,26 @@ def build_logger(cfg: TrainConfig) -> Logger | None:
     if cfg.logger.name is LoggerName.tensorboard:
         return TensorBoardLogger(save_dir=run_dir, name="tensorboard", version="")
     return None
+
+
+def build_profiler(cfg: TrainConfig, accumulation: int) -> Any:
+    """Lightning's profiler for ``trainer.profiler``; files go to ``<run dir>/profiler/``."""
+    t = cfg.trainer
+    if t.profiler is Profiler.none:
+        return None
+    if t.profiler is Profiler.simple:
+        from lightning.pytorch.profilers import SimpleProfiler
+
+        return SimpleProfiler(dirpath=profiler_dir(cfg.run_dir), filename="simple")
+    import torch
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    # Lightning steps the schedule once per training_step (micro-batch): one optimizer step of
+    # wait, one of warm-up, then whole optimizer steps recorded.
+    schedule = torch.profiler.schedule(
+        wait=accumulation, warmup=accumulation, active=t.profile_steps * accumulation, repeat=1
+    )
+    return PyTorchProfiler(dirpath=profiler_dir(cfg.run_dir), filename="trace", schedule=schedule)
 
 
 def build_trainer(
@@ -68,5 +89,6 @@ def build_trainer(
         num_sanity_val_steps=0,
         use_distributed_sampler=module_loaders,
         default_root_dir=cfg.run_dir,
+        profiler=build_profiler(cfg, accumulation),
         **kwargs,
     )

@@ -1,8 +1,10 @@
-"""The Lightning callback behind ``metrics.jsonl`` and the per-step console line.
+"""The Lightning callback behind ``metrics.jsonl`` (the console shows its rows through the progress display).
 
-On a logging step it averages the step's loss over all ranks (one all-reduce; tensor-parallel
-ranks hold equal copies, so this is the mean over data-parallel ranks) and times the steps since
-the previous log. Between logging steps it does nothing that synchronises.
+On a logging step it averages the step's loss over all ranks (one all-reduce, no barrier;
+tensor-parallel ranks hold equal copies, so this is the mean over data-parallel ranks) and times
+the steps since the previous log. Between logging steps it does nothing at all: the losses of
+steps that are not logged are not even summed. The console line is the progress display's
+(:mod:`fsdp_cli.callbacks.progress`); throughput fields come from :mod:`fsdp_cli.callbacks.throughput`.
 
 Throughput is ``tokens_per_s`` for token batches of a known size; for a LightningModule's own
 DataLoaders it is ``samples_per_s`` (this rank's samples times the data-parallel ranks). After
@@ -34,6 +36,7 @@ class MetricsCallback(L.Callback):
         tokens_per_step: int | None,
         max_steps: int,
         clipping: Any | None = None,
+        throughput: Any | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.log_every = log_every_n_steps
@@ -48,6 +51,7 @@ class MetricsCallback(L.Callback):
         self._step_last = 0
         self._file: Any | None = None
         self.clipping = clipping  # GradientClipping, whose norm is logged
+        self.throughput = throughput  # Throughput: tflops_per_s and mfu from tokens/s
         # The micro-batch losses of the current step, summed on the device (no sync).
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
@@ -65,19 +69,21 @@ class MetricsCallback(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._add_loss(outputs, trainer.accumulate_grad_batches)
         if self.tokens_per_step is None:
             self._samples += extract_batch_size(batch)
         step = trainer.global_step
+        logged = self._logs(step + 1 if step == self._seen_step else step)
+        if logged:
+            self._add_loss(outputs, trainer.accumulate_grad_batches)
         if step == self._seen_step:  # still accumulating gradients
             return
         self._seen_step = step
-        loss = self._take_loss()
-        if step % self.log_every != 0 and step != self.max_steps:
+        if not logged:
             return
+        loss = self._take_loss()
         if loss is None:
             loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
-        mean_loss = trainer.strategy.reduce(loss.float(), reduce_op="mean").item()
+        mean_loss = _mean_over_ranks(loss.float()).item()
         now = time.perf_counter()
         steps = step - self._step_last
         step_time = (now - self._t_last) / steps
@@ -89,6 +95,8 @@ class MetricsCallback(L.Callback):
             "step_time_s": step_time,
             **self._throughput(trainer, step_time, steps),
         }
+        if self.throughput is not None and "tokens_per_s" in row:
+            row.update(self.throughput.fields(row["tokens_per_s"]))
         grad_norm = self.clipping.grad_norm if self.clipping is not None else None
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
@@ -96,17 +104,6 @@ class MetricsCallback(L.Callback):
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
-            rate, unit = (
-                (row["tokens_per_s"], "tok/s")
-                if "tokens_per_s" in row
-                else (row["samples_per_s"], "samples/s")
-            )
-            lr = f"{row['lr']:.2e}" if row["lr"] is not None else "-"
-            print(
-                f"step {step:>6}  loss {mean_loss:8.4f}  lr {lr}  "
-                f"{step_time * 1e3:8.1f} ms/step  {rate:>12,.0f} {unit}",
-                flush=True,
-            )
         if trainer.logger is not None:
             trainer.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
 
@@ -140,6 +137,10 @@ class MetricsCallback(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.close()
         self.peak_memory_bytes = gather_peak_memory(trainer, cuda=trainer.strategy.root_device.type == "cuda")
+
+    def _logs(self, step: int) -> bool:
+        """Whether optimizer step ``step`` gets a row."""
+        return step % self.log_every == 0 or step == self.max_steps
 
     def _add_loss(self, outputs: Any, accumulation: int) -> None:
         # Lightning hands on_train_batch_end the loss already divided by the accumulation factor.
@@ -186,6 +187,16 @@ def gather_peak_memory(trainer: L.Trainer, cuda: bool) -> list[int]:
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     return [int(v) for v in everyone]
+
+
+def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """One all-reduce; Lightning's ``strategy.reduce`` would add a barrier before it."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value)  # gloo has no AVG: sum, then divide
+    return value / dist.get_world_size()
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:

@@ -3,6 +3,9 @@
 The mesh, the FSDP units, and the dtypes in effect — parameters as stored, compute, gradient
 reduction, optimizer state — read from the live objects rather than from the config, so a
 silent precision mistake (say, fp32 compute under a "bf16" run) is visible on the first screen.
+After the first optimizer step it also records, per rank, the bytes its parameters, gradients
+and optimizer state hold (``held_bytes``: distinct storages, padding included), which the
+memory plan (:mod:`fsdp_cli.plan`) is checked against.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "activation_checkpointing": report.ac_blocks if report is not None else _ac_blocks(module),
         "tensor_parallel_modules": report.tp_modules if report is not None else None,
         "compiled_blocks": report.compiled_blocks if report is not None else None,
+        "float8_linears": report.float8_linears if report is not None else None,
     }
     # A model filled in place after sharding (model=hf) says what this rank read and held.
     weights = getattr(getattr(module, "model", None), "load_report", None)
@@ -120,6 +124,8 @@ def format_setup(info: dict[str, Any]) -> str:
         lines.append(f"tensor parallel: {info['tensor_parallel_modules']} modules")
     if info.get("compiled_blocks"):
         lines.append(f"torch.compile: {info['compiled_blocks']} blocks")
+    if info.get("float8_linears"):
+        lines.append(f"float8: {info['float8_linears']} linear layers (torchao, float8 all-gather)")
     weights = info.get("weights")
     if weights is not None and weights["pretrained"]:
         lines.append(
@@ -132,13 +138,60 @@ def format_setup(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shard): what
+    they hold in memory, views of one buffer counted once, padding included."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr() or id(local)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_tensors(trainer: L.Trainer) -> list[torch.Tensor]:
+    return [
+        v
+        for opt in trainer.optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
+
+
 class SetupReport(L.Callback):
     """Prints :func:`describe_setup` once on rank 0 and keeps it for ``summary.json``."""
 
     def __init__(self) -> None:
         self.info: dict[str, Any] | None = None
+        self._grad_bytes: int | None = None
+        self._recorded = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info = describe_setup(trainer)
         if trainer.is_global_zero:
             print(format_setup(self.info), flush=True)
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        if self._grad_bytes is None:
+            self._grad_bytes = storage_bytes(p.grad for p in pl_module.parameters())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._recorded or self._grad_bytes is None:
+            return
+        self._recorded = True  # after the first optimizer step: every state exists once
+        mine = {
+            "params": storage_bytes(pl_module.parameters()),
+            "grads": self._grad_bytes,
+            "optimizer": storage_bytes(_optimizer_tensors(trainer)),
+        }
+        everyone = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            everyone = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, mine)
+        if self.info is not None:
+            self.info["held_bytes"] = everyone

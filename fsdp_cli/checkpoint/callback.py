@@ -4,9 +4,12 @@
   in the configured format, atomically).
 * ``checkpoint.keep_last``: after each save, delete the oldest complete checkpoints beyond N; the
   newest complete one is never deleted, and a save that did not finish never counts.
-* SIGTERM (preemption): the signal only sets a flag. At the next optimizer-step boundary all
-  ranks agree (one all-reduce of a CPU flag over a gloo group, so no GPU synchronisation), stop
-  training, and the worker saves before exiting with status ``preempted``.
+* SIGTERM (preemption): the signal only sets a flag. Ranks agree on it without waiting: each
+  optimizer-step boundary starts a non-blocking all-reduce of the CPU flag over a gloo group of its
+  own (no GPU synchronisation, never queued in front of the training collectives) and reads the
+  one started at the previous boundary, which has long finished. All ranks therefore stop after
+  the same step (at most one step after the signal), and the worker saves before exiting with
+  status ``preempted``.
 * Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
   dropout resumes exactly too.
 """
@@ -38,6 +41,7 @@ class CheckpointCallback(L.Callback):
         self.last_saved: Path | None = None
         self._sigterm = False
         self._flag_group: Any = None
+        self._flag_in_flight: tuple[torch.Tensor, Any] | None = None
         self._seen_step = 0
 
     # ------------------------------------------------------------------ preemption
@@ -57,14 +61,27 @@ class CheckpointCallback(L.Callback):
         # (setup runs before the Trainer registers its handlers, so the override takes effect.)
         disable_lightning_sigterm_handling(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            backend = dist.get_backend()
-            self._flag_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+            self._flag_group = dist.new_group(backend="gloo")
 
     def _any_rank_signalled(self) -> bool:
+        """Whether any rank had been signalled by the previous step boundary (the same answer on
+        every rank); starts the exchange of this boundary's flags for the next call."""
+        if self._flag_group is None:
+            return self._sigterm
+        previous = self._flag_in_flight
         flag = torch.tensor([1 if self._sigterm else 0], dtype=torch.int32)
-        if self._flag_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
-        return bool(flag.item())
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
+        self._flag_in_flight = (flag, work)
+        if previous is None:
+            return False
+        previous[1].wait()
+        return bool(previous[0].item())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every rank started the last exchange; finish it before the group is torn down.
+        if self._flag_in_flight is not None:
+            self._flag_in_flight[1].wait()
+            self._flag_in_flight = None
 
     # ------------------------------------------------------------------ periodic saves
 

@@ -9,7 +9,6 @@ so that no job stops the sweep, and the command exits with the status its report
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 import sys
@@ -22,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from fsdp_cli.cli.configs import config_path
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.cli.resolve import resolve_config
 from fsdp_cli.cli.sweep import exit_status as sweep_exit_status
@@ -46,15 +46,7 @@ MODE_FLAGS = {
 }
 
 
-def _config_path() -> str:
-    """The configs shipped inside the package; from a source tree (``python -m fsdp_cli.cli.main``
-    run in a checkout whose package is installed elsewhere) the top-level ``configs/`` folder."""
-    if importlib.util.find_spec("fsdp_cli.configs") is not None:
-        return "pkg://fsdp_cli.configs"
-    return str(Path(__file__).resolve().parents[2] / "configs")
-
-
-@hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="train")
 def train(cfg: DictConfig) -> Any:
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)

@@ -10,10 +10,12 @@ No torch here: the checks answer in well under a second.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
@@ -23,11 +25,32 @@ from fsdp_cli.config.model_folder import resolve_model_folder
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
 
 PreLaunchCheck = Callable[[TrainConfig], None]
 
-PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = ()
+
+def memory_plan_check(cfg: TrainConfig) -> None:
+    """On GPUs, the memory plan (:func:`fsdp_cli.plan.check.plan_problem`) against the detected
+    memory: a sweep skips a job that cannot fit, with the plan's line; a single run still starts,
+    after that line as a warning (the plan is an estimate)."""
+    if cfg.accelerator.value != "gpu":
+        return
+    from fsdp_cli.plan.check import plan_problem
+
+    try:
+        problem = plan_problem(cfg)
+    except Exception:  # noqa: BLE001 - a plan that cannot be made never stops a run
+        return
+    if problem is None:
+        return
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ConfigError("memory plan", "does not fit", problem.removeprefix("memory plan: "))
+    print(f"fsdp-train: warning: {problem}", file=sys.stderr, flush=True)
+
+
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check,)
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
 The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in

@@ -13,7 +13,6 @@ Outside this package, ruff's SLF001 rule refuses private access.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 SUPPORTED = {
@@ -29,6 +28,9 @@ class IncompatibleVersionError(ImportError):
 
 
 def installed_version(package: str) -> str:
+    # importlib.metadata costs ~10 ms to import: only error messages and the version test need it.
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(package)
     except PackageNotFoundError:

@@ -83,6 +83,15 @@ class LoggerName(Enum):
     tensorboard = "tensorboard"
 
 
+class Profiler(Enum):
+    none = "none"
+    simple = "simple"
+    """Lightning's SimpleProfiler: time per hook and per step, written to ``<run dir>/profiler/``."""
+    torch = "torch"
+    """Lightning's PyTorchProfiler: a Chrome/Perfetto trace per rank of ``trainer.profile_steps``
+    optimizer steps (after one step of wait and one of warm-up), in ``<run dir>/profiler/``."""
+
+
 class TokenDType(Enum):
     """Item type of a flat token file (``data=tokens``)."""
 
@@ -173,6 +182,11 @@ class FSDP2Config:
     """With ``activation_checkpointing=selective``: recompute every N-th block."""
     compile: bool = False
     """``torch.compile`` each transformer block before sharding it."""
+    float8: bool = False
+    """float8 training through torchao (``pip install "fsdp-cli[float8]"``): linear layers compute
+    in float8 with dynamic scaling and FSDP2 all-gathers their weights in float8. Needs GPUs with
+    float8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); the LM head and layers
+    whose sizes are not multiples of 16 stay in the training precision."""
     sequence_parallel: bool = False
     """With tp > 1: shard norms and the residual stream along the sequence dimension too."""
     parallelize_fn: str | None = None
@@ -532,6 +546,14 @@ class TrainerConfig:
     """Run validation every N steps on held-out batches; null = no validation."""
     limit_val_batches: int = 4
     """Held-out batches per validation run."""
+    profiler: Profiler = Profiler.none
+    """none, simple (time per Lightning hook) or torch (a trace of a few steps per rank); written
+    to ``<run dir>/profiler/``."""
+    profile_steps: int = 2
+    """With ``profiler=torch``: optimizer steps recorded in the trace."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for ``mfu`` in metrics.jsonl; null = looked up by GPU name
+    and precision (H100, H200, A100, L4, ...); on CPUs mfu stays null unless this is set."""
 
 
 @dataclass

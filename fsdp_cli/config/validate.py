@@ -21,6 +21,7 @@ from fsdp_cli.config.schema import (
     LlamaConfig,
     LoggerName,
     ModelParallelConfig,
+    Profiler,
     ShardingStrategy,
     TrainConfig,
     WrapPolicy,
@@ -363,6 +364,20 @@ def check_trainer(cfg: TrainConfig) -> None:
             trainer.gradient_clip_algorithm,
             "unknown",
             allowed="norm, value",
+        )
+    if trainer.profile_steps < 1:
+        raise ConfigError("trainer.profile_steps", trainer.profile_steps, "must be at least 1")
+    if trainer.profiler is Profiler.torch and trainer.max_steps < trainer.profile_steps + 2:
+        raise ConfigError(
+            "trainer.max_steps",
+            trainer.max_steps,
+            f"trainer.profiler=torch records steps 3..{trainer.profile_steps + 2} (one step of wait, one of warm-up)",
+            allowed=f"at least {trainer.profile_steps + 2}",
+            hint="raise trainer.max_steps or lower trainer.profile_steps",
+        )
+    if trainer.peak_tflops is not None and trainer.peak_tflops <= 0:
+        raise ConfigError(
+            "trainer.peak_tflops", trainer.peak_tflops, "must be positive", allowed="a number > 0 or null"
         )
     if trainer.val_check_interval is not None and trainer.val_check_interval < 1:
         raise ConfigError(

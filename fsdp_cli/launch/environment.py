@@ -67,3 +67,60 @@ def _nvml_device_count() -> int:
     except AttributeError:
         return 0
     return int(count.value) if ok else 0
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _nvml_devices(env: Mapping[str, str]) -> list[int]:
+    """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES as indices, or all)."""
+    count = _nvml_device_count()
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return list(range(count))
+    entries = [e.strip() for e in listed.split(",") if e.strip()]
+    return [int(e) for e in entries if e.isdigit() and int(e) < count]
+
+
+def _nvml_query(env: Mapping[str, str], query: str) -> list[tuple[int, ...]]:
+    """Per visible GPU: its memory (``total``,) or its compute capability (major, minor), via NVML."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    out: list[tuple[int, ...]] = []
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return []
+        for index in _nvml_devices(env):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                continue
+            if query == "memory":
+                memory = _NvmlMemory()
+                if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0:
+                    out.append((int(memory.total),))
+            else:
+                major, minor = ctypes.c_int(), ctypes.c_int()
+                if (
+                    nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor))
+                    == 0
+                ):
+                    out.append((major.value, minor.value))
+        nvml.nvmlShutdown()
+    except AttributeError:
+        return []
+    return out
+
+
+def gpu_memory_bytes(env: Mapping[str, str]) -> int | None:
+    """Memory of the smallest GPU this process may use (None without GPUs or NVML)."""
+    sizes = [m[0] for m in _nvml_query(env, "memory")]
+    return min(sizes) if sizes else None
+
+
+def gpu_compute_capability(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """The lowest compute capability among the GPUs this process may use (None without NVML)."""
+    found = [(c[0], c[1]) for c in _nvml_query(env, "capability")]
+    return min(found) if found else None

@@ -10,12 +10,18 @@ and the cross-field checks see real sizes. The sizes are checked by the same
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
 from fsdp_cli.config.schema import Accelerator, LauncherConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, visible_gpu_count
+from fsdp_cli.launch.environment import (
+    ClusterJob,
+    detect_cluster_job,
+    gpu_compute_capability,
+    visible_gpu_count,
+)
 from fsdp_cli.parallel.dims import ParallelDims
 
 CPU_DEFAULT_DEVICES = 2
@@ -24,11 +30,12 @@ DEFAULT_RDZV_PORT = 29500
 """torchrun's port when ``MASTER_ADDR`` comes without ``MASTER_PORT``."""
 
 
-def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
+def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], gpus: int | None = None) -> TrainConfig:
     """Return ``cfg`` with accelerator, devices, num_nodes, dp, precision and (multi-node) the
-    rendezvous made concrete."""
+    rendezvous made concrete. ``gpus``: plan for that many GPUs per node instead of the ones
+    visible here (``fsdp-plan``)."""
     job = detect_cluster_job(env)
-    gpus = visible_gpu_count(env)
+    gpus = visible_gpu_count(env) if gpus is None else gpus
     accelerator = cfg.accelerator
     if accelerator is Accelerator.auto:
         accelerator = Accelerator.gpu if gpus > 0 else Accelerator.cpu
@@ -40,6 +47,7 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
             allowed="auto, cpu",
             hint="use accelerator=cpu (or check CUDA_VISIBLE_DEVICES)",
         )
+    _check_float8(cfg, accelerator, env)
     devices, num_nodes = _devices(cfg, accelerator, gpus, job)
     launcher = resolve_rendezvous(cfg, env, job)
     dims = parallel_dims(cfg, devices=devices, num_nodes=num_nodes)
@@ -71,6 +79,44 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         replicate=getattr(cfg.strategy, "replicate_size", 1),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )
+
+
+def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, str]) -> None:
+    """float8 needs torchao and GPUs with float8 tensor cores (compute capability 8.9+)."""
+    if not getattr(cfg.strategy, "float8", False):
+        return
+    if accelerator is Accelerator.cpu:
+        raise ConfigError(
+            "strategy.float8",
+            "true",
+            "float8 training needs a GPU with float8 tensor cores; this run is on CPU",
+            allowed="false on CPU",
+            hint="run on Ada/Hopper GPUs (H100, H200, L40S, L4) or set strategy.float8=false",
+        )
+    capability = gpu_compute_capability(env)
+    if capability is not None and capability < (8, 9):
+        raise ConfigError(
+            "strategy.float8",
+            "true",
+            f"the GPUs here are compute capability {capability[0]}.{capability[1]}, without float8 tensor cores",
+            allowed="GPUs of compute capability 8.9 or newer (Ada, Hopper)",
+            hint="set strategy.float8=false (bf16-mixed) on these GPUs",
+        )
+    if cfg.tp > 1:
+        raise ConfigError(
+            "strategy.float8",
+            "true",
+            "float8 is not combined with tensor parallel here",
+            allowed="tp=1 with strategy.float8=true",
+            hint="use tp=1 (FSDP2 alone) with float8",
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            "strategy.float8",
+            "true",
+            "needs torchao, which is not installed",
+            hint='pip install "fsdp-cli[float8]"',
+        )
 
 
 def resolve_rendezvous(cfg: TrainConfig, env: Mapping[str, str], job: ClusterJob | None) -> LauncherConfig:

@@ -50,7 +50,8 @@ class CausalLMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"
         out = self.model(input_ids)
-        return out.logits if hasattr(out, "logits") else out
+        # A tensor is the common case: no failing attribute lookup per step for it.
+        return out if isinstance(out, torch.Tensor) else out.logits
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]

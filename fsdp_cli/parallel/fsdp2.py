@@ -1,6 +1,9 @@
-"""FSDP2 (``fully_shard``) per unit, then the root."""
+"""FSDP2 (``fully_shard``) per unit, then the root; gradient sync switched off while accumulating."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,3 +40,24 @@ def apply_fsdp(
             **kwargs,
         )
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+@contextmanager
+def gradient_sync_disabled(modules: list[nn.Module]) -> Iterator[None]:
+    """Backward passes inside neither reduce-scatter nor (HSDP) all-reduce the gradients of these
+    FSDP2 modules: they accumulate unsharded on each rank until a backward pass outside syncs
+    them once (``set_requires_gradient_sync``, FSDP2's ``no_sync``)."""
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module ``fully_shard`` was applied to, the root included."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

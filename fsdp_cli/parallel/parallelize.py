@@ -50,6 +50,8 @@ class ParallelizeOptions:
     """With selective activation checkpointing: recompute every N-th block."""
     compile: bool = False
     """``torch.compile`` each block before sharding it."""
+    float8: bool = False
+    """float8 linear layers and float8 all-gathers through torchao (see :mod:`fsdp_cli.parallel.float8`)."""
     sequence_parallel: bool = False
     """With tensor parallel, also shard norms and the residual stream along the sequence."""
     wrap: WrapConfig = field(default_factory=WrapConfig)
@@ -80,6 +82,7 @@ class ParallelizeReport:
     tp_modules: int = 0
     ac_blocks: int = 0
     compiled_blocks: int = 0
+    float8_linears: int = 0
     fsdp_units: list[str] = field(default_factory=list)
 
 
@@ -102,6 +105,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
             )
         apply_tp(model, dims.tp_mesh, plan)
         report.tp_modules = len(plan)
+
+    if options.float8:
+        # Before checkpointing and compile, which must see (and compile) the float8 layers.
+        from fsdp_cli.parallel.float8 import apply_float8, check_float8_device
+
+        check_float8_device(dims.mesh.device_type)
+        report.float8_linears = apply_float8(model)
 
     report.ac_blocks = apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
 

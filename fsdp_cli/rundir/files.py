@@ -13,6 +13,8 @@ CHECKPOINT_DIR = "checkpoints"
 LOG_DIR = "logs"
 """Console output of ranks other than 0, and the launcher's failure report."""
 LAUNCHER_LOG = "launcher.log"
+PROFILER_DIR = "profiler"
+"""``trainer.profiler`` output: traces (``*.pt.trace.json``) and hook timings."""
 
 
 def log_dir(run_dir: str | Path) -> Path:
@@ -21,3 +23,7 @@ def log_dir(run_dir: str | Path) -> Path:
 
 def rank_log(run_dir: str | Path, rank: int) -> Path:
     return log_dir(run_dir) / f"rank{rank}.log"
+
+
+def profiler_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / PROFILER_DIR

@@ -27,6 +27,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
         *([("val loss", _fmt(summary["val_loss"], ".4f"))] if summary.get("val_loss") is not None else []),
         _throughput(summary),
         ("step time", _fmt(summary.get("step_time_s"), ".4f", " s")),
+        ("TFLOP/s / rank", _fmt(summary.get("tflops_per_s"), ".3g")),
+        ("MFU", _fmt(summary.get("mfu"), ".1%")),
         ("peak memory / rank", _bytes(summary.get("peak_memory_bytes"))),
         ("checkpoint", summary.get("checkpoint") or "-"),
         ("run dir", str(run_dir)),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -123,6 +123,18 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             device_id=self._device_id(),
             **kwargs,
         ):
+            yield
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """FSDP1's ``no_sync`` on accumulation micro-batches (Lightning applies it to DDP only):
+        gradients accumulate unsharded and are reduce-scattered once per optimizer step."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with ExitStack() as stack:
+            if self.model is not None:
+                for root in FSDP.fsdp_modules(self.model, root_only=True):
+                    stack.enter_context(root.no_sync())
             yield
 
     # ------------------------------------------------------------------ wrapping

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from torch import nn
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
 from fsdp_cli.compat.lightning_internals import optimizers_to_device, set_device_mesh, setup_distributed
 from fsdp_cli.parallel.dims import LIBRARY_NAMES, ParallelDims
+from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
 from fsdp_cli.parallel.parallelize import (
     ParallelizeOptions,
     ParallelizeReport,
@@ -102,6 +104,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
         self._pending_optimizer_states: list[dict[str, Any]] | None = None
+        self._sharded_modules: list[nn.Module] | None = None
 
     @property
     def mp_policy(self) -> Any:
@@ -215,6 +218,24 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
                     reset()
 
     # ------------------------------------------------------------------ steps
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(*args, **kwargs)
+        if self.options.float8:
+            from fsdp_cli.parallel.float8 import precompute_float8_scales
+
+            precompute_float8_scales(self.parallelize_target())
+        return result
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for every micro-batch but the last of an optimizer step (and
+        ``toggle_model(sync_grad=False)`` under manual optimization): gradients accumulate
+        unsharded, and are reduce-scattered (and all-reduced across HSDP replicas) once per step."""
+        if self._sharded_modules is None:
+            self._sharded_modules = fsdp2_modules(self.parallelize_target())
+        with gradient_sync_disabled(self._sharded_modules):
+            yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # The deferred optimizer restore runs here, before the first step uses the optimizer.

@@ -7,11 +7,14 @@ meaning: True writes a sharded (DCP) folder, False one full file.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
+from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
 
 
 class ModelParallelStrategy(DistributedCheckpointing, _LightningModelParallelStrategy):
@@ -22,3 +25,11 @@ class ModelParallelStrategy(DistributedCheckpointing, _LightningModelParallelStr
     def setup_environment(self) -> None:
         super().setup_environment()
         self.run_mesh = self.device_mesh
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient reduction on accumulation micro-batches for the FSDP2 modules the user's
+        ``configure_model`` created (Lightning's own strategy syncs on every micro-batch)."""
+        module = self.lightning_module
+        with gradient_sync_disabled(fsdp2_modules(module) if module is not None else []):
+            yield

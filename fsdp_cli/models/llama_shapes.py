@@ -1,0 +1,42 @@
+"""The built-in Llama's parameters as shapes, without building it (or importing torch).
+
+Names, order and shapes equal ``Llama(cfg).named_parameters()`` and the tensor-parallel
+dimensions equal ``Llama.tp_plan()`` (a unit test compares both with a meta-device build), so the
+memory plan and the FLOP count answer in milliseconds even for an 8B model.
+"""
+
+from __future__ import annotations
+
+from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.parallel.shapes import ParamShape
+
+COLWISE, ROWWISE = 0, 1  # the weight dimension each tensor-parallel style splits ([out, in] layout)
+
+
+def llama_params(cfg: LlamaConfig) -> list[ParamShape]:
+    dim, head_dim = cfg.dim, cfg.dim // cfg.n_heads
+    kv_dim = (cfg.n_kv_heads or cfg.n_heads) * head_dim
+    hidden = cfg.feed_forward_dim()
+    params = [ParamShape("tok_embeddings.weight", (cfg.vocab_size, dim), COLWISE)]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}"
+        params += [
+            ParamShape(f"{p}.attention_norm.weight", (dim,)),
+            ParamShape(f"{p}.attention.wq.weight", (cfg.n_heads * head_dim, dim), COLWISE),
+            ParamShape(f"{p}.attention.wk.weight", (kv_dim, dim), COLWISE),
+            ParamShape(f"{p}.attention.wv.weight", (kv_dim, dim), COLWISE),
+            ParamShape(f"{p}.attention.wo.weight", (dim, cfg.n_heads * head_dim), ROWWISE),
+            ParamShape(f"{p}.ffn_norm.weight", (dim,)),
+            ParamShape(f"{p}.feed_forward.w1.weight", (hidden, dim), COLWISE),
+            ParamShape(f"{p}.feed_forward.w2.weight", (dim, hidden), ROWWISE),
+            ParamShape(f"{p}.feed_forward.w3.weight", (hidden, dim), COLWISE),
+        ]
+    params.append(ParamShape("norm.weight", (dim,)))
+    if not cfg.tie_embeddings:  # tied: the head is tok_embeddings.weight, named once
+        params.append(ParamShape("output.weight", (cfg.vocab_size, dim), COLWISE))
+    return params
+
+
+def llama_block_names(cfg: LlamaConfig) -> list[str]:
+    """The repeated blocks (the default FSDP units), in order."""
+    return [f"layers.{i}" for i in range(cfg.n_layers)]

@@ -1,0 +1,71 @@
+"""float8 training through torchao: linear layers compute in float8 with dynamic (tensorwise)
+scaling, and FSDP2 all-gathers their weights in float8 (half the bytes of bf16).
+
+Applied by :func:`fsdp_cli.parallel.parallelize.parallelize` after tensor parallel and before
+activation checkpointing, compile and ``fully_shard`` (torchtitan's order). The LM head (the last
+``nn.Linear``, whose output feeds a softmax over the vocabulary) and layers whose sizes are not
+multiples of 16 (float8 matmuls need them) keep the training precision. torchao is an optional
+dependency (``pip install "fsdp-cli[float8]"``), imported only here.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdp_cli.errors import ConfigError
+
+MIN_CAPABILITY = (8, 9)
+"""float8 tensor cores: Ada (8.9), Hopper (9.0) and newer."""
+
+
+def check_float8_device(device_type: str) -> None:
+    """One line for a device that cannot train in float8 (the parent checks first where NVML is)."""
+    import torch
+
+    if device_type != "cuda":
+        raise ConfigError(
+            "strategy.float8",
+            "true",
+            "float8 training needs a GPU with float8 tensor cores; this run is on CPU",
+            allowed="false on CPU",
+            hint="run on Ada/Hopper GPUs (H100, H200, L40S, L4) or set strategy.float8=false",
+        )
+    capability = torch.cuda.get_device_capability()
+    if capability < MIN_CAPABILITY:
+        raise ConfigError(
+            "strategy.float8",
+            "true",
+            f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) has no float8 tensor cores",
+            allowed="GPUs of compute capability 8.9 or newer (Ada, Hopper)",
+            hint="set strategy.float8=false (bf16-mixed) on this GPU",
+        )
+
+
+def float8_candidates(model: nn.Module) -> list[str]:
+    """Names of the linear layers float8 applies to (see the module docstring)."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    head = linears[-1][0] if linears else None
+    return [
+        name for name, m in linears if name != head and m.in_features % 16 == 0 and m.out_features % 16 == 0
+    ]
+
+
+def apply_float8(model: nn.Module) -> int:
+    """Swap the chosen ``nn.Linear`` modules for torchao's Float8Linear; returns how many."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = set(float8_candidates(model))
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        module_filter_fn=lambda module, fqn: fqn in chosen,
+    )
+    return len(chosen)
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After each optimizer step: one all-reduce computes every float8 weight's scale for the next
+    all-gather, instead of one per layer (torchao's recommendation with FSDP2)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,44 @@
+"""Parameter shapes and how a layout splits them, without torch.
+
+A :class:`ParamShape` is one parameter as the model declares it, and the dimension tensor
+parallel splits (if any). The helpers say which slice of it a rank holds under torch's chunking
+rule (``torch.chunk``: equal chunks of ``ceil(n / parts)``, the last ones shorter or empty), which
+both tensor parallel and FSDP2 use. The memory plan (:mod:`fsdp_cli.plan`) builds on these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    """As ``named_parameters()`` of the model names it (shared parameters once)."""
+    shape: tuple[int, ...]
+    tp_dim: int | None = None
+    """The dimension tensor parallel shards (None: replicated on tensor-parallel ranks)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0]
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.chunk`` of a length-``n`` dimension into ``parts``, padded with empty chunks."""
+    size = math.ceil(n / parts) if n else 0
+    return [max(0, min(size, n - i * size)) for i in range(parts)]
+
+
+def tp_local_shape(param: ParamShape, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The shape tensor-parallel rank ``tp_rank`` holds."""
+    if tp == 1 or param.tp_dim is None:
+        return param.shape
+    shape = list(param.shape)
+    shape[param.tp_dim] = chunk_sizes(shape[param.tp_dim], tp)[tp_rank]
+    return tuple(shape)

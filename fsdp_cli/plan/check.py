@@ -1,0 +1,137 @@
+"""The plan of a resolved config, and the one-line answer to "will it fit?".
+
+:func:`plan_problem` is what a launcher asks before starting a job (fsdp-train's own warning, a
+sweep's pre-launch check): None when the run fits the device memory (or when there is nothing to
+check against: no GPU detected and none given), else one line with the plan's numbers and a hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from fsdp_cli.config.schema import (
+    ActivationCheckpointing,
+    CustomModelConfig,
+    DDPConfig,
+    FSDP2Config,
+    FSDPConfig,
+    LlamaConfig,
+    TrainConfig,
+)
+from fsdp_cli.launch.environment import gpu_memory_bytes
+from fsdp_cli.plan.memory import FIT_FRACTION, MemoryPlan, plan_memory, strategy_supported
+from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
+
+GIB = 2**30
+
+
+def model_spec(cfg: TrainConfig) -> ModelSpec | None:
+    """The model's description: analytic for the built-in one, else a meta-device build (which
+    imports torch and the model's code). None for models the plan cannot see into (a
+    LightningModule that builds its own layers)."""
+    model = cfg.model
+    if isinstance(model, LlamaConfig):
+        spec = llama_spec(model, cfg.wrap)
+        if spec is not None:
+            return spec
+    return _meta_spec(cfg)
+
+
+def _meta_spec(cfg: TrainConfig) -> ModelSpec | None:
+    import torch
+    from torch import nn
+
+    model: nn.Module
+    if isinstance(cfg.model, CustomModelConfig):
+        from fsdp_cli.builders.imports import import_object
+
+        target = import_object(cfg.model.target, "model._target_")
+        with torch.device("meta"):
+            model = target(**cfg.model.kwargs)
+        if not isinstance(model, nn.Module) or hasattr(model, "training_step"):
+            return None  # a LightningModule: its layers appear only in its configure_model
+    else:
+        from fsdp_cli.models.llama import Llama
+
+        with torch.device("meta"):
+            model = Llama(cfg.model, seed=cfg.seed)
+    if any(not p.is_meta for p in model.parameters()):
+        model = model.to("meta")
+    tp_plan = None
+    if cfg.tp > 1 and callable(getattr(model, "tp_plan", None)):
+        tp_plan = model.tp_plan(sequence_parallel=bool(getattr(cfg.strategy, "sequence_parallel", False)))
+    return module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size, tp_plan=tp_plan)
+
+
+def plan_for(cfg: TrainConfig, device_memory: int | None = None) -> MemoryPlan | None:
+    """The plan of a resolved, validated config; None where the plan cannot be made."""
+    if not strategy_supported(cfg):
+        return None
+    spec = model_spec(cfg)
+    return None if spec is None else plan_memory(cfg, spec, device_memory)
+
+
+def detected_device_memory(cfg: TrainConfig, env: Mapping[str, str]) -> int | None:
+    """The smallest visible GPU's memory (NVML) when the run is on GPUs, else None."""
+    if cfg.accelerator.value != "gpu":
+        return None
+    return gpu_memory_bytes(env)
+
+
+def plan_problem(
+    cfg: TrainConfig, env: Mapping[str, str] | None = None, device_memory: int | None = None
+) -> str | None:
+    """One line when the plan of ``cfg`` (resolved and validated) does not fit the device memory
+    (given, or detected on this machine's GPUs); None when it fits or cannot be checked."""
+    import os
+
+    memory = device_memory or detected_device_memory(cfg, os.environ if env is None else env)
+    if memory is None:
+        return None
+    plan = plan_for(cfg, memory)
+    if plan is None or plan.fits:
+        return None
+    return unfit_line(cfg, plan)
+
+
+def unfit_line(cfg: TrainConfig, plan: MemoryPlan) -> str:
+    peak = plan.peak
+    parts = (
+        f"params {gib(peak.params)} + grads {gib(peak.grads)} + optimizer {gib(peak.optimizer)} + "
+        f"activations {gib(peak.activations)} + buffers {gib(peak.buffers)}"
+    )
+    assert plan.device_memory is not None
+    return (
+        f"memory plan: rank {peak.rank} needs {gib(peak.total)} ({parts}) of "
+        f"{gib(plan.device_memory)} per device (fits below {FIT_FRACTION:.0%}); hint: {hint(cfg, plan)}"
+    )
+
+
+def hint(cfg: TrainConfig, plan: MemoryPlan) -> str:
+    peak, strategy = plan.peak, cfg.strategy
+    limit = FIT_FRACTION * (plan.device_memory or 0)
+    if plan.activation_checkpointing != "full" and isinstance(strategy, FSDP2Config):
+        with_ac = peak.total - peak.activations + peak.activations_full_ac
+        if with_ac <= limit:
+            return f"strategy.activation_checkpointing=full ({gib(with_ac)} per device)"
+    if isinstance(strategy, DDPConfig) or (isinstance(strategy, FSDP2Config) and strategy.replicate_size > 1):
+        return "shard the parameters: strategy=fsdp2 (with strategy.replicate_size=1)"
+    if isinstance(strategy, FSDPConfig) and strategy.sharding_strategy.value == "NO_SHARD":
+        return "strategy.sharding_strategy=FULL_SHARD"
+    if (
+        isinstance(strategy, FSDP2Config)
+        and strategy.activation_checkpointing is ActivationCheckpointing.none
+    ):
+        return "strategy.activation_checkpointing=full, a smaller data.micro_batch_size, or more devices (fsdp-plan --search)"
+    return (
+        "a smaller data.micro_batch_size, more devices, or tp=2 (fsdp-plan --search lists layouts that fit)"
+    )
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def with_layout(cfg: TrainConfig, **changes: object) -> TrainConfig:
+    return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]

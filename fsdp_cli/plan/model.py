@@ -1,0 +1,261 @@
+"""A model as the memory plan sees it: parameter shapes, FSDP units, blocks, activation sizes.
+
+Two sources give the same description:
+
+* :func:`llama_spec`: the built-in Llama from its config alone (no torch import, milliseconds for
+  an 8B model);
+* :func:`module_spec`: any ``nn.Module``, built on the meta device (no memory): its
+  ``named_parameters()``, the units the ``wrap`` policy picks, its ``tp_plan()`` if it has one,
+  and the bytes its forward pass saves for backward, measured with autograd's saved-tensor hooks
+  on meta tensors.
+
+Activation sizes are per sequence (micro-batch 1); they scale with the micro-batch. Attention
+through ``F.scaled_dot_product_attention`` is counted as the fused kernels GPUs run (query, key,
+value, output and the log-sum-exp saved), not as the T x T matrices of the math fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_cli.config.schema import LlamaConfig, WrapConfig, WrapPolicy
+from fsdp_cli.models.llama_shapes import llama_block_names, llama_params
+from fsdp_cli.parallel.shapes import ParamShape
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes one sequence leaves saved for backward, by where they are saved."""
+
+    blocks: list[int]
+    """Inside each repeated block (what activation checkpointing frees)."""
+    block_inputs: list[int]
+    """Each block's input (what activation checkpointing keeps instead)."""
+    other: int
+    """Outside the blocks: embedding, final norm, LM head, loss."""
+    tp_shards_blocks: bool = True
+    """Tensor parallel splits the blocks' inner activations (Megatron-style plans do)."""
+
+
+@dataclass
+class ModelSpec:
+    """What the plan needs of a model."""
+
+    params: list[ParamShape]
+    units: list[str]
+    """Modules that become FSDP units, children before parents (the root is implicit)."""
+    blocks: list[str]
+    """The repeated blocks (activation-checkpointing units), in order."""
+    activations: Callable[[int, int], Activations]
+    """``activations(seq_len, compute_dtype_bytes)`` per sequence."""
+    source: str = "analytic"
+    notes: list[str] = field(default_factory=list)
+    unit_sizes: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Cache: elements per unit on a tensor-parallel rank, by tp."""
+
+    def unit_of(self, param: ParamShape) -> str:
+        """The innermost unit holding ``param`` ("" = the root)."""
+        for unit in self.units:
+            if param.name.startswith(unit + "."):
+                return unit
+        return ""
+
+
+# --------------------------------------------------------------------------- built-in Llama
+
+
+def llama_spec(cfg: LlamaConfig, wrap: WrapConfig) -> ModelSpec | None:
+    """The built-in model from its config; None for wrap policies only a built model can answer
+    (``size``, or classes other than its block)."""
+    blocks = llama_block_names(cfg)
+    if wrap.policy is WrapPolicy.block or (
+        wrap.policy is WrapPolicy.classes
+        and set(wrap.classes) <= {"TransformerBlock", "fsdp_cli.models.llama.TransformerBlock"}
+    ):
+        units = blocks
+    elif wrap.policy is WrapPolicy.none:
+        units = []
+    else:
+        return None
+    return ModelSpec(
+        params=llama_params(cfg),
+        units=units,
+        blocks=blocks,
+        activations=lambda seq, act: llama_activations(cfg, seq, act),
+    )
+
+
+def _rms_norm(dim: int, act: int) -> int:
+    """RMSNorm saves its input in fp32, the per-token rsqrt, the fp32 normalised value, its output,
+    and in a 16-bit run also the normalised value cast back."""
+    return FP32 * dim + FP32 + FP32 * dim + act * dim + (act * dim if act != FP32 else 0)
+
+
+def llama_activations(cfg: LlamaConfig, seq: int, act: int) -> Activations:
+    """Saved bytes per sequence of :class:`fsdp_cli.models.llama.Llama` as its code runs (a closed
+    form of what :func:`probe_activations` measures; a test holds the two within 5%)."""
+    d, f, v = cfg.dim, cfg.feed_forward_dim(), cfg.vocab_size
+    # Attention: the fused kernel keeps rotated q, k and v repeated to all heads, its output and
+    # the per-head log-sum-exp; the heads are merged into a copy for wo. MLP: w1 and w3 outputs,
+    # SiLU output and the product w2 reads.
+    attention = 4 * act * d + FP32 * cfg.n_heads + act * d
+    per_token = 2 * _rms_norm(d, act) + attention + 4 * act * f
+    other = 8 + _rms_norm(d, act) + FP32 * v  # token ids, final norm, log-softmax output
+    return Activations(
+        blocks=[per_token * seq] * cfg.n_layers,
+        block_inputs=[act * d * seq] * cfg.n_layers,
+        other=other * seq,
+    )
+
+
+# --------------------------------------------------------------------------- any nn.Module
+
+
+def module_spec(
+    model: Any, wrap: WrapConfig, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
+) -> ModelSpec:
+    """Describe a model built on the meta device (see the module docstring)."""
+    from fsdp_cli.parallel.wrap import repeated_block_class, wrap_units
+
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [names[id(m)] for m in wrap_units(model, wrap)]
+    block_cls = repeated_block_class(model)
+    blocks = [n for n, m in model.named_modules() if block_cls is not None and isinstance(m, block_cls)]
+    modules = dict(model.named_modules())
+    params = [
+        ParamShape(name, tuple(p.shape), _tp_dim(name, p, tp_plan, modules))
+        for name, p in model.named_parameters()
+    ]
+    cache: dict[tuple[int, int], Activations] = {}
+
+    def activations(seq: int, act: int) -> Activations:
+        if (seq, act) not in cache:
+            cache[(seq, act)] = probe_activations(
+                model, blocks, seq=seq, act_bytes=act, vocab_size=vocab_size
+            )
+        return cache[(seq, act)]
+
+    return ModelSpec(params=params, units=units, blocks=blocks, activations=activations, source="meta build")
+
+
+def _tp_dim(name: str, param: Any, plan: dict[str, Any] | None, modules: dict[str, Any]) -> int | None:
+    """The dimension the model's own tensor-parallel plan shards (torch's styles on Linear/Embedding)."""
+    if not plan:
+        return None
+    owner = name.rpartition(".")[0]
+    style, module = type(plan.get(owner)).__name__, type(modules.get(owner)).__name__
+    embedding = module == "Embedding"
+    if style == "ColwiseParallel":
+        return 1 if embedding else 0
+    if style == "RowwiseParallel" and (embedding or name.endswith("weight")):
+        return 0 if embedding else 1
+    return None
+
+
+def probe_activations(
+    model: Any, blocks: list[str], *, seq: int, act_bytes: int, vocab_size: int
+) -> Activations:
+    """Run one sequence through ``model`` (on meta) with the loss, and add up the storages autograd
+    saves, attributed to the block that was running (parameters and buffers excluded)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[act_bytes]
+    model = model.to(dtype) if act_bytes != FP32 else model
+    persistent = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers()]}
+    modules = dict(model.named_modules())
+    seen: set[int] = set()
+    sizes = {name: 0 for name in blocks}
+    inputs = dict.fromkeys(blocks, 0)
+    current: list[str] = [""]
+    totals = {"": 0}
+
+    def pack(t: Any) -> Any:
+        ref = StorageWeakRef(t.untyped_storage()).cdata
+        if ref not in persistent and ref not in seen:
+            seen.add(ref)
+            key = current[-1]
+            nbytes = t.untyped_storage().nbytes()
+            if key:
+                sizes[key] += nbytes
+            else:
+                totals[""] += nbytes
+        return t
+
+    handles = []
+    for name in blocks:
+        block = modules[name]
+        handles.append(block.register_forward_pre_hook(_enter(current, name, inputs)))
+        handles.append(block.register_forward_hook(_leave(current)))
+    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+            out = model(tokens)
+            logits = out.logits if hasattr(out, "logits") else out
+            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % vocab_size)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Activations(
+        blocks=[sizes[n] for n in blocks], block_inputs=[inputs[n] for n in blocks], other=totals[""]
+    )
+
+
+def _enter(current: list[str], name: str, inputs: dict[str, int]) -> Callable[..., None]:
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        current.append(name)
+        first = args[0] if args else None
+        if first is not None and hasattr(first, "untyped_storage"):
+            inputs[name] = first.numel() * first.element_size()
+
+    return hook
+
+
+def _leave(current: list[str]) -> Callable[..., None]:
+    def hook(module: Any, args: Any, output: Any) -> None:
+        current.pop()
+
+    return hook
+
+
+class _FusedAttention:
+    """``F.scaled_dot_product_attention`` as the fused GPU kernels save it (see module docstring)."""
+
+    def __enter__(self) -> None:
+        import torch.nn.functional as F
+
+        self.original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _sdpa_like_fused
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.nn.functional as F
+
+        F.scaled_dot_product_attention = self.original
+
+
+def _fused_attention() -> _FusedAttention:
+    return _FusedAttention()
+
+
+def _sdpa_like_fused(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    import torch
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any) -> Any:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    return Fused.apply(q, k, v)
