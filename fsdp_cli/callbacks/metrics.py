@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from fsdp_cli.rundir.files import METRICS_FILE
+from fsdp_cli.rundir.summary import dumps_strict
 
 
 class MetricsCallback(L.Callback):
@@ -29,6 +30,7 @@ class MetricsCallback(L.Callback):
         tokens_per_step: int,
         max_steps: int,
         clipping: Any | None = None,
+        nonfinite: Any | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.log_every = log_every_n_steps
@@ -41,6 +43,7 @@ class MetricsCallback(L.Callback):
         self._step_last = 0
         self._file: Any | None = None
         self.clipping = clipping  # GradientClipping, whose norm is logged
+        self.nonfinite = nonfinite  # NonFiniteGuard: its check is the logging step's loss reduction
         # The micro-batch losses of the current step, summed on the device (no sync).
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
@@ -64,11 +67,16 @@ class MetricsCallback(L.Callback):
             return
         self._seen_step = step
         loss = self._take_loss()
+        if self.nonfinite is not None:
+            self.nonfinite.record_loss(step, loss)
         if step % self.log_every != 0 and step != self.max_steps:
             return
-        if loss is None:
-            loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
-        mean_loss = trainer.strategy.reduce(loss.float(), reduce_op="mean").item()
+        if self.nonfinite is not None:
+            mean_loss = self.nonfinite.check(step)
+        else:
+            if loss is None:
+                loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
+            mean_loss = trainer.strategy.reduce(loss.float(), reduce_op="mean").item()
         now = time.perf_counter()
         step_time = (now - self._t_last) / (step - self._step_last)
         self._t_last, self._step_last = now, step
@@ -84,7 +92,7 @@ class MetricsCallback(L.Callback):
             row["grad_norm"] = float(grad_norm)
         self.rows.append(row)
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(dumps_strict(row) + "\n")
             self._file.flush()
             print(
                 f"step {step:>6}  loss {mean_loss:8.4f}  lr {row['lr']:.2e}  "

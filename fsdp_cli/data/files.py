@@ -10,6 +10,8 @@ from pathlib import Path
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 """What ``data=text`` reads from a folder."""
+HELD_OUT_FRACTION = 0.05
+"""The tail of a text corpus kept for validation."""
 
 
 def text_files(path: str | None) -> list[Path]:
@@ -22,3 +24,13 @@ def text_files(path: str | None) -> list[Path]:
     if os.path.isdir(path):
         return sorted(p for p in Path(path).rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
     return sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+
+
+def text_bytes(files: list[Path], max_bytes: int) -> int:
+    """How many bytes of text ``read_corpus`` will read from ``files`` (from their sizes)."""
+    total = 0
+    for file in files:
+        total += file.stat().st_size
+        if total >= max_bytes:
+            return max_bytes
+    return total

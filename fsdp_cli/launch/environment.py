@@ -67,3 +67,14 @@ def _nvml_device_count() -> int:
     except AttributeError:
         return 0
     return int(count.value) if ok else 0
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``),
+    so that killing a launcher outright does not leave its children running. Elsewhere: nothing."""
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

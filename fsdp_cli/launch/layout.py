@@ -22,10 +22,13 @@ CPU_DEFAULT_DEVICES = 2
 """Processes per node for ``devices=auto`` on a machine without GPUs."""
 
 
-def resolve_layout(cfg: TrainConfig, env: Mapping[str, str]) -> TrainConfig:
-    """Return ``cfg`` with accelerator, devices, num_nodes, dp and precision made concrete."""
+def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None = None) -> TrainConfig:
+    """Return ``cfg`` with accelerator, devices, num_nodes, dp and precision made concrete.
+
+    ``gpus``: the number of usable GPUs; None counts them (``CUDA_VISIBLE_DEVICES`` in ``env``
+    and the driver). Tests pass it to describe another machine than the one they run on."""
     job = detect_cluster_job(env)
-    gpus = visible_gpu_count(env)
+    gpus = visible_gpu_count(env) if gpus is None else gpus
     accelerator = cfg.accelerator
     if accelerator is Accelerator.auto:
         accelerator = Accelerator.gpu if gpus > 0 else Accelerator.cpu

@@ -13,6 +13,11 @@ CHECKPOINT_DIR = "checkpoints"
 LOG_DIR = "logs"
 """Console output of ranks other than 0, and the launcher's failure report."""
 LAUNCHER_LOG = "launcher.log"
+HEARTBEAT_DIR = ".heartbeat"
+"""One liveness file per rank (pid, last step, phase), read by the launcher's hang watchdog."""
+FAILURE_FILE = "failure.json"
+"""Which rank failed first and how (or which ranks hung), written by the launcher side and merged
+into ``summary.json`` by the parent."""
 
 
 def log_dir(run_dir: str | Path) -> Path:
@@ -21,3 +26,7 @@ def log_dir(run_dir: str | Path) -> Path:
 
 def rank_log(run_dir: str | Path, rank: int) -> Path:
     return log_dir(run_dir) / f"rank{rank}.log"
+
+
+def heartbeat_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HEARTBEAT_DIR
