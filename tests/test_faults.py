@@ -234,7 +234,7 @@ def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_chec
         assert result.returncode == 1, result.stderr[-3000:]
         error = _strict(run_dir / "summary.json")["error"]
         assert error.startswith(
-            f"checkpoint save of step 4 to {disk}/step_00000004 failed: rank 0: No space left on device"
+            f"checkpoint save of step 4 to {disk}/step_00000004 failed: the disk is full ("
         ), error
         assert error.endswith("the previous checkpoint is intact; free space or set checkpoint.dir elsewhere")
         assert "Traceback" not in result.stderr

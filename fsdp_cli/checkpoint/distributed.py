@@ -34,7 +34,14 @@ from fsdp_cli.checkpoint.format import (
     fsync_tree,
     remove_path,
 )
-from fsdp_cli.checkpoint.sharded_save import KEPT, AsyncSaves, SaveTarget, save_sharded
+from fsdp_cli.checkpoint.sharded_save import (
+    KEPT,
+    AsyncSaves,
+    SaveTarget,
+    describe_error,
+    disk_full_note,
+    save_sharded,
+)
 from fsdp_cli.checkpoint.test_hooks import pause_for_test
 from fsdp_cli.errors import RunFailure
 
@@ -233,12 +240,7 @@ def _write_full(io: Any, checkpoint: dict[str, Any], target: SaveTarget, storage
         fsync_tree(target.partial)
         replace_atomically(target.partial, target.final)
     except Exception as err:  # noqa: BLE001 - every rank must learn it (see _save_full)
+        reason = "; ".join([*disk_full_note(target.partial.parent), f"rank 0: {describe_error(err)}"])
         remove_path(target.partial)
-        return f"checkpoint save of step {target.step} to {target.final} failed: rank 0: {_describe(err)}; {KEPT}"
+        return f"checkpoint save of step {target.step} to {target.final} failed: {reason}; {KEPT}"
     return None
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.strerror} [errno {err.errno}]" + (f" ({err.filename})" if err.filename else "")
-    return f"{type(err).__name__}: {err}"

@@ -16,6 +16,7 @@ raise its error if it failed.
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +82,7 @@ def save_sharded(tensors: dict[str, Any], target: SaveTarget) -> None:
 
         dcp.save(tensors, storage_writer=writer, process_group=target.group)
     except CheckpointException as err:
-        _discard(target)
-        raise RunFailure(save_failure_line(target, err)) from None
+        raise _failed(target, err) from None
     finish(writer.written, target)
 
 
@@ -113,8 +113,9 @@ def _complete(target: SaveTarget, files: dict[str, Any]) -> str | None:
         fsync_tree(target.partial)
         replace_atomically(target.partial, target.final)
     except Exception as err:  # noqa: BLE001 - every rank must learn it, or they wait for rank 0 forever
+        reason = "; ".join([*disk_full_note(target.partial.parent), f"rank 0: {describe_error(err)}"])
         remove_path(target.partial)
-        return f"checkpoint save of step {target.step} to {target.final} failed: rank 0: {_os_error(err)}; {KEPT}"
+        return f"checkpoint save of step {target.step} to {target.final} failed: {reason}; {KEPT}"
     return None
 
 
@@ -122,26 +123,45 @@ KEPT = "the previous checkpoint is intact; free space or set checkpoint.dir else
 
 
 def save_failure_line(target: SaveTarget, err: CheckpointException) -> str:
-    """DCP's exception (a multi-rank traceback) as one line: each failing rank and its OS error."""
+    """DCP's exception (a multi-rank traceback) as one line: each failing rank and its error, and
+    whether the disk is full (torch's zip writer reports a full disk as "unexpected pos")."""
     parts = []
     for rank, failure in sorted(getattr(err, "failures", {}).items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"rank {rank}: {_os_error(exc)}")
-    reason = "; ".join(parts) or str(err).strip().splitlines()[0]
+        parts.append(f"rank {rank}: {describe_error(exc)}")
+    full = disk_full_note(target.partial.parent)
+    reason = "; ".join([*full, *parts]) or str(err).strip().splitlines()[0]
     return f"checkpoint save of step {target.step} to {target.final} failed: {reason}; {KEPT}"
 
 
-def _os_error(exc: BaseException) -> str:
+def disk_full_note(folder: Path) -> list[str]:
+    """``["the disk is full (...)"]`` when ``folder``'s filesystem has (almost) no space left."""
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        return []
+    if usage.free >= max(64 * 2**20, usage.total // 100):
+        return []
+    return [
+        f"the disk is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.2f} GiB in {folder})"
+    ]
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception in a few words: an OS error's message, number and file; else type and message."""
     if isinstance(exc, OSError) and exc.strerror:
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{exc.strerror} [errno {exc.errno}]{where}"
     return f"{type(exc).__name__}: {exc}"
 
 
-def _discard(target: SaveTarget) -> None:
-    """Nothing half-written may stay behind to be mistaken for a checkpoint."""
+def _failed(target: SaveTarget, err: CheckpointException) -> RunFailure:
+    """Every rank got DCP's exception: all fail with rank 0's line (it sees the disk before the
+    ``.partial`` folder is removed), and nothing half-written stays to be mistaken for a checkpoint."""
+    line = _broadcast(save_failure_line(target, err) if target.is_rank0 else None, target.group)
     if target.is_rank0:
         remove_path(target.partial)
+    return RunFailure(line)
 
 
 # ------------------------------------------------------------------------------------ async
@@ -188,8 +208,7 @@ def _complete_async(upload: Future[Any], writer: CheckpointWriter, target: SaveT
     try:
         upload.result()
     except CheckpointException as err:
-        _discard(target)
-        raise RunFailure(save_failure_line(target, err)) from None
+        raise _failed(target, err) from None
     finish(writer.written, target)
 
 

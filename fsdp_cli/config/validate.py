@@ -437,7 +437,7 @@ def check_wrap_and_logger(cfg: TrainConfig) -> None:
             "tensorboard",
             "the tensorboard package is not installed",
             allowed="none, csv",
-            hint="pip install tensorboard, or use logger=csv",
+            hint="pip install 'fsdp-cli[tensorboard]' (tensorboardX) or tensorboard, or use logger=csv",
         )
 
 

@@ -171,7 +171,8 @@ _SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:]+):(?P<line>\d+)\)")
 def where_from_faulthandler(text: str) -> str:
     """Where the main thread is, from a faulthandler dump of all threads.
 
-    The main thread is the one whose outermost frame is ``<module>``; the signal may have been
+    The main thread is the one running a ``<module>`` frame (the script, or ``python -m``'s
+    module); threads started by ``threading`` end in ``_bootstrap``. The signal may have been
     handled on any thread, so "Current thread" says nothing."""
     blocks: list[list[tuple[str, int, str]]] = []
     for line in text.splitlines():
@@ -179,8 +180,10 @@ def where_from_faulthandler(text: str) -> str:
             blocks.append([])
         elif (match := _FRAME.match(line)) and blocks:
             blocks[-1].append((match["file"], int(match["line"]), match["func"]))
-    main = next((frames for frames in blocks if frames and frames[-1][2] == "<module>"), None)
-    return _where(main if main is not None else (blocks[0] if blocks else []))
+    main = next((f for f in blocks if any(func == "<module>" for _, _, func in f)), None)
+    if main is None:
+        main = next((f for f in blocks if f and f[-1][2] != "_bootstrap"), blocks[0] if blocks else [])
+    return _where(main)
 
 
 def where_from_py_spy(text: str) -> str:
