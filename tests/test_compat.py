@@ -97,3 +97,12 @@ def test_checkpoint_wrapper_keeps_the_module_and_its_names() -> None:
     assert isinstance(wrapped, torch_internals.CheckpointWrapper)
     # The wrapper reports the wrapped module's own parameter names, so checkpoints do not change.
     assert [n for n, _ in wrapped.named_parameters()] == ["weight", "bias"]
+
+
+def test_is_compiled_in_place_sees_module_compile() -> None:
+    from torch import nn
+
+    block = nn.Linear(2, 2)
+    assert not torch_internals.is_compiled_in_place(block)
+    block.compile()  # replaces the forward lazily: nothing is compiled until the first call
+    assert torch_internals.is_compiled_in_place(block)

@@ -41,6 +41,9 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
         assert setup["mesh"] == {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2}
     if name.startswith("activation_checkpointing"):
         assert setup["activation_checkpointing"] == (4 if name.endswith("full") else 2)
+    # Counted on the live modules: every block's forward was replaced by its compiled version.
+    assert setup["compiled_blocks"] == (4 if name == "compile" else 0)
+    assert setup["param_device"] == ["cpu"]
     assert setup["fsdp_units"] == [f"layers.{i}" for i in range(4)] + ["<root>"]
 
 
@@ -79,6 +82,8 @@ def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
         "Adam moments after resume equal those saved",
         "save_checkpoint writes one unsharded file",
         "remove_checkpoint deletes it",
+        "reshard_after_forward=True: blocks are resharded after forward",
+        "reshard_after_forward=False: blocks are unsharded after forward",
     ):
         assert f"CHECK {name} ok" in checks, (name, checks)
 

@@ -58,6 +58,25 @@ CLI_CASES = [
         "data.path=fsdp_cli/configs_missing",
         ["matches no file"],
     ),
+    # Found at run time until now (a traceback after ~11 s): checked before launch.
+    (["optim.lr=-1"], "optim.lr=-1", ["must be a finite number >= 0"]),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]", ["each in [0, 1)", "hint"]),
+    (
+        ["data=text", "data.path=tests/assets/tiny_corpus.txt", "data.seq_len=64"],
+        "data.path=tests/assets/tiny_corpus.txt",
+        ["49 bytes of text", "window of data.seq_len + 1 = 65 bytes", "allowed: at least 70 bytes"],
+    ),
+    (
+        ["data=text", "data.path=tests/assets/empty_corpus/*.txt"],
+        "data.path=tests/assets/empty_corpus/*.txt",
+        ["the 2 matching file(s) are all empty"],
+    ),
+    (
+        ["checkpoint=full", "checkpoint.async_save=true"],
+        "checkpoint.async_save=True",
+        ["checkpoint=full is one file", "hint"],
+    ),
+    (["launcher.hang_timeout_s=0"], "launcher.hang_timeout_s=0", ["must be positive", "null"]),
 ]
 
 

@@ -1,10 +1,12 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
-FSDP1's zero-2 hybrid strategy, and the ParallelStyle extension point."""
+FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, and whether a module was
+compiled in place."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
@@ -20,6 +22,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_ac_wrapper, "CheckpointWrapper"),
     (_FSDP1ShardingStrategy, "_HYBRID_SHARD_ZERO2"),
     (ParallelStyle, "_apply"),
+    (nn.Module(), "_compiled_call_impl"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -47,3 +50,8 @@ def global_offset(tensor: Any) -> tuple[int, ...]:
 def fsdp1_sharding_strategy(name: str) -> Any:
     """torch's FSDP1 ``ShardingStrategy`` member for one of our names."""
     return _FSDP1ShardingStrategy[FSDP1_SHARDING.get(name, name)]
+
+
+def is_compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` replaced its forward (torch keeps it in ``_compiled_call_impl``)."""
+    return module._compiled_call_impl is not None
