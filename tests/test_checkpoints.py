@@ -328,7 +328,9 @@ def test_replacing_a_checkpoint_leaves_no_moment_without_one(tmp_path: Path) -> 
 # phase: (layout, extra arguments, step to pause at, which rank to kill). Each run saves every
 # 2 or 3 steps and is SIGKILLed while saving; what is left must be loadable and continue exactly.
 KILL_PHASES = {
-    # every rank has written its shard; .metadata and the rename have not happened
+    # rank 1 dies with its shard written, .metadata not yet (rank 0 still writing its own)
+    "while_shards_are_written": ("fsdp2", ["+FSDP_CLI_TEST_PAUSE_PHASE=shards"], 6, 1),
+    # every rank has written its shard and rank 0 the manifest; the rename has not happened
     "before_rename": ("fsdp2", ["checkpoint.every_n_steps=2"], 4, 1),
     # async: the shards are being written in the background while training goes on
     "async_while_shards_are_written": (
@@ -399,7 +401,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(
     else:
         # The checkpoint resume=auto would take is the straight run's, bit for bit, and resuming
         # from that one is exact (test_resume_is_bitwise_exact).
-        assert previous.name.startswith(STEP3 if phase == "full_format" else f"step_{step:08d}"), left
+        assert previous.name.startswith(STEP3 if step == 6 else f"step_{step:08d}"), left
         assert_same_state(previous, ckpt(straight, STEP3))
 
 

@@ -103,6 +103,7 @@ def test_skip_nonfinite_steps_zeroes_the_update_then_fails_past_the_budget(tmp_p
         "checkpoint.keep_last=10",
         "precision=bf16-true",
         "optim.scheduler=cosine",
+        "optim.warmup_steps=2",
         "trainer.gradient_clip_algorithm=value",
         "trainer.gradient_clip_val=0.5",
         "logger=csv",
@@ -126,9 +127,13 @@ def test_skip_nonfinite_steps_zeroes_the_update_then_fails_past_the_budget(tmp_p
     moments = step2.optimizer_states[0]["state"], step3.optimizer_states[0]["state"]
     assert all(torch.equal(moments[0][k]["exp_avg"], moments[1][k]["exp_avg"]) for k in moments[0])
     assert any(not torch.equal(w, step4.state_dict[k]) for k, w in step3.state_dict.items()), "step 4 trained"
-    # Cosine from optim.lr=3e-3 to 10% of it at step 6; a row shows the rate for the next step.
-    cosine = [3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * r["step"] / 6))) for r in rows]
-    assert [r["lr"] for r in rows] == pytest.approx(cosine, rel=1e-12)
+
+    # Warm-up over 2 steps, then cosine down to 10% of optim.lr at step 6; a row holds the rate
+    # the schedule set after its step (for the next one).
+    def rate(step: int) -> float:
+        return 3e-3 * ((step + 1) / 2 if step < 2 else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - 2) / 4)))
+
+    assert [r["lr"] for r in rows] == pytest.approx([rate(r["step"]) for r in rows], rel=1e-12)
     csv = (run_dir / "csv" / "metrics.csv").read_text().splitlines()
     assert "loss" in csv[0].split(",") and len(csv) == 1 + len(rows), csv[:3]
 
@@ -230,7 +235,8 @@ def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_chec
     try:
         run_dir = tmp_path / "full"
         args = ["strategy=fsdp2", "devices=2", "accelerator=cpu", *FAST, "checkpoint.every_n_steps=2"]
-        result = run_cli([*args, f"checkpoint.dir={disk}"], run_dir)
+        extra = ["trainer.log_every_n_steps=2", "optim.scheduler=linear"]
+        result = run_cli([*args, *extra, f"checkpoint.dir={disk}"], run_dir)
         assert result.returncode == 1, result.stderr[-3000:]
         error = _strict(run_dir / "summary.json")["error"]
         assert error.startswith(
@@ -239,6 +245,11 @@ def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_chec
         assert error.endswith("the previous checkpoint is intact; free space or set checkpoint.dir elsewhere")
         assert "Traceback" not in result.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["step_00000002"], "no .partial left behind"
+        assert not (run_dir / "checkpoints").exists(), "checkpoint.dir moved them"
+        # A row every 2 steps, the rate decaying linearly to 10% at step 6.
+        rows = strict_json_lines(run_dir / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [2, 4]
+        assert [r["lr"] for r in rows] == pytest.approx([3e-3 * (0.1 + 0.9 * (1 - s / 6)) for s in (2, 4)])
         check = subprocess.run(
             [*entry_point("fsdp-ckpt"), "verify", "--deep", str(disk / "step_00000002")],
             capture_output=True,
