@@ -16,13 +16,21 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+# The fsdp-train installed beside this interpreter (a virtual environment's), else the one on PATH.
+FSDP_TRAIN = (
+    str(Path(sys.executable).parent / "fsdp-train")
+    if (Path(sys.executable).parent / "fsdp-train").exists()
+    else "fsdp-train"
+)
 
 
 def run(args: argparse.Namespace, run_dir: Path, async_save: bool) -> dict:
     cmd = [
-        "fsdp-train",
+        FSDP_TRAIN,
         "strategy=fsdp2",
         f"devices={args.devices}",
         f"precision={args.precision}",
@@ -59,7 +67,9 @@ def run(args: argparse.Namespace, run_dir: Path, async_save: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--dim", type=int, default=512)
@@ -82,7 +92,8 @@ def main() -> None:
     for mode in (False, True):
         mine = [r for r in runs if r["async_save"] is mode]
         table["async" if mode else "sync"] = {
-            key: statistics.median(r[key] for r in mine) for key in ("step_time_s", "step_after_save_s", "wall_time_s")
+            key: statistics.median(r[key] for r in mine)
+            for key in ("step_time_s", "step_after_save_s", "wall_time_s")
         }
     (args.out / "async_checkpoint.json").write_text(
         json.dumps({"settings": vars(args) | {"out": str(args.out)}, "runs": runs, "median": table}, indent=2)

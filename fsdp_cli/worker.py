@@ -81,7 +81,7 @@ def run(cfg: TrainConfig) -> int:
         raise
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         outcome = _failed(err)
-    monitor.exiting()
+    monitor.exiting(ok=outcome.status != STATUS_FAILED)
     summary = _summary(cfg, built, result, outcome, wall=time.time() - started)
     # Rank 0 writes the summary. When a run fails, another rank may get there first (and rank 0
     # may be stopped by the launcher before it can), so a failing rank writes one if none exists.

@@ -278,3 +278,24 @@ def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path
     assert result.returncode == 1 and time.monotonic() - started < 20
     log = (tmp_path / "logs" / "rank1.log").read_text()
     assert "Timeout (0:00:00.500000)!" in log and "stuck_in_a_collective" in log
+
+
+def test_fsdp_ckpt_verify_exits_1_naming_each_damaged_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsdp_cli.checkpoint.cli import main as fsdp_ckpt
+
+    _sharded(tmp_path / "step_00000002", 2)
+    _sharded(tmp_path / "step_00000004", 4)
+    (tmp_path / "step_00000004" / "__0_0.distcp").write_bytes(b"y" * 100)
+    with pytest.raises(SystemExit) as stop:
+        fsdp_ckpt(["verify", str(tmp_path), "--deep"])  # a run's checkpoint folder: each of them
+    out = capsys.readouterr()
+    assert stop.value.code == 1
+    assert "step_00000002: ok (sharded, step 2" in out.out
+    assert out.err.strip() == (
+        f"fsdp-ckpt: damaged: {tmp_path}/step_00000004: __0_0.distcp does not match its recorded checksum (corrupted)"
+    )
+    with pytest.raises(SystemExit) as stop:
+        fsdp_ckpt(["verify", str(tmp_path / "step_00000002")])
+    assert stop.value.code == 0

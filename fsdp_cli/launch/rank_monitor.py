@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from fsdp_cli.launch.stacks import install_stack_dumps
 from fsdp_cli.rundir.files import rank_log
-from fsdp_cli.rundir.heartbeat import PHASE_EXIT, SLOW_PHASES, Heartbeat
+from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, Heartbeat
 
 WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
 """Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
@@ -58,9 +58,10 @@ class RankMonitor:
         if self._limits is not None and time.monotonic() - self._armed_at >= _REARM_EVERY_S:
             self._arm()
 
-    def exiting(self) -> None:
-        """The rank left training (any outcome): no more progress is expected, nor a hang."""
-        self.heartbeat.beat(self.heartbeat.step, PHASE_EXIT)
+    def exiting(self, ok: bool) -> None:
+        """The rank left training: no more progress is expected, nor a hang. A failed rank's
+        peers are stopped by the launcher if they do not exit by themselves."""
+        self.heartbeat.beat(self.heartbeat.step, PHASE_EXIT if ok else PHASE_FAILED)
         if self._limits is not None:
             faulthandler.cancel_dump_traceback_later()
 

@@ -3,10 +3,11 @@
 * :class:`HangWatchdog`: no local rank has beaten (finished a step or a validation batch, entered
   or left a save) for ``launcher.hang_timeout_s`` (``launcher.startup_timeout_s`` while a rank
   starts up or saves).
-* :class:`DeadRankWatch`: a rank's process is gone without having left training normally. The
-  elastic agent then stops the others with SIGTERM and a hard-coded 30 s before SIGKILL; a
-  survivor blocked in an NCCL collective, or treating SIGTERM as "save at the next step", uses
-  all of it. After :data:`PEER_EXIT_GRACE_S` the launcher kills the survivors itself.
+* :class:`DeadRankWatch`: a rank's process is gone without having finished training normally
+  (killed, or failed). The elastic agent then stops the others with SIGTERM and a hard-coded 30 s
+  before SIGKILL; a survivor blocked in an NCCL collective, or treating SIGTERM as "save at the
+  next step", uses all of it. After :data:`PEER_EXIT_GRACE_S` the launcher kills the survivors
+  that are still training itself.
 
 Ranks run in sessions of their own (torch starts each with ``start_new_session=True``), so a
 rank's process group is its pid and holds its data-loader workers: they are killed by group.
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fsdp_cli.launch.stacks import RankStack, parent_pid, proc_state
-from fsdp_cli.rundir.heartbeat import PHASE_EXIT, SLOW_PHASES, RankBeat
+from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, RankBeat
 
 PEER_EXIT_GRACE_S = 5.0
 """How long survivors of a dead rank get to exit by themselves before the launcher kills them."""
@@ -77,7 +78,8 @@ class HangWatchdog:
 
 class DeadRankWatch:
     """``check(beats, agent_pid)`` returns the pids to kill once a rank has been gone, without
-    leaving training normally, for :data:`PEER_EXIT_GRACE_S`; else an empty dict."""
+    finishing normally, for :data:`PEER_EXIT_GRACE_S`: the ranks still training (a rank writing
+    its outputs after it failed, or finished, is left alone); else an empty dict."""
 
     def __init__(self, grace_s: float = PEER_EXIT_GRACE_S) -> None:
         self.grace_s = grace_s
@@ -101,7 +103,7 @@ class DeadRankWatch:
             self._dead_since = now
         if now - self._dead_since < self.grace_s:
             return {}
-        return {r: pid for r, pid in alive.items() if beats[r].phase != PHASE_EXIT}
+        return {r: pid for r, pid in alive.items() if beats[r].phase not in (PHASE_EXIT, PHASE_FAILED)}
 
 
 def hang_report(

@@ -12,8 +12,9 @@ place with one ``pwrite`` per beat: no fsync, no truncation, no rename (about 2 
 may in principle see a torn record; it then keeps the previous value until its next poll.
 
 Phases: ``start`` (imports, rendezvous, build, checkpoint load, the first step), ``train``,
-``val``, ``save``, ``exit`` (the rank left training, whatever the outcome, and is writing its
-outputs). The watchdog gives ``start`` and ``save`` the longer timeout.
+``val``, ``save``, ``exit`` or ``failed`` (the rank left training and is writing its outputs).
+The watchdog gives ``start`` and ``save`` the longer timeout; a rank gone without ``exit`` is one
+whose peers the launcher stops.
 
 Torch-free: the parent reads these files.
 """
@@ -29,7 +30,9 @@ from pathlib import Path
 
 from fsdp_cli.rundir.files import heartbeat_dir
 
-PHASE_START, PHASE_TRAIN, PHASE_VAL, PHASE_SAVE, PHASE_EXIT = "start", "train", "val", "save", "exit"
+PHASE_START, PHASE_TRAIN, PHASE_VAL, PHASE_SAVE = "start", "train", "val", "save"
+PHASE_EXIT, PHASE_FAILED = "exit", "failed"
+"""The rank left training (ok or preempted / failed) and is writing its outputs."""
 SLOW_PHASES = (PHASE_START, PHASE_SAVE)
 """Phases timed by ``launcher.startup_timeout_s`` instead of ``launcher.hang_timeout_s``."""
 
