@@ -1,8 +1,10 @@
 """The Lightning callback behind ``metrics.jsonl`` and the per-step console line.
 
-On a logging step it averages the step's loss over all ranks (one all-reduce; tensor-parallel
-ranks hold equal copies, so this is the mean over data-parallel ranks) and times the steps since
-the previous log. Between logging steps it does nothing that synchronises.
+On a logging step it averages the step's loss over all ranks (one collective: the non-finite
+guard's all_gather, which also checks every value since the last log, see
+:mod:`fsdp_cli.callbacks.nonfinite`; tensor-parallel ranks hold equal copies, so this is the mean
+over data-parallel ranks) and times the steps since the previous log. Between logging steps it
+does nothing that synchronises.
 """
 
 from __future__ import annotations
