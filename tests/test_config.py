@@ -17,7 +17,6 @@ from fsdp_cli.config.schema import (
     SyntheticDataConfig,
     TrainConfig,
 )
-from fsdp_cli.config.validate import validate
 from fsdp_cli.launch.layout import resolve_layout
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -30,10 +29,6 @@ CPU = {"gpus": 0}
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
-
-
-def recipes() -> list[str]:
-    return sorted(p.stem for p in (CONFIGS / "recipe").glob("*.yaml"))
 
 
 def test_every_group_has_options() -> None:
@@ -50,25 +45,6 @@ def test_every_group_option_composes(group: str, option: str) -> None:
     assert isinstance(cfg, TrainConfig)
     node = getattr(cfg, group)
     assert dataclasses.is_dataclass(node)
-
-
-@pytest.mark.parametrize("recipe", recipes())
-def test_every_recipe_composes_and_validates(recipe: str) -> None:
-    text = (CONFIGS / "recipe" / f"{recipe}.yaml").read_text()
-    assert text.startswith("# @package _global_"), "recipes are global overrides"
-    assert "fsdp-train recipe=" + recipe in text, "a recipe opens with the command that runs it"
-    cfg = composed(f"recipe={recipe}")
-    machine = CPU if "cpu" in recipe else EIGHT_GPUS
-    env: dict[str, str] = {}
-    if cfg.num_nodes > 1:  # multi-node recipes run under srun: one task per GPU
-        tasks = 8 * cfg.num_nodes
-        env = {
-            "SLURM_NTASKS": str(tasks),
-            "SLURM_NNODES": str(cfg.num_nodes),
-            "SLURM_NTASKS_PER_NODE": "8",
-        }
-    resolved = resolve_layout(cfg, env, **machine)
-    validate(resolved)
 
 
 def test_default_config_keys_snapshot() -> None:
@@ -180,18 +156,13 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
 def test_hydra_is_imported_only_by_the_entry_point() -> None:
     """Nothing under fsdp_cli except the entry point (cli/, config/store.py, and Hydra's entry in
     compat/) imports Hydra."""
-    allowed = {
-        "cli/main.py",
-        "cli/hydra_errors.py",
-        "cli/sweep.py",
-        "config/store.py",
-        "compat/hydra_internals.py",
-    }
+    allowed = {"config/store.py", "compat/hydra_internals.py"}
     package = Path(__file__).resolve().parents[1] / "fsdp_cli"
     offenders = [
         p.relative_to(package).as_posix()
         for p in package.rglob("*.py")
         if p.relative_to(package).as_posix() not in allowed
+        and p.relative_to(package).parts[0] != "cli"
         and ("import hydra" in p.read_text() or "from hydra" in p.read_text())
     ]
     assert offenders == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -107,26 +106,6 @@ def test_plain_nn_module_from_a_test_file_trains_under_fsdp2(tmp_path: Path) -> 
     assert summary["parameters"] > 0
     rows = read_metrics(run_dir)
     assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"]
-
-
-def test_multirun_launches_each_job_once(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    result = run_cli(
-        [
-            "-m",
-            "strategy=ddp,fsdp2",
-            "devices=2",
-            "accelerator=cpu",
-            "trainer.max_steps=3",
-            f"hydra.sweep.dir={sweep}",
-        ]
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    jobs = json.loads((sweep / "sweep_summary.json").read_text())
-    assert [(j["strategy"], j["status"]) for j in jobs] == [("ddp", "ok"), ("fsdp2", "ok")]
-    for job in ("0", "1"):
-        assert [r["step"] for r in read_metrics(sweep / job)] == [1, 2, 3], "each job ran exactly once"
-    assert "sweep: 2 jobs" in result.stdout
 
 
 def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None:

@@ -2,15 +2,18 @@
 
 Everything on this path before :func:`fsdp_cli.launch.launcher.launch` is free of torch and
 lightning, so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well under a
-second.
+second. In a sweep (``-m``) each job runs through :func:`fsdp_cli.cli.sweep_job.run_sweep_job`,
+so that no job stops the sweep, and the command exits with the status its report decided.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib.util
+import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,25 +22,30 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
-from fsdp_cli.config.convert import to_train_config, to_yaml
-from fsdp_cli.config.migrate import migrate
+from fsdp_cli.cli.resolve import resolve_config
+from fsdp_cli.cli.sweep import exit_status as sweep_exit_status
+from fsdp_cli.cli.sweep_job import run_sweep_job
+from fsdp_cli.config.convert import to_yaml
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.store import register_schemas
-from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
 from fsdp_cli.launch.launcher import launch
-from fsdp_cli.launch.layout import resolve_layout
 from fsdp_cli.rundir.failure import merge_failure, read_failure
 from fsdp_cli.rundir.files import CONFIG_FILE
 from fsdp_cli.rundir.heartbeat import read_heartbeats
-from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED, STATUS_FAILED
+from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, STATUS_FAILED, STOP_CODES
 from fsdp_cli.rundir.summary import read_summary, write_summary
 from fsdp_cli.rundir.table import print_summary
 
 PROG = "fsdp-train"
+MULTIRUN_FLAGS = ("-m", "--multirun")
+MODE_FLAGS = {
+    **dict.fromkeys(MULTIRUN_FLAGS, "--multirun"),
+    **dict.fromkeys(("-c", "--cfg"), "--cfg"),
+    **dict.fromkeys(("-i", "--info"), "--info"),
+}
 
 
 def _config_path() -> str:
@@ -49,16 +57,26 @@ def _config_path() -> str:
 
 
 @hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
-def train(cfg: DictConfig) -> dict[str, Any] | None:
+def train(cfg: DictConfig) -> Any:
     hydra_cfg = HydraConfig.get()
     job = detect_cluster_job(os.environ)
-    run_dir = _run_dir(hydra_cfg, job)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
+        launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
+        return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
     typed = resolve(cfg, run_dir)
-    if global_rank() == 0:
-        (run_dir / CONFIG_FILE).write_text(to_yaml(typed))
+    return _launch(typed, run_dir=run_dir, job=job, multirun=False)[1]
 
-    code = _run_here(typed) if job is not None else launch(typed)
-    return finish(code, run_dir, job=job, multirun=hydra_cfg.mode == RunMode.MULTIRUN, cfg=typed)
+
+def _launch(
+    cfg: TrainConfig, *, run_dir: Path, job: ClusterJob | None, multirun: bool
+) -> tuple[int, dict[str, Any] | None]:
+    """Write the resolved config, run the ranks, report: their exit status and the summary."""
+    if global_rank() == 0:
+        _write_atomically(run_dir / CONFIG_FILE, to_yaml(cfg))
+    code = _run_here(cfg) if job is not None else launch(cfg)
+    return code, finish(code, run_dir, job=job, multirun=multirun, cfg=cfg)
 
 
 def _run_here(cfg: TrainConfig) -> int:
@@ -72,16 +90,9 @@ def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
     """The composed config as the typed, resolved, validated config every rank reads; a mistake
     is one line on stderr and exit status 2."""
     try:
-        typed, notices = migrate(to_train_config(cfg))
-        _notify(notices)  # before validation: an error may be about the new name
-        typed = resolve_layout(typed, os.environ)
-        typed = dataclasses.replace(typed, run_dir=str(run_dir))
-        validate(typed)
-        typed, resume_notices = resolve_resume(typed)
+        return resolve_config(cfg, run_dir, os.environ, notify=_notify)
     except ConfigError as err:
         fail(err.one_line())
-    _notify([*advisories(typed), *resume_notices])
-    return typed
 
 
 def finish(
@@ -106,14 +117,16 @@ def finish(
             # Which rank failed first and how, or which ranks hung: seen from outside the ranks.
             summary = merge_failure(summary, failure)
         write_summary(run_dir, summary)
-    if code == EXIT_CONFIG_ERROR and not multirun:
-        # A mistake only the built model could reveal (a wrap class it does not have, ...):
-        # the rank already printed the one line; nothing else to show.
-        sys.exit(EXIT_CONFIG_ERROR)
+    if code == EXIT_CONFIG_ERROR:
+        # A mistake only the built model could reveal (a wrap class it does not have, ...): the
+        # rank already printed the one line; a sweep records the job as skipped.
+        if not multirun:
+            sys.exit(EXIT_CONFIG_ERROR)
+        return summary
     print_summary(summary, run_dir)
-    # A preempted job stops a sweep too: the signal was meant for the whole command.
-    if code == EXIT_PREEMPTED or (code != 0 and not multirun):
-        sys.exit(code if code == EXIT_PREEMPTED else EXIT_FAILED)
+    # Preemption or Ctrl-C stops a sweep too: the signal was meant for the whole command.
+    if code in STOP_CODES or (code != 0 and not multirun):
+        sys.exit(code if code in STOP_CODES else EXIT_FAILED)
     return summary
 
 
@@ -127,23 +140,28 @@ def _parent_summary(cfg: TrainConfig | None, run_dir: Path, code: int) -> dict[s
         "run_dir": str(run_dir),
     }
     if cfg is not None:
-        model = cfg.model
         summary.update(
             strategy=cfg.strategy.name,
             world_size=int(cfg.devices) * cfg.num_nodes,
             dp=int(cfg.dp),
             tp=cfg.tp,
             precision=cfg.precision.name,
-            model=getattr(model, "target", None) or model.name,
+            model=getattr(cfg.model, "target", None) or cfg.model.name,
         )
     beats = read_heartbeats(run_dir)
     summary["steps"] = max((max(b.step, 0) for b in beats.values()), default=0)
     return summary
 
 
-def _notify(notices: list[str]) -> None:
-    for notice in notices:
-        print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
+def _write_atomically(path: Path, text: str) -> None:
+    # On a shared run directory every node's parent writes it; a rank must never read half a file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _notify(notice: str) -> None:
+    print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
 
 
 def fail(message: str) -> NoReturn:
@@ -151,17 +169,46 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _run_dir(hydra_cfg: Any, job: ClusterJob | None) -> Path:
-    """Hydra's run directory; inside torchrun/SLURM every rank must agree on it, and Hydra's
-    default (a timestamp) can differ by a second between ranks, so the job id names it instead."""
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    explicit = any(o.startswith(("hydra.run.dir=", "hydra.sweep.")) for o in hydra_cfg.overrides.hydra)
-    if job is None or explicit or hydra_cfg.mode == RunMode.MULTIRUN:
-        return run_dir
-    job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "job"
-    shared = Path("outputs") / f"{job.kind}-{job_id}"
-    shared.mkdir(parents=True, exist_ok=True)
-    return shared.resolve()
+def cluster_run_dir(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """Inside torchrun/SLURM every rank composes the config itself, and Hydra's default run (or
+    sweep) directory, a timestamp, can differ by a second between ranks: name it after the job
+    instead, before Hydra creates it, so the ranks share one directory (unless the command names one)."""
+    job = detect_cluster_job(env)
+    if job is None:
+        return argv
+    job_id = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "job"
+    multirun = any(a in MULTIRUN_FLAGS for a in argv)
+    key, root = ("hydra.sweep.dir", "multirun") if multirun else ("hydra.run.dir", "outputs")
+    if any(a.startswith(f"{key}=") for a in argv):
+        return argv
+    return [*argv, f"{key}={root}/{job.kind}-{job_id}"]
+
+
+def check_modes(argv: list[str]) -> None:
+    """Hydra runs one mode at a time; say so in one line instead of its traceback."""
+    modes = sorted({MODE_FLAGS[a] for a in argv if a in MODE_FLAGS})
+    if len(modes) > 1:
+        fail(
+            f"{' and '.join(modes)} cannot be combined (one mode at a time); "
+            f"hint: to see one job of a sweep, drop -m and give one value per key: {PROG} tp=2 --cfg job"
+        )
+
+
+def register_sweep_launcher() -> None:
+    """Make ``hydra/launcher=fsdp_cli`` available however the package was installed.
+
+    Hydra finds the plugin by scanning the ``hydra_plugins`` namespace package. Some editable
+    installs (setuptools' import-hook mode) serve it to ``import`` but not to that scan; then it
+    is registered here explicitly, through Hydra's documented ``Plugins.register``."""
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+
+    plugins = Plugins.instance()  # scans
+    name = "hydra_plugins.fsdp_cli_sweep.launcher.SweepLauncher"
+    if not any(f"{c.__module__}.{c.__name__}" == name for c in plugins.discover(Launcher)):
+        from hydra_plugins.fsdp_cli_sweep.launcher import SweepLauncher
+
+        plugins.register(SweepLauncher)
 
 
 def main() -> None:
@@ -169,9 +216,17 @@ def main() -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     register_schemas()
+    register_sweep_launcher()
+    # Optuna imports alembic, whose INFO chatter ("setup plugin ...") Hydra's root logger prints.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)
-    sys.argv[1:] = quote_numeric_group_options(sys.argv[1:])
+    check_modes(sys.argv[1:])
+    sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
     train()
+    # After a sweep: 1 when any job failed (skipped ones do not count), decided by its report.
+    code = sweep_exit_status()
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

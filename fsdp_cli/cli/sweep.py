@@ -1,97 +1,73 @@
-"""After ``fsdp-train -m ...``: one table comparing the layouts of the sweep.
+"""After ``fsdp-train -m ...``: the comparison of every job, and the sweep's exit status.
 
-A Hydra callback (configured in ``train.yaml`` under ``hydra.callbacks``) that reads each job's
-``summary.json`` when the sweep ends, prints the comparison and writes ``sweep_summary.json``
-in the sweep directory. If any job failed, the sweep exits with status 1.
+A Hydra callback (``hydra.callbacks.sweep_report`` in ``train.yaml``). When the sweep ends it
+reads the job folders of this sweep (any launcher: ours, basic, submitit on other nodes), prints
+the table, writes ``sweep_summary.csv``, ``.json`` and ``.png`` in the sweep directory, and
+decides the exit status :func:`fsdp_cli.cli.main.main` returns: 1 when any job failed, 0 when
+every job ran or was skipped as invalid. (Exiting inside the callback would skip the callbacks
+that run after it.)
 """
 
 from __future__ import annotations
 
-import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from fsdp_cli.rundir.summary import read_summary
+from fsdp_cli.cli.sweep_job import direction_name
+from fsdp_cli.rundir.status import EXIT_FAILED, EXIT_OK, STATUS_FAILED
+from fsdp_cli.rundir.sweep_summary import report
 
-SWEEP_SUMMARY = "sweep_summary.json"
-COLUMNS = (
-    "status",
-    "strategy",
-    "dp",
-    "tp",
-    "precision",
-    "steps",
-    "final_loss",
-    "tokens_per_s",
-    "step_time_s",
-)
+CLOCK_SLACK_S = 2.0
+"""Job folders are told apart from an earlier sweep's by their start time; clocks of the nodes
+that ran them may differ by this much."""
+
+_exit_status = EXIT_OK
+
+
+def exit_status() -> int:
+    """What this process should exit with after its sweep (0 outside a sweep)."""
+    return _exit_status
 
 
 class SweepReport(Callback):
+    def __init__(self) -> None:
+        self._started: float | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _exit_status
+        _exit_status = EXIT_OK
+        self._started = time.time()
+        _warn_on_opposite_direction(config)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        jobs = []
-        for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=_job_order):
-            summary = read_summary(job_dir)
-            if summary is None:
-                continue
-            overrides = _overrides(job_dir)
-            jobs.append({"job": job_dir.name, "overrides": overrides, **{k: summary.get(k) for k in COLUMNS}})
-        if not jobs:
-            return
-        (sweep_dir / SWEEP_SUMMARY).write_text(json.dumps(jobs, indent=2) + "\n")
-        _print(jobs, sweep_dir)
-        if any(job["status"] != "ok" for job in jobs):
-            sys.exit(1)
+        global _exit_status
+        # Only this sweep's jobs: a reused hydra.sweep.dir may hold folders of an earlier one.
+        since = None if self._started is None else self._started - CLOCK_SLACK_S
+        jobs = report(Path(config.hydra.sweep.dir), since=since)
+        if any(job.status == STATUS_FAILED for job in jobs):
+            _exit_status = EXIT_FAILED
 
 
-def _job_order(path: Path) -> tuple[int, str]:
-    return (int(path.name), "") if path.name.isdigit() else (1 << 30, path.name)
-
-
-def _overrides(job_dir: Path) -> str:
-    file = job_dir / ".hydra" / "overrides.yaml"
-    if not file.is_file():
-        return ""
-    lines = [line[2:].strip() for line in file.read_text().splitlines() if line.startswith("- ")]
-    return " ".join(lines)
-
-
-def _print(jobs: list[dict[str, Any]], sweep_dir: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    baseline = next((j["tokens_per_s"] for j in jobs if j["tokens_per_s"]), None)
-    table = Table(title=f"sweep: {len(jobs)} jobs in {sweep_dir}", title_justify="left")
-    for name in (
-        "job",
-        "overrides",
-        "status",
-        "dp",
-        "tp",
-        "steps",
-        "final loss",
-        "tokens/s",
-        "vs job 0",
-        "step time",
-    ):
-        table.add_column(name, justify="right" if name not in ("overrides", "status") else "left")
-    for job in jobs:
-        tps = job["tokens_per_s"]
-        table.add_row(
-            job["job"],
-            job["overrides"],
-            str(job["status"]),
-            str(job["dp"]),
-            str(job["tp"]),
-            str(job["steps"]),
-            "-" if job["final_loss"] is None else f"{job['final_loss']:.4f}",
-            "-" if tps is None else f"{tps:,.0f}",
-            "-" if not (tps and baseline) else f"{tps / baseline:.2f}x",
-            "-" if job["step_time_s"] is None else f"{job['step_time_s'] * 1e3:.1f} ms",
+def _warn_on_opposite_direction(config: DictConfig) -> None:
+    """Optuna maximising the loss, or minimising throughput, is almost surely a mistake."""
+    direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None)
+    objective = OmegaConf.select(config, "sweep.objective", default=None)
+    if direction is None or objective is None:
+        return
+    wanted = (
+        "minimize"
+        if str(getattr(objective, "value", objective)) in ("final_loss", "step_time_s")
+        else "maximize"
+    )
+    if direction_name(direction) != wanted:
+        print(
+            f"fsdp-train: note: hydra.sweeper.direction={direction_name(direction)} with "
+            f"sweep.objective={getattr(objective, 'value', objective)}; hint: use hydra.sweeper.direction={wanted}",
+            file=sys.stderr,
+            flush=True,
         )
-    Console().print(table)

@@ -30,6 +30,7 @@ from fsdp_cli.config.schema import (
     ModelParallelConfig,
     OptimConfig,
     PrecisionConfig,
+    SweepConfig,
     SyntheticDataConfig,
     TextDataConfig,
     TrainConfig,
@@ -57,6 +58,7 @@ SECTION_SCHEMAS: dict[str, type] = {
     "logger": LoggerConfig,
     "optim": OptimConfig,
     "launcher": LauncherConfig,
+    "sweep": SweepConfig,
 }
 _MISSING = "???"
 

@@ -89,6 +89,17 @@ class Scheduler(Enum):
     linear = "linear"
 
 
+class SweepObjective(Enum):
+    """A value of a run's ``summary.json`` that a sweep job returns to the sweeper."""
+
+    final_loss = "final_loss"
+    """Training loss of the last logged step."""
+    tokens_per_s = "tokens_per_s"
+    """Training throughput: median over the steady-state steps."""
+    step_time_s = "step_time_s"
+    """Seconds per optimizer step: median over the steady-state steps."""
+
+
 # --------------------------------------------------------------------------- strategy group
 
 
@@ -97,15 +108,20 @@ class DDPConfig:
     """``strategy=ddp``: Lightning's DDPStrategy, the baseline every sharded layout is compared with."""
 
     name: str = "ddp"
+    """Selects this schema (set by the option file)."""
     process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = 1800
     """Collective timeout in seconds."""
     find_unused_parameters: bool = False
+    """Search the autograd graph for parameters without a gradient each step (slower; needed only by
+    models that skip modules)."""
     gradient_as_bucket_view: bool = True
     """Gradients alias the all-reduce buckets (saves one gradient-sized copy)."""
     static_graph: bool = False
+    """Tell DDP the graph is the same every step (enables some communication optimisations)."""
     bucket_cap_mb: int = 25
+    """Size of the gradient all-reduce buckets in MiB."""
 
 
 @dataclass
@@ -119,6 +135,7 @@ class MixedPrecisionPolicyConfig:
     output_dtype: DType | None = None
     """Dtype of the root module's outputs; null keeps the compute dtype."""
     cast_forward_inputs: bool = True
+    """Cast floating-point forward inputs to ``param_dtype``."""
 
 
 @dataclass
@@ -129,16 +146,20 @@ class FSDP2Config:
     """
 
     name: str = "fsdp2"
+    """Selects this schema (set by the option file)."""
     reshard_after_forward: Any = True
     """true: free the gathered parameters after forward (ZeRO-3, FULL_SHARD); false: keep them
     until backward (ZeRO-2, SHARD_GRAD_OP); an int N: reshard to groups of N ranks."""
     mp_policy: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
+    """FSDP2 mixed precision; null dtypes derive from the ``precision`` group."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     replicate_size: int = 1
     """HSDP: number of replica groups; parameters are sharded within a group of dp/replicate_size
     ranks and replicated across groups. 1 = plain FSDP."""
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    """Recompute activations in backward instead of keeping them: none, full (every block) or
+    selective."""
     ac_every_n_blocks: int = 2
     """With ``activation_checkpointing=selective``: recompute every N-th block."""
     compile: bool = False
@@ -149,7 +170,9 @@ class FSDP2Config:
     """Dotted path of ``fn(model, device_mesh, **options)`` that replaces the built-in
     parallelization (tensor parallel, activation checkpointing, compile, fully_shard)."""
     process_group_backend: str | None = None
+    """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = 1800
+    """Collective timeout in seconds."""
 
 
 @dataclass
@@ -157,22 +180,36 @@ class FSDPConfig:
     """``strategy=fsdp``: Lightning's FSDPStrategy (FSDP1), every documented option."""
 
     name: str = "fsdp"
+    """Selects this schema (set by the option file)."""
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    """What is sharded: FULL_SHARD (parameters, gradients, optimizer state), SHARD_GRAD_OP
+    (gradients and optimizer state), NO_SHARD (DDP-like), or the HYBRID_* variants (shard within
+    a group, replicate across groups)."""
     hybrid_shard_size: int | None = None
     """HYBRID_SHARD: ranks per shard group (parameters sharded within it, replicated across
     groups). null = the processes of one node."""
     cpu_offload: bool = False
+    """Keep parameters and gradients in CPU memory between uses."""
     mixed_precision: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
     """FSDP1 MixedPrecision param/reduce/buffer dtypes; null fields derive from ``precision``."""
     activation_checkpointing_policy: list[str] = field(default_factory=list)
     """Module classes (dotted or bare names) to recompute in backward; empty = none."""
     use_orig_params: bool = True
+    """Let the optimizer see the original parameters (needed by ``torch.compile`` and per-parameter
+    options)."""
     limit_all_gathers: bool = True
+    """Rate-limit all-gathers so prefetching cannot run ahead and exhaust GPU memory."""
     forward_prefetch: bool = False
+    """Issue the next unit's all-gather before the current unit's forward computation."""
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.BACKWARD_PRE
+    """When to issue the next unit's all-gather in backward: BACKWARD_PRE (more overlap, more
+    memory), BACKWARD_POST, or none."""
     sync_module_states: bool = False
+    """Broadcast rank 0's parameters and buffers at wrap time."""
     process_group_backend: str | None = None
+    """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = 1800
+    """Collective timeout in seconds."""
     activation_checkpointing: list[str] | None = None
     """Deprecated (Lightning's old keyword): use ``activation_checkpointing_policy``."""
 
@@ -214,10 +251,13 @@ class ModelParallelConfig:
     implements ``configure_model`` itself. Sizes come from the top-level ``dp`` and ``tp``."""
 
     name: str = "model_parallel"
+    """Selects this schema (set by the option file)."""
     save_distributed_checkpoint: bool | None = None
     """true: sharded (DCP) checkpoints, false: one full file; null: from the ``checkpoint`` group."""
     process_group_backend: str | None = None
+    """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = 1800
+    """Collective timeout in seconds."""
 
 
 # --------------------------------------------------------------------------- other groups
@@ -235,6 +275,7 @@ class WrapConfig:
     """Which module classes become FSDP units (and the default activation-checkpointing unit)."""
 
     policy: WrapPolicy = WrapPolicy.block
+    """block, classes, size or none: how modules become FSDP units."""
     classes: list[str] = field(default_factory=list)
     """With ``policy=classes``: module class names, dotted (``pkg.mod.Block``) or bare (``Block``)."""
     min_num_params: int = 100_000_000
@@ -244,6 +285,8 @@ class WrapConfig:
 @dataclass
 class CheckpointConfig:
     format: CheckpointFormat = CheckpointFormat.sharded
+    """sharded: a DCP folder, one shard per rank, resumable at any layout; full: one consolidated
+    file."""
     dir: str | None = None
     """Where checkpoints go; null = ``<run dir>/checkpoints``."""
     every_n_steps: int | None = None
@@ -265,20 +308,31 @@ class LlamaConfig:
     """The built-in Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
 
     name: str = "llama"
+    """Selects this schema (set by the option file)."""
     vocab_size: int = 256
+    """Size of the token vocabulary (embedding rows and output logits)."""
     dim: int = 64
+    """Hidden size of the residual stream."""
     n_layers: int = 2
+    """Number of transformer blocks."""
     n_heads: int = 4
+    """Attention heads; ``dim / n_heads`` is the head size."""
     n_kv_heads: int | None = None
     """Grouped-query attention: key/value heads (null = n_heads)."""
     ffn_hidden_dim: int | None = None
     """SwiGLU hidden size; null = 8/3 * dim rounded up to ``multiple_of``."""
     multiple_of: int = 32
+    """The derived SwiGLU hidden size is rounded up to a multiple of this."""
     norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
     rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
     max_seq_len: int = 2048
+    """Longest sequence the rotary tables cover (``data.seq_len`` may not exceed it)."""
     tie_embeddings: bool = False
+    """Share the input embedding with the output head (not with tp > 1)."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
 
     def feed_forward_dim(self) -> int:
         """SwiGLU hidden size: ``ffn_hidden_dim``, or 8/3 * dim rounded up to ``multiple_of`` (Llama's rule)."""
@@ -297,9 +351,13 @@ class CustomModelConfig:
     """
 
     target: str = MISSING
+    """Dotted path of the class or factory (``model._target_`` in YAML)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the target (the other ``model.*`` keys)."""
     name: str = "custom"
+    """Always ``custom``."""
     vocab_size: int | None = None
+    """The vocabulary size, when the target takes one (``+model.vocab_size=N``)."""
 
 
 @dataclass
@@ -307,15 +365,18 @@ class SyntheticDataConfig:
     """Deterministic random tokens: sequence i depends only on (seed, i)."""
 
     name: str = "synthetic"
+    """Selects this schema (set by the option file)."""
     global_batch_size: int = 8
     """Sequences per optimizer step across all data-parallel ranks."""
     seq_len: int = 64
+    """Tokens per sequence."""
     vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
     """Token ids are drawn from [0, vocab_size); defaults to the model's vocabulary size."""
     micro_batch_size: int | None = None
     """Sequences per data-parallel rank per forward; null = global_batch_size / dp. Smaller
     values accumulate gradients over global_batch_size / (dp * micro_batch_size) micro-batches."""
     num_workers: int = 0
+    """DataLoader worker processes per rank."""
 
 
 @dataclass
@@ -323,11 +384,17 @@ class TextDataConfig:
     """Byte-level tokens from local text files (no tokenizer, vocabulary 256)."""
 
     name: str = "text"
+    """Selects this schema (set by the option file)."""
     global_batch_size: int = 8
+    """Sequences per optimizer step across all data-parallel ranks."""
     seq_len: int = 128
+    """Tokens (bytes) per sequence."""
     vocab_size: int | None = 256
+    """Byte-level: 256 token ids."""
     micro_batch_size: int | None = None
+    """Sequences per data-parallel rank per forward; null = global_batch_size / dp."""
     num_workers: int = 0
+    """DataLoader worker processes per rank."""
     path: str | None = None
     """A file, a folder (its *.py, *.txt, *.md files) or a glob; null = the Python standard
     library sources on this machine, so a real loss curve needs no download."""
@@ -340,11 +407,17 @@ class OptimConfig:
     """AdamW with linear warm-up and an optional decay."""
 
     lr: float = 3e-3
+    """Peak learning rate (after warm-up)."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW moment coefficients."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
     scheduler: Scheduler = Scheduler.constant
+    """After warm-up: constant, cosine or linear decay to ``lr * min_lr_ratio``."""
     min_lr_ratio: float = 0.1
     """cosine/linear decay end at lr * min_lr_ratio at trainer.max_steps."""
 
@@ -358,11 +431,15 @@ class TrainerConfig:
     gradient_clip_val: float | None = 1.0
     """Clip the gradient norm to this value; null = no clipping."""
     gradient_clip_algorithm: str = "norm"
+    """norm: clip the global gradient norm; value: clip each gradient element."""
     deterministic: bool = False
+    """Lightning's deterministic mode (deterministic algorithms; slower)."""
     enable_progress_bar: bool = False
+    """Lightning's progress bar (the per-step log lines replace it)."""
     val_check_interval: int | None = None
     """Run validation every N steps on held-out batches; null = no validation."""
     limit_val_batches: int = 4
+    """Held-out batches per validation run."""
     skip_nonfinite_steps: int = 0
     """Skip (zero the update of) up to this many optimizer steps whose gradient norm is not
     finite, then fail; 0 = fail at the first non-finite loss or gradient norm. Skipping checks
@@ -380,8 +457,10 @@ class LauncherConfig:
     """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM)."""
 
     rdzv_endpoint: str | None = None
-    """host:port of the rendezvous for multi-node runs; null = 127.0.0.1 and a free port."""
-    node_rank: int = 0
+    """host:port of the rendezvous for multi-node runs (node 0's address and a free port); null =
+    ``$MASTER_ADDR:$MASTER_PORT`` when ``MASTER_ADDR`` is set, else (one node) 127.0.0.1 and a free port."""
+    node_rank: int | None = None
+    """This node's rank, 0 .. num_nodes-1; null = ``$NODE_RANK``, or 0."""
     max_restarts: int = 0
     """torch elastic restarts of a failed worker group (each restart resumes from the newest checkpoint)."""
     shutdown_timeout_s: int = 300
@@ -395,19 +474,40 @@ class LauncherConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How each job of a sweep (``fsdp-train -m ...``) reports to the sweeper."""
+
+    objective: SweepObjective = SweepObjective.final_loss
+    """What a job returns to the sweeper: Optuna minimises or maximises it, following
+    ``hydra.sweeper.direction``. A job that was skipped or failed returns the worst value."""
+
+
+@dataclass
 class TrainConfig:
     """The whole run. Group options fill the ``Any`` fields with their own schemas."""
 
     strategy: Any = MISSING
+    """The ``strategy`` group: how the model is distributed."""
     precision: PrecisionConfig = MISSING
+    """The ``precision`` group."""
     wrap: WrapConfig = MISSING
+    """The ``wrap`` group: which modules become FSDP units."""
     checkpoint: CheckpointConfig = MISSING
+    """The ``checkpoint`` group: format and schedule of checkpoints."""
     model: Any = MISSING
+    """The ``model`` group."""
     data: Any = MISSING
+    """The ``data`` group."""
     trainer: TrainerConfig = MISSING
+    """Steps, logging, clipping, validation."""
     logger: LoggerConfig = MISSING
+    """The ``logger`` group."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """How ranks are started (multi-node rendezvous, restarts)."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """What each job of a sweep reports to the sweeper."""
     dp: Any = "auto"
     """Data-parallel size: ``auto`` = world size / tp."""
     tp: int = 1
@@ -415,8 +515,11 @@ class TrainConfig:
     devices: Any = "auto"
     """Processes per node: ``auto`` = every visible GPU, or 2 CPU processes without GPUs."""
     num_nodes: int = 1
+    """Machines the run spans (inside srun/torchrun: taken from the job)."""
     accelerator: Accelerator = Accelerator.auto
+    """``auto``: gpu when a GPU is visible, else cpu."""
     seed: int = 1234
+    """Seed of the model initialisation and the data order."""
     resume: str | None = None
     """null: start fresh; ``auto``: newest complete checkpoint of this run; or a checkpoint path."""
     run_dir: str = "."

@@ -13,17 +13,20 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_cli.config.schema import Accelerator, TrainConfig
+from fsdp_cli.config.schema import Accelerator, LauncherConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, visible_gpu_count
 from fsdp_cli.parallel.dims import ParallelDims
 
 CPU_DEFAULT_DEVICES = 2
 """Processes per node for ``devices=auto`` on a machine without GPUs."""
+DEFAULT_RDZV_PORT = 29500
+"""torchrun's port when ``MASTER_ADDR`` comes without ``MASTER_PORT``."""
 
 
 def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None = None) -> TrainConfig:
-    """Return ``cfg`` with accelerator, devices, num_nodes, dp and precision made concrete.
+    """Return ``cfg`` with accelerator, devices, num_nodes, dp, precision and (multi-node) the
+    rendezvous made concrete.
 
     ``gpus``: the number of usable GPUs; None counts them (``CUDA_VISIBLE_DEVICES`` in ``env``
     and the driver). Tests pass it to describe another machine than the one they run on."""
@@ -40,8 +43,8 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None
             allowed="auto, cpu",
             hint="use accelerator=cpu (or check CUDA_VISIBLE_DEVICES)",
         )
-    _check_rendezvous(cfg, job)
     devices, num_nodes = _devices(cfg, accelerator, gpus, job)
+    launcher = resolve_rendezvous(cfg, env, job)
     dims = parallel_dims(cfg, devices=devices, num_nodes=num_nodes)
     precision = cfg.precision
     if precision.name == "auto":
@@ -56,6 +59,7 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None
         dp=dims.dp,
         tp=dims.tp,
         precision=precision,
+        launcher=launcher,
     )
 
 
@@ -72,15 +76,46 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
     )
 
 
-def _check_rendezvous(cfg: TrainConfig, job: ClusterJob | None) -> None:
-    if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None and job is None:
+def resolve_rendezvous(cfg: TrainConfig, env: Mapping[str, str], job: ClusterJob | None) -> LauncherConfig:
+    """Where the nodes of a multi-node run meet and which node this is: from the config, else from
+    the variables launchers and schedulers set (``MASTER_ADDR``/``MASTER_PORT``, ``NODE_RANK``)."""
+    launcher = cfg.launcher
+    if job is not None or cfg.num_nodes == 1:  # the enclosing job (or nobody) needs a rendezvous
+        return dataclasses.replace(launcher, node_rank=launcher.node_rank or 0)
+    endpoint = launcher.rdzv_endpoint
+    if endpoint is None and env.get("MASTER_ADDR"):
+        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT') or DEFAULT_RDZV_PORT}"
+    if endpoint is None:
         raise ConfigError(
             "launcher.rdzv_endpoint",
             None,
             f"num_nodes={cfg.num_nodes} needs a rendezvous address every node can reach",
             allowed="HOST:PORT of node 0",
-            hint="launcher.rdzv_endpoint=node0:29500 launcher.node_rank=R, or run under srun/torchrun",
+            hint="launcher.rdzv_endpoint=node0:29500 launcher.node_rank=R (or MASTER_ADDR, MASTER_PORT, "
+            "NODE_RANK in the environment), or run under srun/torchrun",
         )
+    node_rank = launcher.node_rank
+    key = "launcher.node_rank"
+    if node_rank is None:
+        key, node_rank = "NODE_RANK", env.get("NODE_RANK", "0")
+    rank = _node_rank(key, node_rank, cfg.num_nodes)
+    return dataclasses.replace(launcher, rdzv_endpoint=endpoint, node_rank=rank)
+
+
+def _node_rank(key: str, value: Any, num_nodes: int) -> int:
+    try:
+        rank = int(value)
+    except (TypeError, ValueError):
+        rank = -1
+    if not 0 <= rank < num_nodes:
+        raise ConfigError(
+            key,
+            value,
+            f"not a node of num_nodes={num_nodes}",
+            allowed=f"0..{num_nodes - 1}",
+            hint="node 0 hosts the rendezvous; give every other node its own rank",
+        )
+    return rank
 
 
 def _devices(
@@ -96,6 +131,14 @@ def _devices(
                 f"this {job.kind} job runs {job.local_world_size} processes per node",
                 allowed=f"auto or {job.local_world_size}",
                 hint="leave devices=auto inside torchrun/srun",
+            )
+        if num_nodes > 1 and num_nodes != job.num_nodes:
+            raise ConfigError(
+                "num_nodes",
+                num_nodes,
+                f"this {job.kind} job spans {job.num_nodes} node(s)",
+                allowed=f"{job.num_nodes} (or 1, which takes the job's)",
+                hint=f"allocate {num_nodes} nodes (sbatch --nodes={num_nodes}) or set num_nodes={job.num_nodes}",
             )
         return job.local_world_size, job.num_nodes
     if cfg.devices == "auto":

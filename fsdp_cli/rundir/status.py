@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 STATUS_OK, STATUS_FAILED, STATUS_PREEMPTED = "ok", "failed", "preempted"
+STATUS_SKIPPED = "skipped"
+"""A sweep job whose config cannot run; its one-line config error is the reason recorded."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -10,3 +12,7 @@ EXIT_CONFIG_ERROR = 2
 """A mistake in the config: one line on stderr, no traceback."""
 EXIT_PREEMPTED = 143
 """128 + SIGTERM: what schedulers expect from a job that was told to stop (after its checkpoint)."""
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT: Ctrl-C."""
+STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)
+"""A job ending with one of these was told to stop: a sweep stops with it, whatever jobs remain."""

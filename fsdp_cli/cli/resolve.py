@@ -1,0 +1,58 @@
+"""From the composed config to the typed, resolved, validated config every rank reads.
+
+:func:`resolve_config` is the one path both a single run and a sweep's pre-launch pass take, so
+the two always agree on what can run: a single run prints a failure as one line and exits 2; a
+sweep records the job as ``skipped`` with that same line and goes on.
+
+No torch here: the checks answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.config.convert import to_train_config
+from fsdp_cli.config.migrate import migrate
+from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.launch.layout import resolve_layout
+
+PreLaunchCheck = Callable[[TrainConfig], None]
+
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = ()
+"""Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
+
+The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in
+memory, ...): a check raises :class:`fsdp_cli.errors.ConfigError`, and a single run stops with its
+one line (exit 2) while a sweep records the job as ``skipped`` with it, before any job starts."""
+
+
+def resolve_config(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: Mapping[str, str],
+    *,
+    notify: Callable[[str], None],
+) -> TrainConfig:
+    """migrate -> resolve the layout -> validate -> resolve ``resume`` -> :data:`PRE_LAUNCH_CHECKS`.
+
+    Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
+    receives the notices worth a line each (old names, settings without effect, what ``resume``
+    found), the migration ones before validation since an error may be about the new name."""
+    typed, notices = migrate(to_train_config(cfg))
+    for notice in notices:
+        notify(notice)
+    typed = resolve_layout(typed, env)
+    typed = dataclasses.replace(typed, run_dir=str(run_dir))
+    validate(typed)
+    typed, resume_notices = resolve_resume(typed)
+    for check in PRE_LAUNCH_CHECKS:
+        check(typed)
+    for notice in [*advisories(typed), *resume_notices]:
+        notify(notice)
+    return typed

@@ -1,0 +1,279 @@
+"""The documentation tells the truth: the config reference is the schemas', every ``fsdp-train``
+and ``fsdp-recipe`` command shown in README.md and docs/ runs (``fsdp-train`` at least to
+``--cfg job``), the sbatch template runs, and the Dockerfile parses and pins what pyproject allows."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import REPO, entry_point
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep
+
+from fsdp_cli.compat import SUPPORTED
+from fsdp_cli.config import reference, schema
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\s*$")
+INLINE = re.compile(r"`((?:fsdp-train|fsdp-recipe) [^`]*)`")
+PLACEHOLDER = re.compile(r"(^|=)([A-Z][A-Z_]{2,}|\.\.\.)$")
+"""``KEY=VALUE``, ``PATH``, ``...``: a template in prose, not a command to run."""
+
+
+# --------------------------------------------------------------------------- config reference
+
+
+def test_config_reference_is_up_to_date() -> None:
+    shown = (REPO / "docs" / "config-reference.md").read_text()
+    assert shown == reference.render(), f"docs/config-reference.md is stale: run `{reference.COMMAND}`"
+
+
+def test_every_schema_key_has_a_docstring() -> None:
+    missing = [
+        f"{name}.{f.name}"
+        for name, cls in inspect.getmembers(schema, inspect.isclass)
+        if dataclasses.is_dataclass(cls) and cls.__module__ == schema.__name__
+        for f in dataclasses.fields(cls)
+        if not reference.doc_of(cls, f.name)
+    ]
+    assert missing == [], "write a docstring under each of these fields in fsdp_cli/config/schema.py"
+
+
+def test_the_reference_lists_every_key_with_its_default() -> None:
+    text = (REPO / "docs" / "config-reference.md").read_text()
+    for key, default in [
+        ("tp", "`1`"),
+        ("strategy.reshard_after_forward", "`true`"),
+        ("strategy.mp_policy.param_dtype", "`null`"),
+        ("data.global_batch_size", "`8`"),
+        ("launcher.node_rank", "`null`"),
+        ("sweep.objective", "`final_loss`"),
+    ]:
+        assert re.search(
+            rf"^\| `{re.escape(key)}` \| [^|]+(\\\|[^|]+)* \| {re.escape(default)} \|", text, re.M
+        ), key
+
+
+# --------------------------------------------------------------------------- commands in the docs
+
+
+def shown_commands() -> list[str]:
+    """Every ``fsdp-train``/``fsdp-recipe`` command line in a shell code block or inline code."""
+    found: list[str] = []
+    for doc in DOCS:
+        lang = None
+        pending = ""
+        for line in doc.read_text().splitlines():
+            fence = FENCE.match(line.strip())
+            if fence:
+                lang = None if lang is not None else fence.group(1)
+                continue
+            if lang is None:
+                found += INLINE.findall(line)
+            elif lang in ("", "bash", "sh", "console", "shell"):
+                pending += line.strip().removeprefix("$ ")
+                if pending.endswith("\\"):
+                    pending = pending[:-1] + " "
+                    continue
+                found.append(pending)
+                pending = ""
+    unique: dict[str, str] = {}  # one run per distinct command, whatever its comment says
+    for command in found:
+        parsed = _program(command)
+        if parsed is not None:
+            unique.setdefault(json.dumps(parsed, sort_keys=True), command)
+    return list(unique.values())
+
+
+def _program(line: str) -> tuple[str, dict[str, str], list[str]] | None:
+    """(program, environment assignments before it, its arguments) of a shell command line that
+    runs ``fsdp-train`` or ``fsdp-recipe``: directly, after variable assignments, after ``&&``, or
+    under ``srun``/``torchrun``. None for anything else (prose, program output, templates)."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return None
+    at = next((i for i, w in enumerate(words) if w in ("fsdp-train", "fsdp-recipe")), None)
+    if at is None:
+        return None
+    before = words[:at]
+    env = dict(w.split("=", 1) for w in before if re.match(r"^[A-Z_]+=", w))
+    launched = bool(before) and before[0] in ("srun", "torchrun")
+    if not (len(env) == len(before) or launched or before[-1] == "&&"):
+        return None
+    if any(PLACEHOLDER.search(w) or "$" in w for w in words[at + 1 :]):
+        return None  # a template: the sbatch test runs the one with shell variables
+    return words[at], env, words[at + 1 :]
+
+
+def single_job(args: list[str]) -> list[str]:
+    """A sweep as its first job: ``-m tp=1,2 'x=choice(a,b)'`` -> ``tp=1 x=a`` (Hydra's own parser)."""
+    if not {"-m", "--multirun"} & set(args):
+        return args
+    out = []
+    for arg in args:
+        if arg in ("-m", "--multirun"):
+            continue
+        (override,) = OverridesParser.create().parse_overrides([arg])
+        if override.is_sweep_override():
+            sweep = override.value()
+            first = (
+                sweep.start
+                if isinstance(sweep, IntervalSweep)
+                else next(iter(override.sweep_string_iterator()))
+            )
+            arg = f"{override.get_key_element()}={first}"
+        out.append(arg)
+    return out
+
+
+def run_shown(line: str, cwd: Path) -> str | None:
+    """Run one shown command (fsdp-train to ``--cfg job``); None when it worked, else why not."""
+    program, env, args = _program(line)  # type: ignore[misc]
+    if program == "fsdp-train":
+        args = single_job(args)
+        if not {"--cfg", "-c", "--help", "-h", "--info", "-i"} & set(args):
+            args = [*args, "--cfg", "job"]
+    r = subprocess.run(
+        [*entry_point(program), *args],
+        cwd=cwd,
+        env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return None if r.returncode == 0 else f"{line}\n  -> exit {r.returncode}: {r.stderr.strip()[-600:]}"
+
+
+def test_every_command_shown_in_readme_and_docs_runs(tmp_path: Path) -> None:
+    commands = shown_commands()
+    recipe_commands = [c for c in commands if _program(c)[0] == "fsdp-recipe"]  # type: ignore[index]
+    train_commands = [c for c in commands if c not in recipe_commands]
+    assert len(train_commands) >= 35 and len(recipe_commands) >= 4, commands  # the extraction found them
+    # fsdp-recipe first and in order: `fsdp-recipe cp` makes the copies later commands run.
+    failures = [f for f in (run_shown(c, tmp_path) for c in recipe_commands) if f]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures += [f for f in pool.map(lambda c: run_shown(c, tmp_path), train_commands) if f]
+    assert failures == [], "\n".join(failures)
+
+
+def test_the_sbatch_template_runs_its_fsdp_train_command(tmp_path: Path) -> None:
+    """The template under bash, with an ``srun`` that runs its command to ``--cfg job``."""
+    template = REPO / "docs" / "slurm" / "train.sbatch"
+    assert subprocess.run(["bash", "-n", str(template)]).returncode == 0
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    srun = fake_bin / "srun"
+    srun.write_text('#!/bin/sh\necho "$@" > "$SRUN_ARGS"\nexec "$@" --cfg job\n')
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    train = fake_bin / "fsdp-train"  # the console script of this environment, as srun finds it
+    train.write_text(f'#!/bin/sh\nexec {" ".join(map(shlex.quote, entry_point("fsdp-train")))} "$@"\n')
+    train.chmod(train.stat().st_mode | stat.S_IEXEC)
+    env = {
+        **os.environ,
+        "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NAME": "fsdp-train",
+        "SRUN_ARGS": str(tmp_path / "srun_args"),
+    }
+    r = subprocess.run(
+        ["bash", str(template), "trainer.max_steps=5"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert "max_steps: 5" in r.stdout and "n_layers: 80" in r.stdout, (
+        "the 70B recipe, with the extra override"
+    )
+    args = (tmp_path / "srun_args").read_text().split()
+    assert args[:3] == ["fsdp-train", "recipe=llama_70b_hsdp", "resume=auto"]
+    assert f"hydra.run.dir={tmp_path}/outputs/fsdp-train-77" in args
+    header = (REPO / "recipes" / "llama_70b_hsdp.yaml").read_text()
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --signal=TERM@300",
+        "srun fsdp-train",
+    ):
+        assert line in template.read_text() and line in header, line
+
+
+# --------------------------------------------------------------------------- container
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined = re.sub(
+        r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    )
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            keyword, _, rest = line.strip().partition(" ")
+            out.append((keyword, rest.strip()))
+    return out
+
+
+def test_the_dockerfile_parses_and_pins_what_pyproject_allows() -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    known = {"FROM", "ARG", "ENV", "WORKDIR", "COPY", "RUN", "USER", "ENTRYPOINT", "LABEL", "CMD", "EXPOSE"}
+    instructions = dockerfile_instructions((REPO / "Dockerfile").read_text())
+    assert {k for k, _ in instructions} <= known, instructions
+    args = dict(a.split("=", 1) for k, a in instructions if k == "ARG" and "=" in a)
+    (base,) = [a for k, a in instructions if k == "FROM"]
+    image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    assert re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image), image
+    assert image.split(":")[1].startswith(args["TORCH_VERSION"] + "-"), "the image's torch is the pinned one"
+    deps = {
+        re.split(r"[<>=!~ ]", d, maxsplit=1)[0]: d
+        for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    for package, pin in (("torch", args["TORCH_VERSION"]), ("lightning", args["LIGHTNING_VERSION"])):
+        allowed = SpecifierSet(deps[package][len(package) :])
+        assert Version(pin) in allowed and Version(pin) in SpecifierSet(SUPPORTED[package]), (
+            package,
+            pin,
+            allowed,
+        )
+    (run,) = [a for k, a in instructions if k == "RUN" and "pip install" in a]
+    assert (
+        '"torch==${TORCH_VERSION}"' in run
+        and '"lightning==${LIGHTNING_VERSION}"' in run
+        and '".[plot]"' in run
+    )
+    users = [a for k, a in instructions if k == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the image runs as a non-root user"
+    (entrypoint,) = [a for k, a in instructions if k == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["fsdp-train"]
+
+
+def test_dockerignore_keeps_outputs_and_caches_out() -> None:
+    entries = {
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    for needed in (
+        ".git",
+        ".venv",
+        "**/outputs",
+        "**/multirun",
+        "**/__pycache__",
+        ".pytest_cache",
+        ".ruff_cache",
+        "*.egg-info",
+    ):
+        assert needed in entries, needed
+    assert not {"fsdp_cli", "configs", "recipes", "pyproject.toml", "hydra_plugins"} & entries

@@ -1,0 +1,189 @@
+"""The pieces of a sweep without processes: the report read from job folders (table, CSV, JSON,
+PNG, with and without matplotlib), the values jobs return to a sweeper, the exit status, and the
+pre-launch check hook shared by single runs and sweeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+from fsdp_cli.cli import resolve, sweep, sweep_job
+from fsdp_cli.config.store import register_schemas
+from fsdp_cli.errors import ConfigError
+from fsdp_cli.rundir import sweep_plot
+from fsdp_cli.rundir.sweep_jobs import COLUMNS, NO_SUMMARY, collect
+from fsdp_cli.rundir.sweep_summary import report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_job(
+    sweep_dir: Path, n: int, overrides: list[str], summary: dict[str, Any] | None, losses: list[float]
+) -> Path:
+    job = sweep_dir / str(n)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if summary is not None:
+        (job / "summary.json").write_text(json.dumps(summary))
+    with open(job / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    return job
+
+
+@pytest.fixture
+def sweep_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "sweep"
+    ok = {"status": "ok", "dp": 2, "tp": 1, "strategy": "fsdp2", "precision": "32-true", "steps": 3}
+    ok |= {"final_loss": 4.5, "tokens_per_s": 2000.0, "step_time_s": 0.1, "peak_memory_bytes": [2**20, 2**21]}
+    make_job(d, 0, ["devices=2", "tp=1"], ok, [5.0, 4.8, 4.5])
+    make_job(d, 1, ["devices=2", "tp=3"], {"status": "skipped", "reason": "tp=3: must divide", "tp": 3}, [])
+    failed = {"status": "failed", "error": "RuntimeError: boom", "dp": 1, "tp": 2, "steps": 0}
+    make_job(d, 2, ["devices=2", "tp=2"], failed, [5.0, 4.9])
+    make_job(d, 10, ["devices=2", "tp=4"], None, [])  # killed before writing a summary
+    return d
+
+
+def test_jobs_are_read_from_their_folders_in_job_order(sweep_dir: Path) -> None:
+    jobs = collect(sweep_dir)
+    assert [(j.job, j.status, j.label) for j in jobs] == [
+        ("0", "ok", "tp=1"),
+        ("1", "skipped", "tp=3"),
+        ("2", "failed", "tp=2"),
+        ("10", "failed", "tp=4"),  # 10 after 2: numeric order
+    ]
+    assert jobs[0].peak_memory_mib_per_rank == [1.0, 2.0] and jobs[0].losses == [(1, 5.0), (2, 4.8), (3, 4.5)]
+    assert (jobs[2].steps, jobs[2].reason) == (2, "RuntimeError: boom"), "how far a failed job got"
+    assert jobs[3].reason == NO_SUMMARY
+
+
+def test_an_earlier_sweep_in_the_same_folder_is_left_out(sweep_dir: Path) -> None:
+    old = (sweep_dir / "0" / ".hydra" / "overrides.yaml").stat().st_mtime - 3600
+    for job in ("0", "1"):
+        os.utime(sweep_dir / job / ".hydra" / "overrides.yaml", (old, old))
+    assert [j.job for j in collect(sweep_dir, since=old + 1800)] == ["2", "10"]
+
+
+def test_report_writes_the_table_and_the_files(sweep_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report(sweep_dir)
+    out = capsys.readouterr().out
+    assert "sweep: 4 jobs (1 ok, 1 skipped, 2 failed)" in out and "tp=3: must divide" in out
+    with open(sweep_dir / "sweep_summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(COLUMNS)
+    assert (rows[0]["overrides"], rows[0]["peak_memory_mib_per_rank"]) == ("devices=2 tp=1", "1;2")
+    assert [r["status"] for r in rows] == ["ok", "skipped", "failed", "failed"]
+    data = json.loads((sweep_dir / "sweep_summary.json").read_text())
+    assert data[0]["overrides"] == ["devices=2", "tp=1"] and data[0]["peak_memory_mib_per_rank"] == [1.0, 2.0]
+    assert data[1]["final_loss"] is None and data[1]["reason"] == "tp=3: must divide"
+    assert (sweep_dir / "sweep_summary.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_without_matplotlib_the_png_is_skipped_with_one_line(
+    sweep_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("matplotlib.backends.backend_agg", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` of it raises ImportError
+    written = report(sweep_dir)
+    assert written and not (sweep_dir / "sweep_summary.png").exists()
+    assert (sweep_dir / "sweep_summary.csv").is_file()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        'fsdp-train: note: sweep_summary.png not written: matplotlib is not installed (pip install "fsdp-cli[plot]")'
+    ]
+    assert sweep_plot.write_png(collect(sweep_dir), sweep_dir / "x.png") is None
+
+
+def test_the_exit_status_is_1_only_when_a_job_failed(sweep_dir: Path) -> None:
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}})
+
+    def sweep_ends() -> int:
+        callback = sweep.SweepReport()
+        callback.on_multirun_start(config)
+        callback._started = None  # the fixture's jobs were written before this "sweep" started
+        callback.on_multirun_end(config)
+        return sweep.exit_status()
+
+    assert sweep_ends() == 1
+    for job in ("2", "10"):  # the failed ones become skipped: nothing failed any more
+        (sweep_dir / job / "summary.json").write_text(json.dumps({"status": "skipped", "reason": "x"}))
+    assert sweep_ends() == 0
+
+
+def test_the_value_returned_to_the_sweeper(monkeypatch: pytest.MonkeyPatch) -> None:
+    ok = {"status": "ok", "final_loss": 4.5, "tokens_per_s": 2000.0}
+    assert sweep_job.objective_value(ok, "final_loss") == 4.5
+    assert sweep_job.objective_value(ok, "tokens_per_s") == 2000.0
+    # Anything without a finite value is the worst one for the direction: never NaN or None.
+    assert sweep_job.objective_value({**ok, "status": "failed"}, "final_loss") == math.inf
+    assert sweep_job.objective_value({**ok, "final_loss": math.nan}, "final_loss") == math.inf
+    assert sweep_job.objective_value(None, "final_loss") == math.inf
+    maximize = OmegaConf.create({"sweeper": {"direction": "maximize"}})
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: maximize))
+    assert sweep_job.objective_value(None, "tokens_per_s") == -math.inf
+    assert [sweep_job.direction_name(d) for d in ("minimize", "MAXIMIZE", "Direction.maximize", None)] == [
+        "minimize",
+        "maximize",
+        "maximize",
+        "minimize",
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_hydra_job_left() -> Any:
+    yield
+    HydraConfig.instance().cfg = None  # type: ignore[assignment]
+
+
+def composed_job(tmp_path: Path, *overrides: str) -> Any:
+    """The job config Hydra would hand the task function, with HydraConfig set to that job's."""
+    register_schemas()
+    with initialize_config_module(config_module="fsdp_cli.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path / "job")
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def fits_in_memory(cfg: Any) -> None:
+    if cfg.model.dim > 64:
+        raise ConfigError("model.dim", cfg.model.dim, "does not fit in memory", hint="use a smaller model")
+
+
+def test_a_pre_launch_check_stops_a_single_run_and_skips_a_sweep_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resolve, "PRE_LAUNCH_CHECKS", (fits_in_memory,))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cfg = composed_job(tmp_path, "accelerator=cpu")
+    # The single-run path (fsdp-train prints this line and exits 2) ...
+    with pytest.raises(ConfigError, match="model.dim=128: does not fit in memory"):
+        resolve.resolve_config(cfg, tmp_path, os.environ, notify=print)
+    # ... and a sweep's check of the same job give the same verdict.
+    assert sweep_job.check_job(cfg) == "model.dim=128: does not fit in memory; hint: use a smaller model"
+    assert (
+        sweep_job.check_job(composed_job(tmp_path, "accelerator=cpu", "model.dim=64", "model.n_heads=2"))
+        is None
+    )
+    # A skipped job records why, and what its layout would have been.
+    assert sweep_job.skip_job("model.dim=128: does not fit in memory", cfg) == math.inf
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert (summary["status"], summary["reason"], summary["dp"], summary["world_size"]) == (
+        "skipped",
+        "model.dim=128: does not fit in memory",
+        2,
+        2,
+    )

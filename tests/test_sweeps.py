@@ -1,0 +1,216 @@
+"""Sweeps (``fsdp-train -m``): every job checked before the first starts, invalid ones skipped,
+failed ones recorded, the sweep going on; the comparison table and files; Optuna and submitit."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, read_metrics, read_summary
+from omegaconf import OmegaConf
+from process_group import run, started
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CPU = ["accelerator=cpu"]
+
+
+def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    return json.loads((sweep_dir / "sweep_summary.json").read_text())
+
+
+def statuses(sweep_dir: Path, n: int) -> list[str]:
+    return [read_summary(sweep_dir / str(i))["status"] for i in range(n)]
+
+
+# --------------------------------------------------------------------------- real sweeps
+
+
+@pytest.mark.distributed
+def test_the_issue_sweep_skips_the_invalid_job_runs_the_rest_and_compares(tmp_path: Path) -> None:
+    # Used to be: job 0 runs; job 1 (tp=3) exits 2; job 2 never runs; no table; exit 2.
+    sweep = tmp_path / "sweep"
+    r = run(["-m", *CPU, "devices=2", "tp=1,3,2", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r
+    assert statuses(sweep, 3) == ["ok", "skipped", "ok"]
+    reason = read_summary(sweep / "1")["reason"]
+    assert reason.startswith("tp=3: must divide the world size 2") and "hint:" in reason
+    # Checked before the first job started: the verdict on job 1 comes before job 0's first step.
+    verdict = r.out.index("#1 : accelerator=cpu devices=2 tp=3 trainer.max_steps=3  -> skipped: tp=3")
+    assert verdict < r.out.index("step      1"), r
+    assert "Launching 2 jobs locally (1 of 3 skipped as invalid)" in r.out
+    # Each valid job ran exactly once; the skipped one started nothing but still has its folder.
+    for job in ("0", "2"):
+        assert [row["step"] for row in read_metrics(sweep / job)] == [1, 2, 3]
+    assert (sweep / "1" / ".hydra" / "overrides.yaml").is_file()
+    assert not (sweep / "1" / "metrics.jsonl").exists() and not (sweep / "1" / "config.yaml").exists()
+    # The comparison: dp=2 and tp=2 are the same optimisation, so the same losses.
+    dp2, tp2 = ([row["loss"] for row in read_metrics(sweep / job)] for job in ("0", "2"))
+    assert max(abs(a - b) for a, b in zip(dp2, tp2)) < 1e-5, (dp2, tp2)
+    _check_report(r.out, sweep)
+
+
+def _check_report(out: str, sweep: Path) -> None:
+    assert "sweep: 3 jobs (2 ok, 1 skipped, 0 failed)" in out
+    assert re.search(r"│\s+1 │ tp=3\s+│ skipped │", out), out  # the skipped job's row, with its reason
+    assert "tp=3: must divide the world size 2" in out.split("sweep: 3 jobs")[1]
+    rows = sweep_rows(sweep)
+    assert [(row["job"], row["status"], row["dp"], row["tp"]) for row in rows] == [
+        ("0", "ok", 2, 1),
+        ("1", "skipped", None, 3),
+        ("2", "ok", 1, 2),
+    ]
+    ok = rows[0]
+    assert ok["overrides"] == ["accelerator=cpu", "devices=2", "tp=1", "trainer.max_steps=3"]
+    assert (ok["strategy"], ok["precision"], ok["steps"]) == ("fsdp2", "32-true", 3)
+    assert ok["final_loss"] == read_metrics(sweep / "0")[-1]["loss"]
+    assert ok["tokens_per_s"] > 0 and ok["step_time_s"] > 0
+    assert len(ok["peak_memory_mib_per_rank"]) == 2 and min(ok["peak_memory_mib_per_rank"]) > 0
+    assert rows[1]["reason"].startswith("tp=3") and rows[1]["final_loss"] is None
+    with open(sweep / "sweep_summary.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [row["status"] for row in table] == ["ok", "skipped", "ok"]
+    assert table[0]["overrides"] == "accelerator=cpu devices=2 tp=1 trainer.max_steps=3"
+    assert len(table[0]["peak_memory_mib_per_rank"].split(";")) == 2
+    assert (sweep / "sweep_summary.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.distributed
+def test_a_preempted_job_stops_the_sweep(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        *CPU,
+        "devices=1",
+        "data.seq_len=32",
+        "trainer.max_steps=100000,3",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    with started(args) as proc:
+        metrics = sweep / "0" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    assert read_summary(sweep / "0")["status"] == "preempted"
+    assert not (sweep / "1").exists(), "the sweep stopped with the preempted job"
+
+
+@pytest.mark.distributed
+def test_optuna_with_a_failed_and_invalid_trials_maximises_tokens_per_s(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    models = "tests.assets.failing_model.FailsAtSecondStep,tests.assets.custom_models.TinyLM"
+    args = [
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra/sweeper/sampler=grid",
+        "hydra.sweeper.direction=maximize",
+        "sweep.objective=tokens_per_s",
+        *CPU,
+        "devices=1",
+        "model=custom",
+        f"model._target_=choice({models})",
+        "data.vocab_size=256",
+        "trainer.max_steps=3",
+        "tp=choice(1,2)",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    r = run(args)
+    assert r.returncode == 1, r  # a trial failed; nothing stopped the study
+    rows = {(row["overrides"][0].split(".")[-1], row["tp"]): row for row in sweep_rows(sweep)}
+    assert {key: row["status"] for key, row in rows.items()} == {
+        ("FailsAtSecondStep", 1): "failed",
+        ("FailsAtSecondStep", 2): "skipped",
+        ("TinyLM", 1): "ok",
+        ("TinyLM", 2): "skipped",
+    }
+    failed = rows["FailsAtSecondStep", 1]
+    assert (failed["reason"], failed["steps"]) == ("RuntimeError: simulated failure in the second step", 1)
+    assert "Error executing job" not in r.out  # Hydra never saw an exception
+    ok = rows["TinyLM", 1]
+    results = OmegaConf.load(sweep / "optimization_results.yaml")
+    # What the job returned to Optuna is its tokens/s, exactly as its summary.json has it.
+    assert results.best_value == read_summary(Path(ok["job_dir"]))["tokens_per_s"] == ok["tokens_per_s"]
+    assert results.best_params == {"model._target_": "tests.assets.custom_models.TinyLM", "tp": 1}
+    assert "sweep: 4 jobs (1 ok, 2 skipped, 1 failed)" in r.out
+
+
+# --------------------------------------------------------------------------- no ranks started
+
+
+def test_under_hydras_basic_launcher_each_job_checks_itself(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    r = run(["-m", "hydra/launcher=basic", *CPU, "devices=2", "tp=3,5", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r  # every job skipped as invalid: nothing failed
+    assert "skipped as invalid" not in r.out  # no pre-pass: the guard in each job decided
+    assert statuses(sweep, 2) == ["skipped", "skipped"]
+    assert read_summary(sweep / "1")["reason"].startswith("tp=5: must divide the world size 2")
+    assert "sweep: 2 jobs (0 ok, 2 skipped, 0 failed)" in r.out
+
+
+def test_optuna_study_of_only_invalid_trials_completes(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", *CPU, "devices=2", "tp=choice(3)"]
+    r = run([*args, f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r
+    assert "Best value: inf" in r.out  # minimising: an invalid trial is worth +inf, never NaN or None
+    assert [row["status"] for row in sweep_rows(sweep)] == ["skipped", "skipped"]
+
+
+def test_optuna_direction_opposite_to_the_objective_gets_a_note(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.direction=maximize"]
+    r = run([*args, *CPU, "tp=choice(3)", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert "note: hydra.sweeper.direction=maximize with sweep.objective=final_loss" in r.out, r
+
+
+def test_submitit_slurm_launcher_composes() -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    args = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"]
+    r = run([*args, "--cfg", "hydra", "--package", "hydra.launcher"])
+    assert r.returncode == 0, r
+    launcher = OmegaConf.create(r.out.split("\n", 1)[1])  # after the "# @package" line
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node) == ("gpu", 8, 1)
+
+
+def test_the_validating_launcher_is_the_default_and_discovered() -> None:
+    r = run(["--cfg", "hydra", "--package", "hydra.launcher"])
+    assert "_target_: hydra_plugins.fsdp_cli_sweep.launcher.SweepLauncher" in r.out, r
+    plugins = run(["--info", "plugins"]).out
+    launchers = plugins.split("Launcher:")[1].split("Sweeper:")[0]
+    assert launchers.count("SweepLauncher") == 1, launchers
+
+
+def test_hydra_plugins_stays_a_namespace_package() -> None:
+    # An __init__.py there would hide every other installed Hydra plugin (optuna, submitit, ...).
+    assert not (REPO / "hydra_plugins" / "__init__.py").exists()
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"hydra_plugins.fsdp_cli_sweep",' in pyproject and '"hydra_plugins",' not in pyproject
+
+
+def test_a_malformed_sweep_value_stops_before_any_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    r = run(["-m", *CPU, "tp=1,abc", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 2, r
+    assert r.out.strip().splitlines()[-1].startswith("fsdp-train: error: tp=abc"), r
+    assert not (sweep / "0").exists()
+
+
+def test_multirun_with_cfg_is_one_line() -> None:
+    r = run(["-m", "tp=1,2", "--cfg", "job"])
+    assert r.returncode == 2, r
+    assert r.out.strip().splitlines() == [
+        "fsdp-train: error: --cfg and --multirun cannot be combined (one mode at a time); "
+        "hint: to see one job of a sweep, drop -m and give one value per key: fsdp-train tp=2 --cfg job"
+    ]
