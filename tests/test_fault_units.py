@@ -89,7 +89,9 @@ def test_merge_keeps_the_cause_first() -> None:
 
 
 def _beat(rank: int, beats: int, phase: str = "train") -> RankBeat:
-    return RankBeat(rank=rank, pid=100 + rank, host="h", beats=beats, step=beats, time=0.0, phase=phase)
+    return RankBeat(
+        rank=rank, pid=100 + rank, parent=99, host="h", beats=beats, step=beats, time=0.0, phase=phase
+    )
 
 
 def test_hang_watchdog_times_the_phase_ranks_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,3 +301,13 @@ def test_fsdp_ckpt_verify_exits_1_naming_each_damaged_checkpoint(
     with pytest.raises(SystemExit) as stop:
         fsdp_ckpt(["verify", str(tmp_path / "step_00000002")])
     assert stop.value.code == 0
+
+
+def test_a_launcher_watches_only_the_ranks_its_agent_started() -> None:
+    """Nodes sharing a run directory (on one host, as in the two-node test) see each other's files."""
+    from dataclasses import replace
+
+    from fsdp_cli.launch.watchdog import own_beats
+
+    beats = {0: _beat(0, 3), 1: replace(_beat(1, 3), parent=42)}
+    assert set(own_beats(beats, agent_pid=99)) == {0} and set(own_beats(beats, agent_pid=42)) == {1}

@@ -34,8 +34,8 @@ from torch.distributed.run import get_args_parser, run
 from fsdp_cli.launch.environment import die_with_parent
 from fsdp_cli.launch.launcher import LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
-from fsdp_cli.rundir.files import LAUNCHER_LOG, heartbeat_dir
-from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE
+from fsdp_cli.rundir.files import LAUNCHER_LOG
+from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED
 
 PROG = "fsdp-train"
@@ -133,7 +133,7 @@ def failure_report(
 
 def _killed_by_launcher(run_dir: Path) -> frozenset[int]:
     try:
-        return frozenset(int(x) for x in (heartbeat_dir(run_dir) / KILLED_FILE).read_text().split())
+        return frozenset(int(x) for x in launcher_file(run_dir, KILLED_FILE, os.getpid()).read_text().split())
     except (OSError, ValueError):
         return frozenset()
 
@@ -147,7 +147,7 @@ def _report(err: ChildFailedError) -> int:
     if torch_first.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED) and len(err.failures) == 1:
         return torch_first.exitcode
     run_dir = Path(os.environ.get(RUN_DIR_ENV, "."))
-    if (heartbeat_dir(run_dir) / ABORT_FILE).exists():
+    if launcher_file(run_dir, ABORT_FILE, os.getpid()).exists():
         return EXIT_FAILED  # the launcher ended a hung job and writes the report itself
     report = failure_report(err.failures, _killed_by_launcher(run_dir))
     if report["exit_code"] in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):

@@ -31,12 +31,12 @@ from fsdp_cli.launch.watchdog import (
     HangWatchdog,
     hang_report,
     kill_groups,
-    local_beats,
+    own_beats,
     rank_pids,
 )
 from fsdp_cli.rundir.failure import clear_failure, write_failure
-from fsdp_cli.rundir.files import CONFIG_FILE, heartbeat_dir, log_dir
-from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, clear_heartbeats, read_heartbeats
+from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
+from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
 from fsdp_cli.rundir.status import EXIT_FAILED
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
@@ -101,8 +101,7 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
 def launch(cfg: TrainConfig) -> int:
     """Start the ranks and supervise them; returns their exit status (0 when all succeeded)."""
     run_dir = Path(cfg.run_dir)
-    clear_heartbeats(run_dir)  # a resumed run reuses its directory
-    clear_failure(run_dir)
+    clear_failure(run_dir)  # a resumed run reuses its directory (stale heartbeats name other agents)
     proc = subprocess.Popen(torchrun_command(cfg, run_dir / CONFIG_FILE), env=worker_env(cfg))
     # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to
     # every rank: they checkpoint and exit with status "preempted".
@@ -123,6 +122,7 @@ class Supervisor:
         self.dead = DeadRankWatch()
 
     def run(self) -> int:
+        watching = True
         while True:
             try:
                 return self.proc.wait(timeout=POLL_S)
@@ -130,24 +130,40 @@ class Supervisor:
                 pass
             except KeyboardInterrupt:
                 continue  # Ctrl-C reached the ranks too (same process group); wait for them to stop
-            beats = local_beats(read_heartbeats(self.run_dir))
-            doomed = self.dead.check(beats, self.proc.pid)
-            if doomed:
-                self._kill_collateral(list(doomed.values()))
-            if self.hang.check(beats):
-                return self._end_hung_job()
+            if not watching:
+                continue
+            try:
+                code = self._watch()
+            except Exception as err:  # noqa: BLE001 - supervision must never abandon the ranks
+                print(f"fsdp-train: warning: the hang and dead-rank watch stopped: {err!r}", file=sys.stderr)
+                watching = False
+                continue
+            if code is not None:
+                return code
+
+    def _watch(self) -> int | None:
+        """One look at the heartbeats; the exit status when the job had to be ended."""
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        doomed = self.dead.check(beats, self.proc.pid)
+        if doomed:
+            self._kill_collateral(list(doomed.values()))
+        if self.hang.check(beats):
+            return self._end_hung_job()
+        return None
 
     def _kill_collateral(self, pids: list[int]) -> None:
         """Survivors of a dead rank that did not exit by themselves; the agent is told they are
         collateral, so that its report names the rank that died."""
-        with open(heartbeat_dir(self.run_dir) / KILLED_FILE, "a") as fh:
+        with open(launcher_file(self.run_dir, KILLED_FILE, self.proc.pid), "a") as fh:
             fh.write("".join(f"{pid}\n" for pid in pids))
         kill_groups(pids)
 
     def _end_hung_job(self) -> int:
         stalled = self.hang.stalled_for_s
-        beats = local_beats(read_heartbeats(self.run_dir))
-        (heartbeat_dir(self.run_dir) / ABORT_FILE).write_text(f"hang detected at {time.time():.3f}\n")
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        abort = launcher_file(self.run_dir, ABORT_FILE, self.proc.pid)
+        abort.parent.mkdir(parents=True, exist_ok=True)
+        abort.write_text(f"hang detected at {time.time():.3f}\n")
         pids = rank_pids(beats, self.proc.pid)
         stacks = dump_stacks(pids, log_dir(self.run_dir))
         # SIGKILL, not SIGTERM: a SIGTERM would start the preemption save, or be ignored by a rank

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -29,10 +28,10 @@ PEER_EXIT_GRACE_S = 5.0
 """How long survivors of a dead rank get to exit by themselves before the launcher kills them."""
 
 
-def local_beats(beats: Mapping[int, RankBeat]) -> dict[int, RankBeat]:
-    """The beats of this node's ranks (on several nodes, each node's launcher watches its own)."""
-    host = socket.gethostname()
-    return {rank: beat for rank, beat in beats.items() if beat.host == host}
+def own_beats(beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, RankBeat]:
+    """The beats of the ranks our agent started: nodes sharing a run directory (on one host too)
+    each watch their own."""
+    return {rank: beat for rank, beat in beats.items() if beat.parent == agent_pid}
 
 
 def rank_pids(beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, int]:

@@ -2,11 +2,13 @@
 
 ``<run dir>/.heartbeat/rank<N>`` holds two lines::
 
-    {"rank": 1, "local_rank": 1, "pid": 1234, "host": "node1", "started": 1700000000.0}
+    {"rank": 1, "local_rank": 1, "pid": 1234, "parent": 1200, "host": "node1", "started": 1700000000.0}
               18           17    1700000012.345 train
 
 The first line (JSON) is written once, when the rank starts, after it has installed its stack-dump
-signal handler: a pid read from this file is therefore safe to send that signal to. The second is
+signal handler: a pid read from this file is therefore safe to send that signal to; ``parent`` (the elastic
+agent that started the rank) tells a launcher its own ranks from another node's sharing the run
+directory. The second is
 a fixed-width record (beat count, last finished optimizer step, wall time, phase) rewritten in
 place with one ``pwrite`` per beat: no fsync, no truncation, no rename (about 2 us). A reader
 may in principle see a torn record; it then keeps the previous value until its next poll.
@@ -36,9 +38,9 @@ PHASE_EXIT, PHASE_FAILED = "exit", "failed"
 SLOW_PHASES = (PHASE_START, PHASE_SAVE)
 """Phases timed by ``launcher.startup_timeout_s`` instead of ``launcher.hang_timeout_s``."""
 
-ABORT_FILE = "ABORT"
-"""Written by the launcher before it kills a hung job: the agent then leaves the report to it."""
-KILLED_FILE = "KILLED"
+ABORT_FILE = "ABORT.{agent}"
+"""Written by the launcher before it kills a hung job: that agent then leaves the report to it."""
+KILLED_FILE = "KILLED.{agent}"
 """Pids the launcher killed after a peer died: collateral failures, never the root cause."""
 
 _RECORD = "{n:>12d} {step:>12d} {time:17.3f} {phase:<8.8s}\n"
@@ -56,6 +58,7 @@ class Heartbeat:
                 "rank": rank,
                 "local_rank": local_rank,
                 "pid": os.getpid(),
+                "parent": os.getppid(),
                 "host": socket.gethostname(),
                 "started": time.time(),
             }
@@ -85,6 +88,8 @@ class RankBeat:
 
     rank: int
     pid: int
+    parent: int
+    """The pid of the process that started the rank (torch's elastic agent)."""
     host: str
     beats: int
     """Beat count: any change is progress."""
@@ -115,15 +120,19 @@ def _parse(path: Path) -> RankBeat | None:
         info = json.loads(header)
         n, step, when, phase = record.split()
         return RankBeat(
-            int(info["rank"]), int(info["pid"]), str(info["host"]), int(n), int(step), float(when), phase
+            rank=int(info["rank"]),
+            pid=int(info["pid"]),
+            parent=int(info["parent"]),
+            host=str(info["host"]),
+            beats=int(n),
+            step=int(step),
+            time=float(when),
+            phase=phase,
         )
     except (OSError, ValueError, KeyError):
         return None
 
 
-def clear_heartbeats(run_dir: str | Path) -> None:
-    """Remove an earlier run's files (a resumed run reuses its run directory)."""
-    directory = heartbeat_dir(run_dir)
-    if directory.is_dir():
-        for stale in directory.iterdir():
-            stale.unlink(missing_ok=True)
+def launcher_file(run_dir: str | Path, name: str, agent_pid: int) -> Path:
+    """``ABORT_FILE`` or ``KILLED_FILE`` of the launcher whose agent is ``agent_pid``."""
+    return heartbeat_dir(run_dir) / name.format(agent=agent_pid)
