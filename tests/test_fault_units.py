@@ -311,3 +311,12 @@ def test_a_launcher_watches_only_the_ranks_its_agent_started() -> None:
 
     beats = {0: _beat(0, 3), 1: replace(_beat(1, 3), parent=42)}
     assert set(own_beats(beats, agent_pid=99)) == {0} and set(own_beats(beats, agent_pid=42)) == {1}
+
+
+def test_merge_keeps_the_line_the_failing_rank_wrote_itself() -> None:
+    own = {"error": "RuntimeError: out of memory"}
+    first = {
+        "error": "rank 0 failed first: exit code 1: RuntimeError: out of memory",
+        "message": own["error"],
+    }
+    assert merge_failure(own, first)["error"] == own["error"]

@@ -118,6 +118,7 @@ def failure_report(
         "pid": failure.pid,
         "exit_code": failure.exitcode,
         "signal": failure.signal_name() if failure.exitcode < 0 else None,
+        "message": message,
         "agreed": agreed,
         "ranks": {
             str(r): {

@@ -39,13 +39,14 @@ def clear_failure(run_dir: str | Path) -> None:
 def merge_failure(summary: Mapping[str, Any], failure: Mapping[str, Any]) -> dict[str, Any]:
     """``summary`` with the failure's one-line ``error`` and its details under ``failure``.
 
-    When every failing rank reported the same error (a non-finite loss, a failed save: raised on
-    all ranks together), the ranks' own message is kept; otherwise the rank's message moves to
-    ``rank_error`` so that the cause comes first.
+    When the summary already holds the cause (written by the rank that failed first, or every
+    failing rank reported the same error: a non-finite loss, a failed save), the ranks' own line
+    is kept; otherwise it moves to ``rank_error`` (a survivor's "connection reset"), so that the
+    cause comes first.
     """
     merged = {**summary, "status": STATUS_FAILED, "failure": dict(failure)}
     rank_error = summary.get("error")
-    if failure.get("agreed") and rank_error:
+    if rank_error and (failure.get("agreed") or rank_error == failure.get("message")):
         return merged
     merged["error"] = failure["error"]
     if rank_error and rank_error != failure["error"]:
