@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.config.convert import load_train_config
-from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
+from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, TrainConfig
 from fsdp_cli.errors import ConfigError, RunFailure
 from fsdp_cli.launch.environment import die_with_parent, global_rank
 from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV, RankMonitor, report_error_to_agent
@@ -44,6 +44,7 @@ class RankRun:
     datamodule: Any
     trainer: Any
     callbacks: Any  # fsdp_cli.builders.callbacks.RunCallbacks
+    parameters_at_build: int = 0
 
 
 @dataclass
@@ -138,15 +139,26 @@ def build(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RankRun:
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
-    datamodule = build_datamodule(cfg)
+    datamodule = build_datamodule(cfg, module)  # None: the module's own DataLoaders
+    own = datamodule is None
     strategy = build_strategy(cfg)
     strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
     strategy.async_checkpointing = cfg.checkpoint.async_save
-    callbacks = build_callbacks(cfg, monitor=monitor)
+    callbacks = build_callbacks(cfg, module_loaders=own, monitor=monitor)
     trainer = build_trainer(
-        cfg, strategy, callbacks=callbacks.as_list(), accumulation=datamodule.accumulation
+        cfg,
+        strategy,
+        callbacks=callbacks.as_list(),
+        accumulation=1 if own else datamodule.accumulation,
+        module_loaders=own,
     )
-    return RankRun(module=module, datamodule=datamodule, trainer=trainer, callbacks=callbacks)
+    return RankRun(
+        module=module,
+        datamodule=datamodule,
+        trainer=trainer,
+        callbacks=callbacks,
+        parameters_at_build=_parameter_count(module),
+    )
 
 
 def fit(cfg: TrainConfig, built: RankRun) -> FitResult:
@@ -183,8 +195,10 @@ def _summary(
     setup = built.callbacks.setup if built is not None else None
     skipped = built.callbacks.nonfinite.skipped if built is not None else []
     rows = metrics.rows if metrics is not None else []
+    val_rows = metrics.val_rows if metrics is not None else []
     steady = steady_state(rows)
     model = cfg.model
+    tokens = built is None or built.datamodule is not None  # else batches from the module's loaders
     return {
         "status": outcome.status,
         "error": outcome.error,
@@ -195,13 +209,17 @@ def _summary(
         "dp": int(cfg.dp),
         "tp": cfg.tp,
         "precision": cfg.precision.name,
-        "model": model.target if isinstance(model, CustomModelConfig) else model.name,
-        "parameters": _parameter_count(built.module) if built is not None else None,
-        "global_batch_size": cfg.data.global_batch_size,
-        "seq_len": cfg.data.seq_len,
+        "model": _model_name(model),
+        "parameters": max(built.parameters_at_build, _parameter_count(built.module))
+        if built is not None
+        else None,
+        "global_batch_size": cfg.data.global_batch_size if tokens else None,
+        "seq_len": cfg.data.seq_len if tokens else None,
         "steps": _steps_done(built, result, rows),
         "final_loss": rows[-1]["loss"] if rows else None,
+        "val_loss": val_rows[-1].get("val_loss") if val_rows else None,
         "tokens_per_s": median_of(steady, "tokens_per_s"),
+        "samples_per_s": median_of(steady, "samples_per_s"),
         "step_time_s": median_of(steady, "step_time_s"),
         "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
         "checkpoint": result.checkpoint if result is not None else None,
@@ -221,7 +239,17 @@ def _steps_done(built: RankRun | None, result: FitResult | None, rows: list[dict
     return rows[-1]["step"] if rows else 0
 
 
+def _model_name(model: Any) -> str:
+    if isinstance(model, CustomModelConfig):
+        return model.target
+    if isinstance(model, HFModelConfig):
+        return f"hf:{model.path}"
+    return model.name
+
+
 def _parameter_count(module: Any) -> int:
+    """The model's size: counted before sharding by our modules; for a user's module, before fit
+    (FSDP1 leaves only this rank's shard behind) or after it (DTensors report global sizes)."""
     counted = getattr(module, "num_parameters", None)
     if counted is not None:
         return int(counted)

@@ -18,11 +18,12 @@ from fsdp_cli.compat import (
     lightning_internals,
     require,
     torch_internals,
+    transformers_internals,
 )
 
 ENTRIES = [
     (module.__name__.rsplit(".", 1)[-1], owner, name)
-    for module in (hydra_internals, lightning_internals, torch_internals)
+    for module in (hydra_internals, lightning_internals, torch_internals, transformers_internals)
     for owner, name in module.ENTRIES
 ]
 
@@ -51,7 +52,12 @@ def test_a_missing_name_is_one_line_naming_the_version() -> None:
 
 def test_pyproject_bounds_are_the_supported_ones_and_hold_for_what_is_installed() -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    requirements = {Requirement(r).name: Requirement(r) for r in pyproject["project"]["dependencies"]}
+    project = pyproject["project"]
+    listed = [
+        *project["dependencies"],
+        *(r for extra in project["optional-dependencies"].values() for r in extra),
+    ]
+    requirements = {Requirement(r).name: Requirement(r) for r in listed}
     for package, bounds in SUPPORTED.items():
         req = requirements[package]
         assert str(req.specifier) == ",".join(sorted(bounds.split(","))), (package, str(req.specifier))
@@ -97,6 +103,53 @@ def test_checkpoint_wrapper_keeps_the_module_and_its_names() -> None:
     assert isinstance(wrapped, torch_internals.CheckpointWrapper)
     # The wrapper reports the wrapped module's own parameter names, so checkpoints do not change.
     assert [n for n, _ in wrapped.named_parameters()] == ["weight", "bias"]
+
+
+def test_transformers_init_keeps_marked_tensors_and_reinitialises_cleared_modules() -> None:
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
+    head = model.lm_head
+    with torch.no_grad():
+        head.weight.fill_(7.0)
+    transformers_internals.mark_initialized(head.weight)
+    transformers_internals.initialize_module(model, head, custom_code=False)
+    assert torch.all(head.weight == 7.0), "a marked tensor is left alone"
+    transformers_internals.clear_initialized(head)
+    transformers_internals.initialize_module(model, head, custom_code=False)
+    assert not torch.all(head.weight == 7.0) and isinstance(head, nn.Linear)
+    unexpected, missing = transformers_internals.ignored_checkpoint_keys(model)
+    assert isinstance(unexpected, list) and isinstance(missing, list)
+    assert transformers_internals.checkpoint_key_renamer(model)("model.norm.weight") == (
+        "model.norm.weight",
+        None,
+    )
+
+
+def test_torch_dispatch_mode_and_non_persistent_buffers() -> None:
+    import torch
+    from torch import nn
+
+    seen = []
+
+    class Spy(torch_internals.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.empty(2).normal_()
+    assert torch.ops.aten.normal_.default in seen
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("recomputed", torch.zeros(1), persistent=False)
+    assert torch_internals.non_persistent_buffer_names(module) == {"recomputed"}
 
 
 def test_is_compiled_in_place_sees_module_compile() -> None:

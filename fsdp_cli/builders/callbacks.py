@@ -35,7 +35,11 @@ class RunCallbacks:
         return [*first, self.nonfinite, self.setup, self.metrics, self.checkpoints, *last]
 
 
-def build_callbacks(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RunCallbacks:
+def build_callbacks(
+    cfg: TrainConfig, *, module_loaders: bool = False, monitor: RankMonitor | None = None
+) -> RunCallbacks:
+    """``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
+    tokens is unknown; throughput is then counted in samples. ``monitor``: this rank's heartbeat."""
     t = cfg.trainer
     clipping = (
         GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
@@ -50,7 +54,7 @@ def build_callbacks(cfg: TrainConfig, monitor: RankMonitor | None = None) -> Run
     metrics = MetricsCallback(
         Path(cfg.run_dir),
         log_every_n_steps=t.log_every_n_steps,
-        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+        tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=t.max_steps,
         clipping=clipping,
         nonfinite=nonfinite,

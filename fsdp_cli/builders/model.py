@@ -13,6 +13,8 @@ from fsdp_cli.builders.imports import import_object
 from fsdp_cli.config.schema import (
     CustomModelConfig,
     FSDP2Config,
+    FSDPConfig,
+    HFModelConfig,
     LlamaConfig,
     ModelParallelConfig,
     TrainConfig,
@@ -35,6 +37,8 @@ def build_module(cfg: TrainConfig) -> L.LightningModule:
                 hint="use strategy=fsdp2 for a plain nn.Module: it parallelizes the model for you",
             )
         factory: Callable[[], nn.Module] = built
+    elif isinstance(cfg.model, HFModelConfig):
+        factory = _hf_factory(cfg, cfg.model)
     else:
         factory = _llama_factory(cfg, cfg.model)
     return CausalLMModule(factory, optim=cfg.optim, max_steps=cfg.trainer.max_steps)
@@ -52,6 +56,24 @@ def _llama_factory(cfg: TrainConfig, model: LlamaConfig) -> Callable[[], nn.Modu
             with torch.device("meta"):
                 return Llama(model, seed=cfg.seed)
         return Llama(model, seed=cfg.seed)
+
+    return factory
+
+
+def _hf_factory(cfg: TrainConfig, model: HFModelConfig) -> Callable[[], nn.Module]:
+    from fsdp_cli.models.hf import build_hf_model, require_tp_plan
+
+    # FSDP2 fills the weights after sharding the meta model, FSDP1 one unit at a time while it
+    # wraps; DDP keeps a whole copy on every rank, filled here.
+    sharded = isinstance(cfg.strategy, (FSDP2Config, FSDPConfig))
+
+    def factory() -> nn.Module:
+        built = build_hf_model(model, seed=cfg.seed)
+        if cfg.tp > 1:
+            require_tp_plan(built.hf, cfg.tp)
+        if not sharded:
+            built.materialize("cpu")
+        return built
 
     return factory
 

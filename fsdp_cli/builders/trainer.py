@@ -22,10 +22,21 @@ def build_logger(cfg: TrainConfig) -> Logger | None:
 
 
 def build_trainer(
-    cfg: TrainConfig, strategy: Any, *, callbacks: list[L.Callback], accumulation: int
+    cfg: TrainConfig,
+    strategy: Any,
+    *,
+    callbacks: list[L.Callback],
+    accumulation: int,
+    module_loaders: bool = False,
 ) -> L.Trainer:
     """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
-    (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes."""
+    (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes.
+
+    ``module_loaders``: the LightningModule's own DataLoaders are used. Lightning then gives each
+    one a DistributedSampler over the strategy's data-parallel ranks (as ``Trainer`` does by
+    default), so each data-parallel rank sees different samples and tensor-parallel peers the
+    same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
+    """
     t = cfg.trainer
     kwargs: dict[str, Any] = {}
     plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
@@ -55,7 +66,7 @@ def build_trainer(
         enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        use_distributed_sampler=False,
+        use_distributed_sampler=module_loaders,
         default_root_dir=cfg.run_dir,
         **kwargs,
     )

@@ -5,6 +5,10 @@ guard's all_gather, which also checks every value since the last log, see
 :mod:`fsdp_cli.callbacks.nonfinite`; tensor-parallel ranks hold equal copies, so this is the mean
 over data-parallel ranks) and times the steps since the previous log. Between logging steps it
 does nothing that synchronises.
+
+Throughput is ``tokens_per_s`` for token batches of a known size; for a LightningModule's own
+DataLoaders it is ``samples_per_s`` (this rank's samples times the data-parallel ranks). After
+each validation a row ``{"step", "val_loss", ...}`` holds the validation metrics the module logged.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
 
 from fsdp_cli.rundir.files import METRICS_FILE
 from fsdp_cli.rundir.summary import dumps_strict
@@ -29,7 +34,7 @@ class MetricsCallback(L.Callback):
         run_dir: Path,
         *,
         log_every_n_steps: int,
-        tokens_per_step: int,
+        tokens_per_step: int | None,
         max_steps: int,
         clipping: Any | None = None,
         nonfinite: Any | None = None,
@@ -39,7 +44,9 @@ class MetricsCallback(L.Callback):
         self.tokens_per_step = tokens_per_step
         self.max_steps = max_steps
         self.rows: list[dict[str, Any]] = []
+        self.val_rows: list[dict[str, Any]] = []
         self.peak_memory_bytes: list[int] = []
+        self._samples = 0  # this rank's samples since the last logged step (module loaders only)
         self._seen_step = 0
         self._t_last = 0.0
         self._step_last = 0
@@ -64,6 +71,8 @@ class MetricsCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._add_loss(outputs, trainer.accumulate_grad_batches)
+        if self.tokens_per_step is None:
+            self._samples += extract_batch_size(batch)
         step = trainer.global_step
         if step == self._seen_step:  # still accumulating gradients
             return
@@ -80,14 +89,15 @@ class MetricsCallback(L.Callback):
                 loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
             mean_loss = trainer.strategy.reduce(loss.float(), reduce_op="mean").item()
         now = time.perf_counter()
-        step_time = (now - self._t_last) / (step - self._step_last)
+        steps = step - self._step_last
+        step_time = (now - self._t_last) / steps
         self._t_last, self._step_last = now, step
         row = {
             "step": step,
             "loss": mean_loss,
             "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
             "step_time_s": step_time,
-            "tokens_per_s": self.tokens_per_step / step_time,
+            **self._throughput(trainer, step_time, steps),
         }
         grad_norm = self.clipping.grad_norm if self.clipping is not None else None
         if grad_norm is not None:
@@ -96,13 +106,46 @@ class MetricsCallback(L.Callback):
         if self._file is not None:
             self._file.write(dumps_strict(row) + "\n")
             self._file.flush()
+            rate, unit = (
+                (row["tokens_per_s"], "tok/s")
+                if "tokens_per_s" in row
+                else (row["samples_per_s"], "samples/s")
+            )
+            lr = f"{row['lr']:.2e}" if row["lr"] is not None else "-"
             print(
-                f"step {step:>6}  loss {mean_loss:8.4f}  lr {row['lr']:.2e}  "
-                f"{step_time * 1e3:8.1f} ms/step  {row['tokens_per_s']:>12,.0f} tok/s",
+                f"step {step:>6}  loss {mean_loss:8.4f}  lr {lr}  "
+                f"{step_time * 1e3:8.1f} ms/step  {rate:>12,.0f} {unit}",
                 flush=True,
             )
         if trainer.logger is not None:
             trainer.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+
+    def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
+        if self.tokens_per_step is not None:
+            return {"tokens_per_s": self.tokens_per_step / step_time}
+        # Every data-parallel rank gets batches of the same size from its DistributedSampler.
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        samples, self._samples = self._samples * int(kwargs.get("num_replicas", 1)), 0
+        return {"samples_per_s": samples / (step_time * steps)}
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A row of the validation metrics the module logged (``val_loss``, ``val_*``, ``val/*``)."""
+        if trainer.sanity_checking:
+            return
+        logged = {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith(("val_", "val/")) and v.numel() == 1
+        }
+        if not logged:
+            return
+        row = {"step": trainer.global_step, **logged}
+        self.val_rows.append(row)
+        if self._file is not None:
+            self._file.write(dumps_strict(row) + "\n")
+            self._file.flush()
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in logged.items())
+            print(f"step {trainer.global_step:>6}  {shown}", flush=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.close()
@@ -128,7 +171,7 @@ class MetricsCallback(L.Callback):
         if not self.path.exists():
             return
         rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= step]
+        kept = [line for line in rows if json.loads(line)["step"] <= step]  # validation rows too
         if len(kept) != len(rows):
             self.path.write_text("".join(line + "\n" for line in kept))
 

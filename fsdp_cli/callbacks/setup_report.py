@@ -7,6 +7,7 @@ silent precision mistake (say, fp32 compute under a "bf16" run) is visible on th
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -40,7 +41,7 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         compute = autocast
     optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(stored)}
     report = getattr(strategy, "parallelize_report", None)
-    return {
+    info = {
         "mesh": _mesh(strategy),
         "fsdp_units": list(report.fsdp_units) if report is not None else _fsdp_units(strategy),
         "dtypes": {
@@ -55,6 +56,11 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "compiled_blocks": _compiled_modules(module),
         "param_device": _param_devices(params),
     }
+    # A model filled in place after sharding (model=hf) says what this rank read and held.
+    weights = getattr(getattr(module, "model", None), "load_report", None)
+    if weights is not None:
+        info["weights"] = dataclasses.asdict(weights)
+    return info
 
 
 def _compiled_modules(module: nn.Module) -> int:
@@ -127,6 +133,12 @@ def format_setup(info: dict[str, Any]) -> str:
         lines.append(f"tensor parallel: {info['tensor_parallel_modules']} modules")
     if info.get("compiled_blocks"):
         lines.append(f"torch.compile: {info['compiled_blocks']} blocks")
+    weights = info.get("weights")
+    if weights is not None and weights["pretrained"]:
+        lines.append(
+            f"weights: {weights['bytes_read'] / 2**20:,.1f} MiB read by this rank from {weights['files']} file(s) "
+            f"in {weights['seconds']:.2f} s; largest tensor held whole {weights['max_full_tensor_bytes'] / 2**20:,.2f} MiB"
+        )
     lines.append(
         f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}"
     )

@@ -2,7 +2,7 @@
 
     fsdp-ckpt inspect PATH [--json]
     fsdp-ckpt verify PATH [--deep]
-    fsdp-ckpt convert SRC DST --to full|sharded|safetensors
+    fsdp-ckpt convert SRC DST --to full|sharded|safetensors|hf [--hf-config MODEL_DIR]
 
 No GPU and no process group are needed. Errors (not a checkpoint, an incomplete save, a missing
 shard) print one line and exit with status 2; ``verify`` exits 1 when a checkpoint is damaged.
@@ -111,7 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     convert = commands.add_parser("convert", help="rewrite a checkpoint in another format")
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
-    convert.add_argument("--to", required=True, choices=("full", "sharded", "safetensors"))
+    convert.add_argument("--to", required=True, choices=("full", "sharded", "safetensors", "hf"))
+    convert.add_argument(
+        "--hf-config",
+        type=Path,
+        default=None,
+        help="--to hf: the model folder whose config.json describes the checkpoint (default: the run's model.path)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from fsdp_cli.checkpoint.convert import convert as run_convert
 
-            out = run_convert(args.src, args.dst, args.to)
+            out = run_convert(args.src, args.dst, args.to, hf_config=args.hf_config)
             print(f"{PROG}: wrote {args.to} checkpoint {out}")
     except (CheckpointFormatError, FileExistsError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -150,12 +150,20 @@ def save_safetensors(ckpt: Checkpoint, dst: Path) -> None:
     _publish(partial, dst)
 
 
-def convert(src: Path, dst: Path, to: str) -> Path:
+def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> Path:
+    """``to``: full, sharded, safetensors, or hf (a Hugging Face model folder, for ``model=hf``
+    checkpoints; ``hf_config`` names the model folder if the run's ``model.path`` moved)."""
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; choose another destination")
-    ckpt = load(src, weights_only_model=to == "safetensors")
+    ckpt = load(src, weights_only_model=to in ("safetensors", "hf"))
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if to == "hf":
+        from fsdp_cli.checkpoint.hf_export import save_hf, source_folder
+
+        step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
+        save_hf(ckpt.state_dict, dst, source_folder(ckpt.manifest, hf_config), step=step)
+        return dst
     {"full": save_full, "sharded": save_sharded, "safetensors": save_safetensors}[to](ckpt, dst)
     return dst
 

@@ -35,7 +35,7 @@ SHAPE_KEYS = (
     "model.tie_embeddings",
 )
 # Keys that differ between any two runs and say nothing about compatibility.
-IGNORED = ("run_dir", "resume", "checkpoint.dir", "launcher.", "sweep.")
+IGNORED = ("run_dir", "resume", "checkpoint.dir", "launcher.", "sweep.", "explicit_data")
 
 
 def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:

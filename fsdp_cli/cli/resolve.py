@@ -13,13 +13,16 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
+from fsdp_cli.config.model_folder import resolve_model_folder
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.launch.layout import resolve_layout
 
 PreLaunchCheck = Callable[[TrainConfig], None]
@@ -39,7 +42,9 @@ def resolve_config(
     *,
     notify: Callable[[str], None],
 ) -> TrainConfig:
-    """migrate -> resolve the layout -> validate -> resolve ``resume`` -> :data:`PRE_LAUNCH_CHECKS`.
+    """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> validate ->
+    prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
+    :data:`PRE_LAUNCH_CHECKS`.
 
     Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
     receives the notices worth a line each (old names, settings without effect, what ``resume``
@@ -48,11 +53,23 @@ def resolve_config(
     for notice in notices:
         notify(notice)
     typed = resolve_layout(typed, env)
-    typed = dataclasses.replace(typed, run_dir=str(run_dir))
+    typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=_command_line_chooses_data())
+    typed = resolve_model_folder(typed)
     validate(typed)
+    prepare_data(typed)
     typed, resume_notices = resolve_resume(typed)
     for check in PRE_LAUNCH_CHECKS:
         check(typed)
     for notice in [*advisories(typed), *resume_notices]:
         notify(notice)
     return typed
+
+
+def chooses_data(task_overrides: list[str]) -> bool:
+    """Whether overrides pick the ``data`` option or set a ``data.*`` key."""
+    return any(o.lstrip("+~").startswith(("data=", "data.")) for o in task_overrides)
+
+
+def _command_line_chooses_data() -> bool:
+    # Hydra's defaults always select a data option: only the job's overrides say the user chose one.
+    return HydraConfig.initialized() and chooses_data(list(HydraConfig.get().overrides.task))

@@ -5,7 +5,8 @@ checks at import that every name it uses exists (:func:`require`) and fails with
 naming the library version otherwise, instead of failing later, or silently (an assignment to
 a renamed private attribute just adds a new one). One module per library, so that importing
 the Hydra entry never imports torch. ``SUPPORTED`` holds the tested version ranges; pyproject's
-dependency bounds must equal them (a test compares the two), and are raised on purpose.
+dependency bounds (those of the optional extras for transformers) must equal them (a test
+compares the two), and are raised on purpose.
 
 Outside this package, ruff's SLF001 rule refuses private access.
 """
@@ -19,6 +20,7 @@ SUPPORTED = {
     "torch": ">=2.6,<2.14",
     "lightning": ">=2.5,<2.7",
     "hydra-core": ">=1.3.2,<1.4",
+    "transformers": ">=5.23,<6",
 }
 
 

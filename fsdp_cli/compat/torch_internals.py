@@ -1,17 +1,19 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
-FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, and whether a module was
+FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
+random fill of a tensor), a module's set of non-persistent buffers, and whether a module was
 compiled in place."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn import Module
+from torch.utils import _python_dispatch
 
 from fsdp_cli.compat import require
 
@@ -22,7 +24,9 @@ ENTRIES: list[tuple[Any, str]] = [
     (_ac_wrapper, "CheckpointWrapper"),
     (_FSDP1ShardingStrategy, "_HYBRID_SHARD_ZERO2"),
     (ParallelStyle, "_apply"),
-    (nn.Module(), "_compiled_call_impl"),
+    (_python_dispatch, "TorchDispatchMode"),
+    (Module(), "_non_persistent_buffers_set"),
+    (Module(), "_compiled_call_impl"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -39,6 +43,23 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+"""Subclass and enter to see every aten call (the public API for this, kept under a private module)."""
+
+
+def non_persistent_buffer_names(module: Module) -> set[str]:
+    """Buffers of ``module`` itself that ``state_dict`` leaves out (recomputed, never saved)."""
+    return set(module._non_persistent_buffers_set)
+
+
+def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of a DTensor's local shard within the whole tensor, from shapes alone."""
+    shape, offset = _dtensor_utils.compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple(shape), tuple(offset)
+
+
 def global_offset(tensor: Any) -> tuple[int, ...]:
     """Offset of a DTensor's local shard within the whole tensor, from shapes alone."""
     _, offset = _dtensor_utils.compute_local_shape_and_global_offset(
@@ -52,6 +73,6 @@ def fsdp1_sharding_strategy(name: str) -> Any:
     return _FSDP1ShardingStrategy[FSDP1_SHARDING.get(name, name)]
 
 
-def is_compiled_in_place(module: nn.Module) -> bool:
+def is_compiled_in_place(module: Module) -> bool:
     """Whether ``module.compile()`` replaced its forward (torch keeps it in ``_compiled_call_impl``)."""
     return module._compiled_call_impl is not None

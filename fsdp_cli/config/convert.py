@@ -24,6 +24,8 @@ from fsdp_cli.config.schema import (
     FSDP2Config,
     FSDPConfig,
     FSDPNativeConfig,
+    HFModelConfig,
+    JsonlDataConfig,
     LauncherConfig,
     LlamaConfig,
     LoggerConfig,
@@ -33,6 +35,7 @@ from fsdp_cli.config.schema import (
     SweepConfig,
     SyntheticDataConfig,
     TextDataConfig,
+    TokensDataConfig,
     TrainConfig,
     TrainerConfig,
     WrapConfig,
@@ -48,8 +51,13 @@ STRATEGY_SCHEMAS: dict[str, type] = {
     "ddp_fully_sharded": DDPFullyShardedConfig,
     "fsdp_native": FSDPNativeConfig,
 }
-MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig}
-DATA_SCHEMAS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig}
+MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "hf": HFModelConfig}
+DATA_SCHEMAS: dict[str, type] = {
+    "synthetic": SyntheticDataConfig,
+    "text": TextDataConfig,
+    "tokens": TokensDataConfig,
+    "jsonl": JsonlDataConfig,
+}
 SECTION_SCHEMAS: dict[str, type] = {
     "precision": PrecisionConfig,
     "wrap": WrapConfig,

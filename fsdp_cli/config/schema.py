@@ -83,6 +83,15 @@ class LoggerName(Enum):
     tensorboard = "tensorboard"
 
 
+class TokenDType(Enum):
+    """Item type of a flat token file (``data=tokens``)."""
+
+    uint16 = "uint16"
+    """Vocabularies of up to 65,536 tokens (GPT-2, Llama 2, nanoGPT's ``.bin`` files)."""
+    uint32 = "uint32"
+    """Larger vocabularies (Llama 3's 128,256)."""
+
+
 class Scheduler(Enum):
     constant = "constant"
     cosine = "cosine"
@@ -361,6 +370,27 @@ class CustomModelConfig:
 
 
 @dataclass
+class HFModelConfig:
+    """``model=hf``: a Hugging Face causal LM (``AutoModelForCausalLM``) from a local folder.
+
+    Needs ``pip install "fsdp-cli[hf]"``. The model is built on the meta device and sharded before
+    any weight exists; each rank then reads only its own slices of the safetensors files, so no
+    rank ever holds the whole model. Nothing is ever downloaded.
+    """
+
+    name: str = "hf"
+    """Selects this schema (set by the option file)."""
+    path: str | None = None
+    """A folder written by ``save_pretrained``: ``config.json`` plus ``model.safetensors`` (or
+    ``model-*.safetensors`` shards and ``model.safetensors.index.json``)."""
+    pretrained: bool = True
+    """true: start from the folder's weights; false: fresh weights from ``config.json`` alone
+    (the model's own init, the same numbers on every layout for a given ``seed``)."""
+    attn_implementation: str = "sdpa"
+    """transformers' attention kernel: ``sdpa``, ``eager``, or ``flash_attention_2`` (GPU, if installed)."""
+
+
+@dataclass
 class SyntheticDataConfig:
     """Deterministic random tokens: sequence i depends only on (seed, i)."""
 
@@ -400,6 +430,72 @@ class TextDataConfig:
     library sources on this machine, so a real loss curve needs no download."""
     max_bytes: int = 32_000_000
     """Read at most this many bytes of text."""
+
+
+@dataclass
+class TokensDataConfig:
+    """Pre-tokenized flat token files (the nanoGPT / Megatron ``.bin`` convention), memory-mapped.
+
+    The files are one stream of token ids, read in sorted order and never loaded whole. Each epoch
+    visits every window of ``seq_len + 1`` tokens once, in an order fixed by ``seed``.
+    """
+
+    name: str = "tokens"
+    """Selects this schema (set by the option file)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step across all data-parallel ranks."""
+    seq_len: int = 128
+    """Tokens per training sequence (each window holds ``seq_len + 1``)."""
+    vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
+    """Token ids must be below it; defaults to the model's vocabulary size."""
+    micro_batch_size: int | None = None
+    """Sequences per data-parallel rank per forward; null = global_batch_size / dp."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (each memory-maps the files itself)."""
+    path: str | None = None
+    """A token file, a folder (its ``*.bin`` files) or a glob."""
+    dtype: TokenDType = TokenDType.uint16
+    """How the files store each token id."""
+    val_path: str | None = None
+    """Held-out token files (same format) for validation every ``trainer.val_check_interval`` steps."""
+
+
+@dataclass
+class JsonlDataConfig:
+    """JSON-lines documents, tokenized once and cached as a token file (then read as ``data=tokens`` is).
+
+    Documents are joined with an end-of-text token. The first run tokenizes (with a progress bar,
+    in the launching process, before any rank starts); later runs reuse the cache while the input
+    files, field and tokenizer are unchanged.
+    """
+
+    name: str = "jsonl"
+    """Selects this schema (set by the option file)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step across all data-parallel ranks."""
+    seq_len: int = 128
+    """Tokens per training sequence (each window holds ``seq_len + 1``)."""
+    vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
+    """Token ids must be below it; defaults to the model's vocabulary size."""
+    micro_batch_size: int | None = None
+    """Sequences per data-parallel rank per forward; null = global_batch_size / dp."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (each memory-maps the files itself)."""
+    path: str | None = None
+    """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob."""
+    field: str = "text"
+    """The key of each line's object that holds the document text."""
+    tokenizer: str | None = None
+    """A Hugging Face ``tokenizer.json``, or a folder holding one (a model folder); null = UTF-8
+    bytes (token ids 0..255)."""
+    eot_token: str | None = None
+    """The token that ends each document; null = the tokenizer's end-of-sequence token
+    (``eos_token`` of ``tokenizer_config.json``, else ``<|endoftext|>``, ``<|end_of_text|>`` or
+    ``</s>``), or byte 0 without a tokenizer."""
+    val_path: str | None = None
+    """Held-out JSON-lines files for validation every ``trainer.val_check_interval`` steps."""
+    cache_dir: str | None = None
+    """Where tokenized corpora are kept; null = a ``.fsdp_cli_tokens`` folder beside the first input file."""
 
 
 @dataclass
@@ -524,3 +620,7 @@ class TrainConfig:
     """null: start fresh; ``auto``: newest complete checkpoint of this run; or a checkpoint path."""
     run_dir: str = "."
     """Where outputs go; the entry point sets it to Hydra's output directory."""
+    explicit_data: bool = False
+    """Set by the entry point: true when the command line chose the ``data`` group or a ``data.*``
+    key. A LightningModule with its own ``train_dataloader`` then refuses those settings instead
+    of ignoring the data group with a notice."""

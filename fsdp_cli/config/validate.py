@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable
 
+from fsdp_cli.config.model_folder import check_hf_model
 from fsdp_cli.config.schema import (
     Accelerator,
     CheckpointFormat,
@@ -26,7 +27,14 @@ from fsdp_cli.config.schema import (
     TrainConfig,
     WrapPolicy,
 )
-from fsdp_cli.data.files import HELD_OUT_FRACTION, text_bytes, text_files
+from fsdp_cli.data.files import (
+    HELD_OUT_FRACTION,
+    JSONL_SUFFIXES,
+    check_token_files,
+    existing_files,
+    text_bytes,
+    text_files,
+)
 from fsdp_cli.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
@@ -34,8 +42,27 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-t
 
 def validate(cfg: TrainConfig) -> None:
     """Raise :class:`ConfigError` for the first combination that cannot run (on a config whose
-    layout :func:`fsdp_cli.launch.layout.resolve_layout` has resolved and checked)."""
+    layout :func:`fsdp_cli.launch.layout.resolve_layout` has resolved and checked).
+
+    The data checks wait for the ranks when :func:`data_checks_deferred`: only the imported
+    module can tell whether it trains on the ``data`` group at all.
+    """
     for check in CHECKS:
+        check(cfg)
+    if not data_checks_deferred(cfg):
+        validate_data(cfg)
+
+
+def data_checks_deferred(cfg: TrainConfig) -> bool:
+    """``model=custom`` with the default data group: a LightningModule with its own
+    ``train_dataloader`` ignores it, so vocabulary and batch questions are asked in the ranks,
+    of a module that uses it (:func:`validate_data`)."""
+    return isinstance(cfg.model, CustomModelConfig) and not cfg.explicit_data
+
+
+def validate_data(cfg: TrainConfig) -> None:
+    """The checks of the ``data`` group (batch split, vocabulary, sequence length, files)."""
+    for check in DATA_CHECKS:
         check(cfg)
 
 
@@ -286,6 +313,43 @@ def _within_model(cfg: TrainConfig, data_key: str, model_key: str, hint: str | N
 
 
 def check_data_path(cfg: TrainConfig) -> None:
+    """The files a data option reads exist, are not empty and hold enough: a text corpus one window
+    of ``seq_len + 1`` bytes (and one held out, with validation), token files usable ids."""
+    data = cfg.data
+    if data.name == "text":
+        _check_text_corpus(cfg)
+        return
+    keys = ["path"] + (["val_path"] if getattr(data, "val_path", None) is not None else [])
+    for key in keys:
+        if data.name == "tokens":
+            check_token_files(
+                f"data.{key}",
+                getattr(data, key),
+                dtype=data.dtype.value,
+                seq_len=data.seq_len,
+                vocab_size=data.vocab_size,
+            )
+        elif data.name == "jsonl":
+            existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
+
+
+def check_validation_data(cfg: TrainConfig) -> None:
+    """Token corpora validate on files of their own."""
+    data = cfg.data
+    if (
+        data.name in ("tokens", "jsonl")
+        and cfg.trainer.val_check_interval is not None
+        and data.val_path is None
+    ):
+        raise ConfigError(
+            "data.val_path",
+            None,
+            f"trainer.val_check_interval={cfg.trainer.val_check_interval} needs held-out data for data={data.name}",
+            hint="data.val_path=GLOB (held-out files, same format), or trainer.val_check_interval=null",
+        )
+
+
+def _check_text_corpus(cfg: TrainConfig) -> None:
     """A text corpus that exists and holds enough bytes for one training window (and, with
     validation, one held-out window): found here from file sizes, not after the ranks started."""
     data = cfg.data
@@ -437,7 +501,7 @@ def check_wrap_and_logger(cfg: TrainConfig) -> None:
             "tensorboard",
             "the tensorboard package is not installed",
             allowed="none, csv",
-            hint="pip install 'fsdp-cli[tensorboard]' (tensorboardX) or tensorboard, or use logger=csv",
+            hint="pip install tensorboard, or use logger=csv",
         )
 
 
@@ -462,15 +526,19 @@ CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_strategy_layout,
     check_precision,
     check_custom_model,
+    check_hf_model,
     check_llama_sizes,
     check_llama_tensor_parallel,
-    check_batch,
-    check_vocabulary,
-    check_sequence,
-    check_data_path,
     check_trainer,
     check_checkpoint,
     check_wrap_and_logger,
     check_optim,
     check_fault_handling,
+)
+DATA_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
+    check_batch,
+    check_vocabulary,
+    check_sequence,
+    check_validation_data,
+    check_data_path,
 )

@@ -1,4 +1,4 @@
-"""LightningDataModule over the synthetic or text dataset with the step-aligned sampler."""
+"""LightningDataModule over the synthetic, text or token-file datasets with the step-aligned sampler."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from fsdp_cli.data.files import TOKEN_SUFFIXES, matching_files
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 from fsdp_cli.data.text import ByteWindows, read_corpus, split_corpus
+from fsdp_cli.data.tokens import TokenWindows
 from fsdp_cli.errors import ConfigError
 
 VAL_SEED_OFFSET = 7_777_777
@@ -25,6 +27,17 @@ def _windows(key: str, corpus: torch.Tensor, seq_len: int, seed: int) -> ByteWin
             hint="point data.path at more text or lower data.seq_len",
         )
     return ByteWindows(corpus, seq_len=seq_len, seed=seed)
+
+
+def token_windows(data: Any, key: str, seed: int) -> TokenWindows:
+    """``data.<key>`` of ``data=tokens`` (its files) or ``data=jsonl`` (the tokenized cache)."""
+    if data.name == "jsonl":
+        from fsdp_cli.data.jsonl import cached_tokens
+
+        file, dtype = cached_tokens(data, key)
+        return TokenWindows([file], dtype=dtype, seq_len=data.seq_len, seed=seed)
+    files = matching_files(getattr(data, key), TOKEN_SUFFIXES)
+    return TokenWindows(files, dtype=data.dtype.value, seq_len=data.seq_len, seed=seed)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -58,6 +71,10 @@ class TokenDataModule(L.LightningDataModule):
             self._train = _windows("data.path", train, data.seq_len, self.seed)
             if self.validates:
                 self._val = _windows("data.path (held-out part)", val, data.seq_len, self.seed)
+        elif data.name in ("tokens", "jsonl"):
+            self._train = token_windows(data, "path", self.seed)
+            if self.validates:
+                self._val = token_windows(data, "val_path", self.seed + VAL_SEED_OFFSET)
         else:
             self._train = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed)
             self._val = SyntheticTokens(

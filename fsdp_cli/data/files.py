@@ -1,5 +1,8 @@
-"""Which files a ``data.path`` names. Torch-free: the parent checks the path before launch with
-the same function the ranks read the corpus with."""
+"""Which files a ``data.path`` names, and what can be known about them without torch.
+
+The parent runs these checks before any rank starts (bad data is one line and exit status 2);
+the ranks read the same files through the same functions.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +11,19 @@ import os
 import sysconfig
 from pathlib import Path
 
+from fsdp_cli.errors import ConfigError
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 """What ``data=text`` reads from a folder."""
 HELD_OUT_FRACTION = 0.05
 """The tail of a text corpus kept for validation."""
+TOKEN_SUFFIXES = (".bin",)
+"""What ``data=tokens`` reads from a folder."""
+JSONL_SUFFIXES = (".jsonl",)
+"""What ``data=jsonl`` reads from a folder."""
+ITEM_SIZES = {"uint16": 2, "uint32": 4}
+MAX_SCANNED_TOKENS = 1 << 28
+"""The token-id range check reads at most this many tokens of the first file (512 MiB of uint16)."""
 
 
 def text_files(path: str | None) -> list[Path]:
@@ -19,11 +31,90 @@ def text_files(path: str | None) -> list[Path]:
     None = the Python standard library sources on this machine."""
     if path is None:
         path = sysconfig.get_paths()["stdlib"]
+    return matching_files(path, TEXT_SUFFIXES)
+
+
+def matching_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """A file, a folder (its files with one of ``suffixes``, recursively) or a glob, sorted."""
     if os.path.isfile(path):
         return [Path(path)]
     if os.path.isdir(path):
-        return sorted(p for p in Path(path).rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        return sorted(p for p in Path(path).rglob("*") if p.suffix in suffixes and p.is_file())
     return sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+
+
+def existing_files(key: str, path: str | None, suffixes: tuple[str, ...], kind: str) -> list[Path]:
+    """The non-empty files ``path`` names; a :class:`ConfigError` on ``key`` if there are none or one is empty."""
+    if not path:
+        raise ConfigError(key, None, f"data={kind} needs files to read", hint=f"{key}=GLOB")
+    files = matching_files(path, suffixes)
+    if not files:
+        wanted = "/".join(f"*{s}" for s in suffixes)
+        raise ConfigError(
+            key, path, "matches no file", hint=f"give a file, a folder (of {wanted} files) or a glob"
+        )
+    empty = [f for f in files if f.stat().st_size == 0]
+    if empty:
+        raise ConfigError(key, path, f"{empty[0]} is empty", hint="remove empty files from the glob")
+    return files
+
+
+def token_counts(key: str, files: list[Path], dtype: str) -> list[int]:
+    """Tokens per file; a :class:`ConfigError` when a file's size is not a whole number of items."""
+    size = ITEM_SIZES[dtype]
+    counts = []
+    for file in files:
+        nbytes = file.stat().st_size
+        if nbytes % size:
+            other = "uint32" if dtype == "uint16" else "uint16"
+            raise ConfigError(
+                key,
+                str(file),
+                f"holds {nbytes} bytes, not a whole number of {dtype} tokens ({size} bytes each)",
+                allowed="uint16, uint32",
+                hint=f"data.dtype={other} if that is how the file was written",
+            )
+        counts.append(nbytes // size)
+    return counts
+
+
+def check_token_files(
+    key: str, path: str | None, *, dtype: str, seq_len: int, vocab_size: int | None
+) -> list[Path]:
+    """Everything checkable about a flat token corpus before training: files exist and are not
+    empty, sizes fit the dtype, one window of ``seq_len + 1`` fits, and the first file holds no
+    token id the model cannot embed."""
+    files = existing_files(key, path, TOKEN_SUFFIXES, "tokens")
+    total = sum(token_counts(key, files, dtype))
+    check_enough_tokens(key, path, total, seq_len)
+    if vocab_size is not None:
+        check_token_range(key, files[0], dtype, vocab_size)
+    return files
+
+
+def check_enough_tokens(key: str, path: str | None, total: int, seq_len: int) -> None:
+    if total < seq_len + 1:
+        raise ConfigError(
+            key,
+            path,
+            f"holds {total} tokens, fewer than data.seq_len + 1 = {seq_len + 1}",
+            hint="point at a larger corpus or lower data.seq_len",
+        )
+
+
+def check_token_range(key: str, file: Path, dtype: str, vocab_size: int) -> None:
+    """Every token id in (the first ``MAX_SCANNED_TOKENS`` of) ``file`` is below ``vocab_size``."""
+    import numpy as np
+
+    tokens = np.memmap(file, dtype=dtype, mode="r")
+    largest = int(tokens[:MAX_SCANNED_TOKENS].max())
+    if largest >= vocab_size:
+        raise ConfigError(
+            key,
+            str(file),
+            f"holds token id {largest}, not below data.vocab_size={vocab_size}",
+            hint="the files were tokenized for another vocabulary, or data.dtype does not match how they were written",
+        )
 
 
 def text_bytes(files: list[Path], max_bytes: int) -> int:

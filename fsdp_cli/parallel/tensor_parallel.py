@@ -21,8 +21,38 @@ def model_tp_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> None:
-    """Shard the modules named in ``plan`` across ``tp_mesh``; their weights become DTensors."""
+    """Shard the modules named in ``plan`` across ``tp_mesh``; their weights become DTensors.
+
+    A parameter shared by two modules (tied input and output embeddings) stays shared:
+    ``parallelize_module`` gives each module a parameter of its own, so the tie is restored when
+    both ends are sharded alike (a vocabulary-parallel embedding and a column-parallel head).
+    """
+    aliases = _aliases(model)
     parallelize_module(model, tp_mesh, plan)
+    for alias, source in aliases:
+        src, dst = model.get_parameter(source), model.get_parameter(alias)
+        if src is dst:
+            continue
+        placements = [getattr(t, "placements", "whole") for t in (dst, src)]
+        if placements[0] != placements[1]:
+            raise ValueError(
+                f"tied parameters {alias} and {source} are split differently by the tensor-parallel plan "
+                f"({placements[0]} vs {placements[1]})"
+            )
+        owner, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(owner), name, src)
+
+
+def _aliases(model: nn.Module) -> list[tuple[str, str]]:
+    """(second name, first name) of every parameter reachable under more than one name."""
+    first: dict[int, str] = {}
+    aliases = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 class ReplicateParallel(ParallelStyle):

@@ -24,7 +24,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
         ("model", f"{summary.get('model')} ({_count(summary.get('parameters'))} parameters)"),
         ("steps", summary.get("steps")),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
-        ("tokens/s", _fmt(summary.get("tokens_per_s"), ",.0f")),
+        *([("val loss", _fmt(summary["val_loss"], ".4f"))] if summary.get("val_loss") is not None else []),
+        _throughput(summary),
         ("step time", _fmt(summary.get("step_time_s"), ".4f", " s")),
         ("peak memory / rank", _bytes(summary.get("peak_memory_bytes"))),
         ("checkpoint", summary.get("checkpoint") or "-"),
@@ -35,6 +36,13 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     for name, value in rows:
         table.add_row(name, escape(str(value)))
     Console(stderr=False).print(table)
+
+
+def _throughput(summary: Mapping[str, Any]) -> tuple[str, str]:
+    """tokens/s; samples/s for a module that trained on its own DataLoaders."""
+    if summary.get("tokens_per_s") is None and summary.get("samples_per_s") is not None:
+        return "samples/s", _fmt(summary["samples_per_s"], ",.1f")
+    return "tokens/s", _fmt(summary.get("tokens_per_s"), ",.0f")
 
 
 def _fmt(value: Any, spec: str, unit: str = "") -> str:

@@ -19,7 +19,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import inspect
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -155,6 +156,9 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             set_fsdp1_activation_checkpointing(self, set(classes) or None)
 
         kwargs = dict(self.kwargs)
+        init_fn = meta_param_init_fn(module, self.root_device)
+        if init_fn is not None:
+            kwargs["param_init_fn"] = init_fn
         if any(isinstance(m, FSDP) for m in model.modules()):
             # Manually wrapped: only the parameters no unit owns are left for a root unit.
             kwargs.pop("auto_wrap_policy", None)
@@ -202,6 +206,48 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
                     f"the optimizer holds {len(stale)} parameter(s) that FSDP replaced when it wrapped the model",
                     hint=hint,
                 )
+
+
+def meta_param_init_fn(module: nn.Module, device: torch.device) -> Callable[[nn.Module], None] | None:
+    """For a model created on the meta device (``model=hf``): FSDP1's ``param_init_fn``, which
+    allocates one unit's tensors and has ``module.model.init_weights(modules=...)`` fill them, just
+    before FSDP1 shards that unit. No rank ever allocates the whole model."""
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return None
+    fill = getattr(getattr(module, "model", None), "init_weights", None)
+    if fill is None or "modules" not in inspect.signature(fill).parameters:
+        raise RuntimeError(
+            f"{type(module).__name__} has meta-device tensors but no model.init_weights(modules=...) to fill them"
+        )
+
+    def materialize_unit(unit: nn.Module) -> None:
+        # FSDP1 calls this for every module of the unit: the first call (the unit's root) fills
+        # the unit's modules (those not already inside a wrapped child), later calls find nothing left.
+        members = _unit_members(unit)
+        if not any(t.is_meta for m in members for t in _own_tensors(m)):
+            return
+        for m in members:
+            m.to_empty(device=device, recurse=False)
+        fill(buffer_device=device, modules=members)
+
+    return materialize_unit
+
+
+def _unit_members(unit: nn.Module) -> list[nn.Module]:
+    """The modules an FSDP1 unit rooted at ``unit`` owns: all below it except those of wrapped children."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    wrapped = {
+        id(m)
+        for child in unit.modules()
+        if isinstance(child, FSDP) and child is not unit
+        for m in child.modules()
+    }
+    return [m for m in unit.modules() if id(m) not in wrapped]
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(recurse=False), *(b for b in module.buffers(recurse=False) if b is not None)]
 
 
 def _names(policy: Any) -> list[str] | None:

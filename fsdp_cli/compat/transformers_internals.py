@@ -1,0 +1,76 @@
+"""transformers internals: its per-module weight init, the "already initialised" flag its init
+functions honour, the checkpoint keys a model ignores, and its checkpoint-key renames.
+
+A sharded model is filled in place, tensor by tensor, instead of through ``from_pretrained``; these
+are the pieces of ``from_pretrained`` that doing so needs. Imported only for ``model=hf`` (and by
+``fsdp-ckpt convert --to hf``), so transformers stays an optional dependency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import conversion_mapping as _conversion
+from transformers import core_model_loading as _loading
+from transformers import initialization as _init
+
+from fsdp_cli.compat import require
+
+INIT_FLAG = "_is_hf_initialized"
+"""transformers' mark on a tensor (or module) its init functions must leave alone."""
+
+ENTRIES: list[tuple[Any, str]] = [
+    (PreTrainedModel, "_initialize_weights"),
+    (PreTrainedModel, "_init_weights"),
+    (PreTrainedModel, "_keys_to_ignore_on_load_unexpected"),
+    (PreTrainedModel, "_keys_to_ignore_on_load_missing"),
+    (PreTrainedModel, "is_custom_code"),
+    (_init, "guard_torch_init_functions"),
+    (_init, "meta_device_safe_creation_ops"),
+    (_conversion, "get_model_conversion_mapping"),
+    (_loading, "WeightRenaming"),
+    (_loading, "rename_source_key"),
+]
+for _owner, _name in ENTRIES:
+    require(_owner, _name, "transformers")
+
+guard_torch_init_functions = _init.guard_torch_init_functions
+meta_device_safe_creation_ops = _init.meta_device_safe_creation_ops
+
+
+def initialize_module(owner: PreTrainedModel, module: nn.Module, *, custom_code: bool) -> None:
+    """``owner``'s init of ``module`` alone (what ``initialize_weights`` applies to every module);
+    tensors carrying :data:`INIT_FLAG` are kept. ``custom_code`` is passed rather than asked of
+    the class, which FSDP2 renames (transformers would then take it for remote code)."""
+    owner._initialize_weights(module, is_custom_code=custom_code)
+
+
+def mark_initialized(tensor: Any) -> None:
+    setattr(tensor, INIT_FLAG, True)
+
+
+def clear_initialized(module: nn.Module) -> None:
+    """Forget the marks on ``module`` and its own tensors, so its init runs again."""
+    module.__dict__.pop(INIT_FLAG, None)
+    for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        if tensor is not None and hasattr(tensor, INIT_FLAG):
+            delattr(tensor, INIT_FLAG)
+
+
+def ignored_checkpoint_keys(model: PreTrainedModel) -> tuple[list[str], list[str]]:
+    """Regex patterns of (unexpected, missing) checkpoint keys ``from_pretrained`` tolerates."""
+    unexpected = list(model._keys_to_ignore_on_load_unexpected or ())
+    missing = list(model._keys_to_ignore_on_load_missing or ())
+    return unexpected, missing
+
+
+def checkpoint_key_renamer(model: PreTrainedModel) -> Callable[[str], tuple[str, Any]]:
+    """``key -> (renamed key, converter or None)`` with the model's own conversion tables; a
+    converter means the key is merged with or split into others on load."""
+    transforms = _conversion.get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, _loading.WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, _loading.WeightRenaming)]
+    return lambda key: _loading.rename_source_key(key, renamings, converters)

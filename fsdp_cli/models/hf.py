@@ -1,0 +1,162 @@
+"""``model=hf``: a Hugging Face causal LM from a local folder, built on the meta device.
+
+:class:`HFCausalLM` wraps the ``AutoModelForCausalLM`` so it fits the rest of fsdp_cli like the
+built-in model does: ``forward(input_ids) -> logits``, ``tp_plan()`` (transformers' own plan as
+torch ParallelStyles) and ``init_weights()``, which the strategies call once the parameters
+exist, sharded: FSDP2 and tensor parallel after sharding the whole model, FSDP1 one unit at a
+time (``modules=``), DDP once on each rank. :mod:`fsdp_cli.models.hf_weights` does the filling.
+
+The FSDP unit needs nothing model-specific: the repeated decoder layer (``LlamaDecoderLayer``,
+``GPT2Block``, ...) is the element class of the model's largest ``ModuleList``, which
+``wrap=block`` finds; ``wrap.classes`` names others.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from fsdp_cli.config.schema import HFModelConfig
+from fsdp_cli.errors import ConfigError
+from fsdp_cli.models.hf_weights import HFSource, LoadReport, WeightFiller
+from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
+
+# transformers' plan styles that torch's ParallelStyles express exactly. Others (packed or fused
+# projections, expert parallel, transformers' own sequence-parallel hooks) are refused rather
+# than trained wrongly.
+_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    # The LM head: whole logits on every tensor-parallel rank, so the loss is the ordinary one.
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # Vocabulary-parallel embedding: weight split by rows, token ids whole, output summed.
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "replicate": lambda: None,
+}
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as fsdp_cli trains it.
+
+    Arguments:
+        hf: the ``PreTrainedModel``, on the meta device (built by :func:`build_hf_model`).
+        source: where its weights come from (the folder's safetensors, or a fresh init).
+    """
+
+    def __init__(self, hf: nn.Module, source: HFSource) -> None:
+        super().__init__()
+        self.hf = hf
+        # Names, owners and tied pairs are read now: fully_shard renames the model's classes.
+        self.weights = WeightFiller(hf, source)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, use_cache=False).logits
+
+    @property
+    def load_report(self) -> LoadReport:
+        return self.weights.report
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: Any = None, modules: Sequence[nn.Module] | None = None) -> None:
+        """Fill the allocated (``to_empty``) parameters and buffers of ``modules`` (default: all):
+        this rank's slices of the folder's weights, or a fresh init; see :class:`WeightFiller`."""
+        self.weights.fill(modules)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate and fill every tensor on ``device`` (for strategies that hold the whole model)."""
+        self.to_empty(device=device)
+        self.init_weights()
+
+    def tp_plan(self, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """transformers' plan for this model (``config.base_model_tp_plan`` and the head's), with
+        every other module that holds parameters made a replicated DTensor, so that FSDP puts all
+        parameters on one (data-parallel x tensor-parallel) mesh."""
+        name = type(self.hf).__name__
+        if sequence_parallel:
+            raise ConfigError(
+                "strategy.sequence_parallel",
+                True,
+                f"{name}: transformers' plan has no sequence-parallel layouts",
+            )
+        plan = hf_tp_plan(self.hf)
+        if plan is None:
+            raise ValueError(
+                f"{name} has no tensor-parallel plan in transformers (config.base_model_tp_plan)"
+            )
+        resolved = {f"hf.{k}": v for k, v in plan.items()}
+        for module_name, module in self.named_modules():
+            if module_name not in resolved and any(True for _ in module.parameters(recurse=False)):
+                resolved[module_name] = ReplicateParallel()
+        return resolved
+
+
+def require_tp_plan(model: nn.Module, tp: int) -> None:
+    """``tp > 1`` needs transformers' plan for the model; one line naming the class otherwise."""
+    if hf_tp_plan(model, tp=tp) is None:
+        raise ConfigError(
+            "tp",
+            tp,
+            f"{type(model).__name__} has no tensor-parallel plan in transformers (config.base_model_tp_plan)",
+            allowed="tp=1",
+            hint="shard it with FSDP alone (tp=1), or use a model family transformers gives a plan (Llama, Qwen2, Mistral, ...)",
+        )
+
+
+def hf_tp_plan(model: nn.Module, tp: int | str = ">1") -> dict[str, ParallelStyle] | None:
+    """``model.tp_plan`` (module patterns -> style names) expanded against the model's modules and
+    turned into torch ParallelStyles; None when transformers declares no plan for it."""
+    plan: dict[str, str] = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        return None
+    unknown = sorted({s for s in plan.values() if s not in _STYLES})
+    if unknown:
+        raise ConfigError(
+            "tp",
+            tp,
+            f"{type(model).__name__}'s tensor-parallel plan uses {', '.join(unknown)}, which fsdp_cli cannot apply",
+            allowed="tp=1",
+            hint="shard it with FSDP alone (tp=1)",
+        )
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        matches = [n for n in names if regex.match(n)]
+        if not matches:
+            raise ValueError(
+                f"{type(model).__name__}: tensor-parallel plan entry {pattern!r} matches no module"
+            )
+        for name in matches:
+            torch_style = _STYLES[style]()
+            if torch_style is not None:
+                resolved[name] = torch_style
+    return resolved
+
+
+def build_hf_model(cfg: HFModelConfig, *, seed: int) -> HFCausalLM:
+    """``AutoModelForCausalLM.from_config(config.json)`` on the meta device: nothing allocated,
+    no weight read. Master weights are fp32 whatever dtype the folder was saved in (the
+    ``precision`` group decides the compute dtype); dropout stays as the config sets it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_cli.compat.transformers_internals import meta_device_safe_creation_ops
+
+    assert cfg.path is not None  # checked in the parent
+    config = AutoConfig.from_pretrained(cfg.path)
+    config.use_cache = False
+    with torch.device("meta"), meta_device_safe_creation_ops():
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
+        )
+    return HFCausalLM(hf, HFSource(path=Path(cfg.path), pretrained=cfg.pretrained, seed=seed))

@@ -1,0 +1,416 @@
+"""Filling a Hugging Face model's tensors in place, after sharding: streamed from safetensors, or fresh.
+
+Whatever each parameter is by then — a plain tensor (DDP, one FSDP1 unit before it is sharded),
+an FSDP2 shard, a tensor-parallel shard, or both — :class:`WeightFiller` writes just this rank's
+part of it:
+
+* **pretrained**: each checkpoint tensor is read from its safetensors file, and only the slice
+  this rank owns when that slice is one box of the full tensor (``safe_open(...).get_slice``);
+  otherwise (FSDP over a tensor-parallel dimension) the full tensor is read, sliced, and dropped.
+  One file is open at a time and no rank ever holds more than one whole tensor.
+* **fresh** (``model.pretrained=false``) and whatever a checkpoint lacks (recomputed buffers such
+  as RoPE's ``inv_freq``): the model's own ``_init_weights``, module by module, each module seeded
+  from (seed, its name), with every random fill of a sharded tensor drawn whole and sliced
+  (:class:`LayoutIndependentRandom`). The same seed gives the same weights on every layout, one
+  process included, and whatever order the modules are filled in (FSDP1 fills unit by unit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_cli.compat.torch_internals import TorchDispatchMode, local_box, non_persistent_buffer_names
+from fsdp_cli.config.model_folder import weight_files
+from fsdp_cli.parallel.names import canonical_name
+
+# Keys every model ignores when loading: buffers older checkpoints saved that modules now recompute.
+ALWAYS_IGNORED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+
+@dataclass(frozen=True)
+class HFSource:
+    path: Path
+    pretrained: bool
+    seed: int
+
+
+@dataclass
+class LoadReport:
+    """What filling did on this rank (shown in ``summary.json`` under ``setup.weights``)."""
+
+    pretrained: bool
+    files: int = 0
+    tensors_read: int = 0
+    bytes_read: int = 0
+    """Bytes read from the checkpoint: only this rank's slices where the layout allows."""
+    max_full_tensor_bytes: int = 0
+    """The largest tensor this rank ever held whole (a replicated norm; never the model)."""
+    local_param_bytes: int = 0
+    seconds: float = 0.0
+
+
+class WeightFiller:
+    """Everything about the model that filling needs, read while it is still on the meta device."""
+
+    def __init__(self, hf: nn.Module, source: HFSource) -> None:
+        from fsdp_cli.compat.transformers_internals import ignored_checkpoint_keys
+
+        self.hf = hf
+        self.source = source
+        self.report = LoadReport(pretrained=source.pretrained)
+        self.names = {id(m): canonical_name(n) for n, m in hf.named_modules(remove_duplicate=False)}
+        # By name too: FSDP1 later inserts wrappers into the module paths, not into these.
+        self.modules = {canonical_name(n): m for n, m in hf.named_modules(remove_duplicate=False)}
+        self.owners = _owners(hf)
+        # Asked of the class now: after fully_shard it is FSDP<Class>, which transformers takes for remote code.
+        self.custom_code = bool(type(hf).is_custom_code())
+        mapping = getattr(hf, "all_tied_weights_keys", None) or {}
+        self.tied: dict[str, str] = dict(mapping)
+        self.expected = set(_tensors(hf))
+        unexpected, missing = ignored_checkpoint_keys(hf)
+        self.ignore_unexpected = [re.compile(p) for p in (*unexpected, *ALWAYS_IGNORED)]
+        self.ignore_missing = [re.compile(p) for p in missing]
+        self._locations: dict[str, tuple[Path, str]] | None = None
+
+    # ------------------------------------------------------------------ the entry point
+
+    def fill(self, modules: Sequence[nn.Module] | None = None) -> None:
+        """Fill the tensors that ``modules`` (default: every module) hold themselves."""
+        started = time.perf_counter()
+        selected = list(self.hf.modules()) if modules is None else list(modules)
+        ids = {id(m) for m in selected}
+        self._retie(ids)
+        targets = {
+            name: t
+            for m in selected
+            if id(m) in self.names
+            for name, t in _own_tensors(m, self.names[id(m)]).items()
+        }
+        for module in selected:
+            _poison_recomputed_buffers(module)
+            _clear_marks(module)
+        if self.source.pretrained:
+            self._load(targets)
+        self._initialize(ids)
+        _check_recomputed_buffers(selected, self.names)
+        self.report.local_param_bytes = sum(
+            _local(p).numel() * p.element_size() for p in self.hf.parameters()
+        )
+        self.report.seconds += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ ties
+
+    def _retie(self, ids: set[int]) -> None:
+        """``to_empty`` of plain modules gives each tied name its own tensor again; tie them back
+        (for the pairs whose holder is being filled)."""
+        for target, source in self.tied.items():
+            (dst_owner, dst_name), (src_owner, src_name) = (self._holder(target), self._holder(source))
+            if id(dst_owner) not in ids:
+                continue
+            src, dst = getattr(src_owner, src_name), getattr(dst_owner, dst_name)
+            if src is dst:
+                continue
+            if _fsdp2_managed(self.hf):
+                # Swapping a parameter behind FSDP2's back would leave it gathering the old one.
+                raise RuntimeError(f"{target} lost its tie to {source} under FSDP2")
+            setattr(dst_owner, dst_name, src)
+
+    def _holder(self, tensor_name: str) -> tuple[nn.Module, str]:
+        owner, _, name = tensor_name.rpartition(".")
+        return self.modules[owner], name
+
+    # ------------------------------------------------------------------ pretrained weights
+
+    def _load(self, targets: dict[str, torch.Tensor]) -> None:
+        from safetensors import safe_open
+
+        from fsdp_cli.compat.transformers_internals import mark_initialized
+
+        locations = self._checkpoint_locations()
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        missing = []
+        for name in targets:
+            if name in locations:
+                file, key = locations[name]
+                by_file.setdefault(file, []).append((name, key))
+            elif name not in self.tied and not any(r.search(name) for r in self.ignore_missing):
+                missing.append(name)
+        if missing:
+            raise RuntimeError(f"{self.source.path}: the checkpoint lacks {', '.join(sorted(missing)[:8])}")
+        filled: set[int] = set()
+        for file, pairs in by_file.items():
+            # safetensors memory-maps the file; get_slice reads only the bytes asked for.
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for name, key in pairs:
+                    target = targets[name]
+                    if id(target) not in filled:  # the second name of a tied pair
+                        _copy_into(target, reader, key, self.report)
+                        filled.add(id(target))
+                    mark_initialized(target)
+            self.report.files += 1
+
+    def _checkpoint_locations(self) -> dict[str, tuple[Path, str]]:
+        """Model tensor name -> (file, checkpoint key), from the index or the files' headers (once)."""
+        if self._locations is not None:
+            return self._locations
+        from safetensors import safe_open
+
+        from fsdp_cli.compat.transformers_internals import checkpoint_key_renamer
+
+        to_name = KeyMapper(
+            checkpoint_key_renamer(self.hf), self.expected, getattr(self.hf, "base_model_prefix", "")
+        )
+        locations: dict[str, tuple[Path, str]] = {}
+        unexpected = []
+        for file in weight_files(self.source.path):
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                keys = list(reader.keys())
+            for key in keys:
+                name = to_name(key)
+                if name in self.expected:
+                    locations[name] = (file, key)
+                elif not any(r.search(key) for r in self.ignore_unexpected):
+                    unexpected.append(key)
+        if unexpected:
+            raise RuntimeError(
+                f"{self.source.path}: checkpoint keys {', '.join(unexpected[:8])} match no {type(self.hf).__name__} tensor"
+            )
+        self._locations = locations
+        return locations
+
+    # ------------------------------------------------------------------ init
+
+    def _initialize(self, ids: set[int]) -> None:
+        """transformers' init of each selected module (post-order, as ``initialize_weights``), each
+        seeded from (seed, module name); tensors already loaded carry transformers' mark and stay."""
+        from fsdp_cli.compat.transformers_internals import guard_torch_init_functions, initialize_module
+
+        devices = sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
+        with (
+            torch.random.fork_rng(devices=devices),
+            LayoutIndependentRandom(self.report),
+            guard_torch_init_functions(),
+        ):
+            for module in _post_order(self.hf):
+                if id(module) in ids and id(module) in self.owners:
+                    torch.manual_seed(module_seed(self.source.seed, self.names.get(id(module), "")))
+                    initialize_module(self.owners[id(module)], module, custom_code=self.custom_code)
+
+
+def module_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode()) * 7_919) % (2**63)
+
+
+class KeyMapper:
+    """Checkpoint key -> model tensor name, as ``from_pretrained`` maps it: transformers' own rename
+    tables (legacy names), then the base-model prefix added or dropped (GPT-2's original
+    checkpoints say ``h.0.attn...``, the LM-head model ``transformer.h.0.attn...``). Keys that
+    transformers merges or splits on load cannot be streamed slice by slice and are refused."""
+
+    def __init__(self, rename: Callable[[str], tuple[str, Any]], expected: set[str], prefix: str) -> None:
+        self.rename = rename
+        self.expected = expected
+        self.prefix = prefix or ""
+
+    def __call__(self, key: str) -> str:
+        name, converter = self.rename(key)
+        if converter is not None:
+            raise RuntimeError(
+                f"checkpoint key {key!r} needs transformers' conversion {converter!r}, which combines "
+                "tensors and cannot be read shard by shard; save the model with current transformers first"
+            )
+        if name in self.expected or not self.prefix:
+            return name
+        if name.startswith(self.prefix + ".") and name[len(self.prefix) + 1 :] in self.expected:
+            return name[len(self.prefix) + 1 :]
+        if f"{self.prefix}.{name}" in self.expected:
+            return f"{self.prefix}.{name}"
+        return name
+
+
+class LayoutIndependentRandom(contextlib.ContextDecorator):
+    """Random in-place fills (``normal_``, ``uniform_``, ... at the aten level, whoever calls them)
+    of a DTensor draw the whole tensor from the global generator, as one unsharded process would,
+    and keep this rank's slice.
+
+    Without it, a shard on CPU draws the same numbers on every rank (no DTensor RNG tracker there:
+    duplicated rows), and on GPUs nothing promises that shards equal an unsharded draw. It costs one
+    full tensor of memory at a time.
+    """
+
+    def __init__(self, report: LoadReport | None = None) -> None:
+        self.report = report
+        self._mode: Any = None
+
+    def __enter__(self) -> LayoutIndependentRandom:
+        report = self.report
+
+        class _WholeDraws(TorchDispatchMode):
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+            ) -> Any:
+                kwargs = kwargs or {}
+                target = args[0] if args else None
+                if _is_dtensor(target) and _fills_randomly(func):
+                    local = target.to_local()
+                    full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+                    func(full, *args[1:], **kwargs)
+                    if report is not None:
+                        nbytes = full.numel() * full.element_size()
+                        report.max_full_tensor_bytes = max(report.max_full_tensor_bytes, nbytes)
+                    local.copy_(slice_of_full(full, target))
+                    return target
+                return func(*args, **kwargs)
+
+        self._mode = _WholeDraws()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _fills_randomly(func: Any) -> bool:
+    tags = getattr(func, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags and torch.Tag.inplace in tags
+
+
+def slice_of_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s local part of ``full`` (the whole tensor, the same on every rank), without communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not _is_dtensor(like):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _copy_into(target: torch.Tensor, reader: Any, key: str, report: LoadReport) -> None:
+    shape = tuple(reader.get_slice(key).get_shape())
+    if shape != tuple(target.shape):
+        raise RuntimeError(f"{key}: checkpoint shape {shape} != model shape {tuple(target.shape)}")
+    local = _local(target)
+    box = _box(target) if shape else None
+    if box is not None:
+        piece = reader.get_slice(key)[box]
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(box, shape))
+    else:
+        piece = slice_of_full(reader.get_tensor(key).to(target.dtype), target)
+        whole = True
+    if whole:
+        report.max_full_tensor_bytes = max(
+            report.max_full_tensor_bytes, target.numel() * target.element_size()
+        )
+    report.tensors_read += 1
+    report.bytes_read += piece.numel() * piece.element_size()
+    local.copy_(piece.to(target.dtype).reshape(local.shape))
+
+
+def _box(tensor: torch.Tensor) -> tuple[slice, ...] | None:
+    """This rank's part of the full tensor as index ranges, when it is one box (plain Shard and
+    Replicate placements); None for other placements (FSDP's strided shard over a tensor-parallel dim)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not _is_dtensor(tensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    if any(type(p) not in (Shard, Replicate) for p in tensor.placements):
+        return None
+    shape, offset = local_box(tensor)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds, by name: parameters (a tied one under each of its names) and persistent buffers."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        out.update(_own_tensors(module, module_name))
+    return out
+
+
+def _own_tensors(module: nn.Module, module_name: str) -> dict[str, torch.Tensor]:
+    prefix = f"{module_name}." if module_name else ""
+    out = {canonical_name(prefix + name): p for name, p in module.named_parameters(recurse=False)}
+    skip = non_persistent_buffer_names(module)
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer is not None and name not in skip:
+            out[canonical_name(prefix + name)] = buffer
+    return out
+
+
+def _fsdp2_managed(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _owners(model: nn.Module) -> dict[int, nn.Module]:
+    """Each module's nearest ``PreTrainedModel`` (itself or an ancestor): whose ``_init_weights`` applies to it."""
+    from transformers import PreTrainedModel
+
+    owners: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        owners[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, model)
+    return owners
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _recomputed_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in non_persistent_buffer_names(module):
+        buffer = getattr(module, name, None)
+        if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
+            yield name, buffer
+
+
+def _poison_recomputed_buffers(module: nn.Module) -> None:
+    """NaN-fill buffers the checkpoint does not hold, so one the model's init forgets is caught, not trained on."""
+    for _, buffer in _recomputed_buffers(module):
+        buffer.fill_(float("nan"))
+
+
+def _check_recomputed_buffers(modules: Sequence[nn.Module], names: dict[int, str]) -> None:
+    bad = [
+        f"{names.get(id(m), '?')}.{n}"
+        for m in modules
+        for n, b in _recomputed_buffers(m)
+        if not torch.isfinite(b).all()
+    ]
+    if bad:
+        raise RuntimeError(
+            f"the model's _init_weights left buffers {bad} unset; they are not in the checkpoint"
+        )
+
+
+def _clear_marks(module: nn.Module) -> None:
+    from fsdp_cli.compat.transformers_internals import clear_initialized
+
+    clear_initialized(module)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
