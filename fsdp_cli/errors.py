@@ -51,3 +51,10 @@ def _show(value: Any) -> str:
     if hasattr(value, "name") and hasattr(value, "value") and not isinstance(value, (str, int)):
         return str(value.value)  # an Enum member
     return str(value)
+
+
+class RunFailure(RuntimeError):
+    """A failure during a run that the user can act on, reported as one line without a traceback
+    (a non-finite loss, a checkpoint that could not be written); the run ends with status
+    ``failed`` and exit status 1. Raised on every rank together where possible, so that no rank
+    is left waiting in a collective."""

@@ -3,7 +3,9 @@
 Started by torch.distributed.run as ``python -m fsdp_cli.worker <run_dir>/config.yaml``, or
 called in-process by the entry point when it already is a torchrun/SLURM rank. Rank 0 writes
 ``metrics.jsonl`` and ``summary.json`` (also when the run fails); the other ranks' console
-output goes to ``<run_dir>/logs/rank<N>.log``.
+output goes to ``<run_dir>/logs/rank<N>.log``. Before anything else a rank installs what lets the
+launcher supervise it (:class:`~fsdp_cli.launch.rank_monitor.RankMonitor`: stack dumps into its
+log on request, a heartbeat); a failure is one line, in ``summary.json`` and for the agent.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, TrainConfig
-from fsdp_cli.errors import ConfigError
-from fsdp_cli.launch.environment import global_rank
+from fsdp_cli.errors import ConfigError, RunFailure
+from fsdp_cli.launch.environment import die_with_parent, global_rank
+from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV, RankMonitor, report_error_to_agent
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -63,23 +66,23 @@ def run(cfg: TrainConfig) -> int:
     run_dir, rank = Path(cfg.run_dir), global_rank()
     if rank != 0:
         _redirect_output(rank_log(run_dir, rank))
+    monitor = start_monitor(cfg, rank)
     started = time.time()
     built: RankRun | None = None
     result: FitResult | None = None
-    outcome = Outcome()
     try:
-        built = build(cfg)
+        built = build(cfg, monitor)
         result = fit(cfg, built)
+        outcome = Outcome()
         if result.preempted:
             outcome = Outcome(
                 STATUS_PREEMPTED, "stopped by SIGTERM after saving a checkpoint", EXIT_PREEMPTED
             )
-    except ConfigError as err:
-        outcome = Outcome(STATUS_FAILED, err.one_line(), EXIT_CONFIG_ERROR)
-        print(f"fsdp-train: error: {outcome.error}", file=sys.stderr, flush=True)
-    except Exception as err:  # noqa: BLE001 - reported in summary.json, then exit 1
-        outcome = Outcome(STATUS_FAILED, f"{type(err).__name__}: {err}", EXIT_FAILED)
-        traceback.print_exc()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        outcome = _failed(err)
+    monitor.exiting(ok=outcome.status != STATUS_FAILED)
     summary = _summary(cfg, built, result, outcome, wall=time.time() - started)
     # Rank 0 writes the summary. When a run fails, another rank may get there first (and rank 0
     # may be stopped by the launcher before it can), so a failing rank writes one if none exists.
@@ -88,7 +91,41 @@ def run(cfg: TrainConfig) -> int:
     return outcome.exit_code
 
 
-def build(cfg: TrainConfig) -> RankRun:
+def start_monitor(cfg: TrainConfig, rank: int) -> RankMonitor:
+    """Stack dumps and the heartbeat, before the slow imports (a hang at start-up is dumped too)."""
+    if os.environ.get(WATCHDOG_ENV) == "launcher":
+        # Started by our agent: never outlive it (a killed agent cannot stop its ranks).
+        import signal
+
+        die_with_parent(signal.SIGKILL)
+    launcher = cfg.launcher
+    return RankMonitor(
+        cfg.run_dir,
+        rank,
+        int(os.environ.get("LOCAL_RANK", "0") or 0),
+        hang_timeout_s=launcher.hang_timeout_s,
+        startup_timeout_s=launcher.startup_timeout_s,
+    )
+
+
+def _failed(err: BaseException) -> Outcome:
+    """The outcome of a rank that raised ``err``: one line in summary.json, on stderr and for the
+    agent; a traceback only for what may be a bug."""
+    if isinstance(err, ConfigError):
+        outcome = Outcome(STATUS_FAILED, err.one_line(), EXIT_CONFIG_ERROR)
+    elif isinstance(err, RunFailure):
+        outcome = Outcome(STATUS_FAILED, str(err), EXIT_FAILED)
+    else:
+        traceback.print_exc()
+        text = str(err) if isinstance(err, Exception) else (str(err).strip().splitlines() or [""])[0]
+        outcome = Outcome(STATUS_FAILED, f"{type(err).__name__}: {text}", EXIT_FAILED)
+    if isinstance(err, (ConfigError, RunFailure)):
+        print(f"fsdp-train: error: {outcome.error}", file=sys.stderr, flush=True)
+    report_error_to_agent(outcome.error or "")
+    return outcome
+
+
+def build(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RankRun:
     """Module, data, strategy, callbacks and trainer from the config."""
     import lightning as L
 
@@ -106,7 +143,8 @@ def build(cfg: TrainConfig) -> RankRun:
     own = datamodule is None
     strategy = build_strategy(cfg)
     strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
-    callbacks = build_callbacks(cfg, module, module_loaders=own)
+    strategy.async_checkpointing = cfg.checkpoint.async_save
+    callbacks = build_callbacks(cfg, module, module_loaders=own, monitor=monitor)
     trainer = build_trainer(
         cfg,
         strategy,
@@ -132,6 +170,7 @@ def fit(cfg: TrainConfig, built: RankRun) -> FitResult:
     already_saved = last is not None and last.name.startswith(f"step_{trainer.global_step:08d}")
     if (cfg.checkpoint.save_last or checkpoints.preempted) and not already_saved:
         checkpoints.save(trainer)
+    checkpoints.finish(trainer)  # a background save becomes visible (or fails) before we report
     saved = checkpoints.last_saved
     return FitResult(
         steps=trainer.global_step, checkpoint=str(saved) if saved else None, preempted=checkpoints.preempted
@@ -141,11 +180,11 @@ def fit(cfg: TrainConfig, built: RankRun) -> FitResult:
 def _resume_path(cfg: TrainConfig) -> str | None:
     """The parent resolved ``resume``; after an elastic restart the newest checkpoint wins."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
+        from fsdp_cli.checkpoint.run import checkpoint_dir, newest_verified
 
-        found = complete_checkpoints(checkpoint_dir(cfg))
-        if found:
-            return str(found[-1][1])
+        found, _ = newest_verified(checkpoint_dir(cfg))
+        if found is not None:
+            return str(found)
     return cfg.resume
 
 
@@ -154,6 +193,7 @@ def _summary(
 ) -> dict[str, Any]:
     metrics = built.callbacks.metrics if built is not None else None
     setup = built.callbacks.setup if built is not None else None
+    skipped = built.callbacks.nonfinite.skipped if built is not None else []
     rows = metrics.rows if metrics is not None else []
     val_rows = metrics.val_rows if metrics is not None else []
     steady = steady_state(rows)
@@ -175,7 +215,7 @@ def _summary(
         else None,
         "global_batch_size": cfg.data.global_batch_size if tokens else None,
         "seq_len": cfg.data.seq_len if tokens else None,
-        "steps": result.steps if result is not None else (rows[-1]["step"] if rows else 0),
+        "steps": _steps_done(built, result, rows),
         "final_loss": rows[-1]["loss"] if rows else None,
         "val_loss": val_rows[-1].get("val_loss") if val_rows else None,
         "tokens_per_s": median_of(steady, "tokens_per_s"),
@@ -185,10 +225,20 @@ def _summary(
         "mfu": median_of(steady, "mfu"),
         "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
         "checkpoint": result.checkpoint if result is not None else None,
+        "skipped_nonfinite_steps": len(skipped),
+        "skipped_nonfinite_at": list(skipped),
         "setup": setup.info if setup is not None else None,
         "wall_time_s": round(wall, 3),
         "run_dir": str(cfg.run_dir),
     }
+
+
+def _steps_done(built: RankRun | None, result: FitResult | None, rows: list[dict[str, Any]]) -> int:
+    if result is not None:
+        return result.steps
+    if built is not None:  # a failed run: the optimizer steps it took before failing
+        return int(built.trainer.global_step)
+    return rows[-1]["step"] if rows else 0
 
 
 def _model_name(model: Any) -> str:

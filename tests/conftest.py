@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +47,155 @@ def run_cli(
     cwd: Path | None = None,
     prog: str = "fsdp-train",
 ) -> subprocess.CompletedProcess[str]:
-    """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` in a subprocess, exactly as a user types it."""
+    """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` in a subprocess, exactly as a user types it.
+
+    On a timeout (or any interruption) everything it started is killed, ranks included."""
+    proc = start_cli(args, run_dir, env=env, cwd=cwd, prog=prog)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_job(proc, run_dir)
+        raise
+    _check_marked_distributed(run_dir)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+_STARTED: list[tuple[subprocess.Popen[str], Path | None]] = []
+
+
+def start_cli(
+    args: list[str],
+    run_dir: Path | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    prog: str = "fsdp-train",
+) -> subprocess.Popen[str]:
+    """Start ``fsdp-train`` (or ``fsdp-ckpt``) in a session of its own; killed with everything it
+    started when the test ends, whatever happens (see :func:`kill_job`)."""
     cmd = [*entry_point(prog), *args]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
     full_env = {**os.environ, **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=cwd or REPO,
+        start_new_session=True,
+    )
+    _STARTED.append((proc, run_dir))
+    return proc
+
+
+def kill_job(proc: subprocess.Popen[str], run_dir: Path | None) -> None:
+    """SIGKILL the command and everything it started: its process group (the CLI and torch's
+    agent) while it runs, and every process whose command line names the run directory (torch
+    starts ranks in sessions of their own; their data-loader workers are forks of them)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if run_dir is not None:
+        for pid in processes_naming(str(run_dir)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (never a recycled pid of someone else's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _kill_what_the_test_started(request: pytest.FixtureRequest) -> Any:
+    global _CURRENT_TEST
+    _CURRENT_TEST = request.node
+    first = len(_STARTED)
+    yield
+    for proc, run_dir in _STARTED[first:]:
+        kill_job(proc, run_dir)
+    del _STARTED[first:]
+
+
+_CURRENT_TEST: Any = None
+
+
+def _check_marked_distributed(run_dir: Path | None) -> None:
+    """A test that starts ranks (they leave heartbeat files) must be marked distributed."""
+    if run_dir is None or _CURRENT_TEST is None or _CURRENT_TEST.get_closest_marker("distributed"):
+        return
+    if (run_dir / ".heartbeat").exists():
+        pytest.fail(f"{_CURRENT_TEST.nodeid} started ranks but is not marked distributed")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that use the shared runs start ranks (or reuse runs another test started)."""
+    shared = {"layout_run", "reference_losses"}
+    unmarked = [
+        item.nodeid
+        for item in items
+        if shared & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("distributed")
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests using the shared runs must be marked distributed: " + ", ".join(unmarked)
+        )
+
+
+def wait_for(predicate: Callable[[], Any], proc: subprocess.Popen[str], timeout: float = 120) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); fail if ``proc`` ends first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s")
+        time.sleep(0.1)
+
+
+def complete_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a file being written: only complete, parseable lines count."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    rows = []
+    for line in text.split("\n")[:-1]:  # the last piece is unfinished (or empty)
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break
+    return rows
+
+
+def read_pid(path: Path) -> int | None:
+    """A pid marker file, once it is completely written (else None)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -123,9 +268,9 @@ def reference_losses(layout_run: Any) -> list[float]:
     return losses(layout_run("single"))
 
 
-def assert_same_losses(reference: list[float], run_dir: Path, tol: float = 1e-5) -> None:
+def assert_same_losses(reference: list[float], run_dir: Path, tol: float = 1e-5, minimum: int = 5) -> None:
     other = losses(run_dir)
-    assert len(other) == len(reference) >= 5
+    assert len(other) == len(reference) >= minimum
     diffs = [abs(a - b) for a, b in zip(reference, other)]
     assert max(diffs) < tol, diffs
 

@@ -13,12 +13,28 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import LAYOUTS, PARITY, assert_ok, entry_point, losses, read_metrics, read_summary, run_cli
+from conftest import (
+    LAYOUTS,
+    PARITY,
+    assert_ok,
+    assert_same_losses,
+    complete_lines,
+    entry_point,
+    losses,
+    processes_naming,
+    read_metrics,
+    read_pid,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+)
 
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.cli import main as ckpt_main
 from fsdp_cli.checkpoint.convert import load
-from fsdp_cli.config.schema import CheckpointConfig, CheckpointFormat
+from fsdp_cli.checkpoint.run import newest_verified
+from fsdp_cli.config.schema import CheckpointConfig
 
 STEP3, STEP6 = "step_00000003", "step_00000006"
 
@@ -85,19 +101,23 @@ CROSS = {
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CROSS))
-def test_resume_at_another_layout_keeps_weights_and_optimizer(
+def test_resume_at_another_layout_continues_like_the_straight_run(
     tmp_path: Path, layout_run: Any, name: str
 ) -> None:
+    """Load step 3 of one layout into another, train steps 4-6 there: the same per-step losses as
+    the straight run (to the cross-layout tolerance; a wrong restore of weights or Adam moments
+    shows at once), and the restored state itself saved back unchanged."""
     source, args = CROSS[name]
-    origin = ckpt(layout_run(source), STEP6)
+    straight = layout_run(source)
     run_dir = tmp_path / name
-    # max_steps equal to the checkpoint's step: restore, train nothing, save again in the new layout.
-    result = run_cli([*args, *PARITY, f"resume={origin}"], run_dir)
+    result = run_cli([*args, *PARITY, f"resume={ckpt(straight, STEP3)}"], run_dir)
     assert_ok(result, run_dir)
     assert "changed since the checkpoint (compatible, proceeding)" in result.stderr
-    assert_same_state(ckpt(run_dir, STEP6), origin)
+    assert [r["step"] for r in read_metrics(run_dir)] == [4, 5, 6]
+    assert_same_losses(losses(straight)[3:], run_dir, minimum=3)
 
 
+@pytest.mark.distributed
 def test_resume_refuses_another_model_shape(tmp_path: Path, layout_run: Any) -> None:
     origin = ckpt(layout_run("fsdp2"), STEP6)
     result = run_cli(["strategy=fsdp2", *PARITY, "model.dim=64", f"resume={origin}"], tmp_path / "bad")
@@ -136,6 +156,7 @@ def test_resume_auto_with_nothing_saved_starts_fresh(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- formats and fsdp-ckpt
 
 
+@pytest.mark.distributed
 def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     run_dir = layout_run("fsdp2_tp2")
     result = subprocess.run(
@@ -161,11 +182,13 @@ def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     assert "tensor_parallel=2" in table.stdout and "trained with:" in table.stdout
 
 
+@pytest.mark.distributed
 def test_full_checkpoints_load_with_weights_only(layout_run: Any) -> None:
     data = torch.load(ckpt(layout_run("fsdp"), STEP6), map_location="cpu", weights_only=True)
     assert {"state_dict", "optimizer_states", "fsdp_cli_manifest"} <= set(data)
 
 
+@pytest.mark.distributed
 def test_sharded_checkpoints_are_plain_dcp(layout_run: Any, tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -174,12 +197,40 @@ def test_sharded_checkpoints_are_plain_dcp(layout_run: Any, tmp_path: Path) -> N
     assert "model.tok_embeddings.weight" in plain["state_dict"]
 
 
+def plain_state(path: Path, scratch: Path) -> tuple[dict[str, torch.Tensor], dict[Any, Any]]:
+    """Model weights and optimizer state read without fsdp_cli: ``torch.load`` for a full file,
+    torch's own DCP converter for a sharded folder."""
+    if path.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        whole = scratch / f"{path.name}.plain.pt"
+        dcp_to_torch_save(path, whole)
+        data = torch.load(whole, map_location="cpu", weights_only=True)
+        return data["state_dict"], data["optimizer_states"]["0"]["state"]
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    return data["state_dict"], data["optimizer_states"][0]["state"]
+
+
+def assert_plainly_equal(a: Path, b: Path, scratch: Path) -> None:
+    (wa, oa), (wb, ob) = plain_state(a, scratch), plain_state(b, scratch)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert oa.keys() == ob.keys()
+    for key in oa:
+        for moment in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(oa[key][moment]), torch.as_tensor(ob[key][moment])), (
+                key,
+                moment,
+            )
+
+
+@pytest.mark.distributed
 def test_convert_every_direction_keeps_the_weights(layout_run: Any, tmp_path: Path) -> None:
+    """Checked by independent readers (torch.load, torch's DCP converter, safetensors), not by
+    the reader fsdp-ckpt itself uses."""
     from safetensors.torch import load_file
 
     sharded, full = ckpt(layout_run("fsdp2"), STEP6), ckpt(layout_run("fsdp"), STEP6)
     out = tmp_path / "converted"
-
     for src, dst, to in (
         (sharded, out / "a.pt", "full"),
         (full, out / "b", "sharded"),
@@ -187,20 +238,21 @@ def test_convert_every_direction_keeps_the_weights(layout_run: Any, tmp_path: Pa
         (out / "b", out / "d.pt", "full"),
     ):
         assert fsdp_ckpt("convert", str(src), str(dst), "--to", to) == 0
-    assert_same_state(out / "a.pt", sharded)
-    assert_same_state(out / "b", full)
-    assert_same_state(out / "c", sharded)
-    assert_same_state(out / "d.pt", full)
+        assert fsdp_ckpt("verify", "--deep", str(dst)) == 0
+    assert_plainly_equal(out / "a.pt", sharded, tmp_path)
+    assert_plainly_equal(out / "b", full, tmp_path)
+    assert_plainly_equal(out / "c", sharded, tmp_path)
+    assert_plainly_equal(out / "d.pt", full, tmp_path)
     for src in (sharded, full):
         dst = out / f"{src.name}.safetensors"
         assert fsdp_ckpt("convert", str(src), str(dst), "--to", "safetensors") == 0
-        weights = load_file(str(dst))
-        model = load(src).state_dict
+        weights, (model, _) = load_file(str(dst)), plain_state(src, tmp_path)
         assert weights.keys() == {k.removeprefix("model.") for k in model}
         assert all(torch.equal(weights[k.removeprefix("model.")], v) for k, v in model.items())
     assert fsdp_ckpt("convert", str(full), str(out / "a.pt"), "--to", "full") == 2, "never overwrites"
 
 
+@pytest.mark.distributed
 def test_fsdp_ckpt_errors_are_one_line(
     layout_run: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -230,81 +282,199 @@ def test_fsdp_ckpt_errors_are_one_line(
 def test_retention_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
     directory.mkdir()
-    for step in (2, 4, 6):
-        (directory / f"step_{step:08d}").mkdir()
-        (directory / f"step_{step:08d}" / ".metadata").write_text("x")
-        time.sleep(0.01)
-    (directory / "step_00000008.partial").mkdir()  # a save still running (or killed): never counts
-    callback = CheckpointCallback(CheckpointConfig(keep_last=1), directory, max_steps=10)
+
+    def make(name: str, age: int) -> None:
+        (directory / name).mkdir()
+        (directory / name / ".metadata").write_text("x")
+        os.utime(directory / name, (time.time() - age, time.time() - age))
+
+    make("step_00000002", 50)
+    make("step_00000001.partial", 60)  # an interrupted save, older than the newest complete one
+    make("step_00000004", 40)
+    make("step_00000006", 30)
+    make("step_00000008.partial", 0)  # a save still running: never counts, never deleted
+    callback = CheckpointCallback(CheckpointConfig(keep_last=2), directory, max_steps=10)
+    assert [p.name for p in callback.prune()] == ["step_00000002"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "step_00000004",
+        "step_00000006",
+        "step_00000008.partial",
+    ]
+    # keep_last=0 is refused by validation; even so, the newest complete checkpoint is never deleted.
+    callback.config = CheckpointConfig(keep_last=0)
     callback.prune()
     assert sorted(p.name for p in directory.iterdir()) == ["step_00000006", "step_00000008.partial"]
-    # keep_last can never delete the only complete checkpoint.
-    callback.config = CheckpointConfig(keep_last=1, format=CheckpointFormat.sharded)
-    callback.prune()
-    assert (directory / "step_00000006").is_dir()
 
 
-# --------------------------------------------------------------------------- failures
+def test_replacing_a_checkpoint_leaves_no_moment_without_one(tmp_path: Path) -> None:
+    from fsdp_cli.checkpoint.atomic import OLD_SUFFIX, recover_interrupted_replace, replace_atomically
+
+    final, partial = tmp_path / "step_00000003", tmp_path / "step_00000003.partial"
+    for folder, text in ((final, "old"), (partial, "new")):
+        folder.mkdir()
+        (folder / "data").write_text(text)
+    replace_atomically(partial, final)
+    assert (final / "data").read_text() == "new" and not partial.exists()
+    # The two-rename fallback (filesystems without renameat2) interrupted between its renames:
+    os.replace(final, tmp_path / f"step_00000003{OLD_SUFFIX}")
+    assert recover_interrupted_replace(tmp_path) == [
+        "note: restored step_00000003, whose replacement was interrupted"
+    ]
+    assert (final / "data").read_text() == "new"
 
 
-def _start(args: list[str], run_dir: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*entry_point("fsdp-train"), *args, f"hydra.run.dir={run_dir}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **env},
-        cwd=Path(__file__).resolve().parents[1],
-    )
+# --------------------------------------------------------------------------- kills at every phase of a save
+
+# phase: (layout, extra arguments, step to pause at, which rank to kill). Each run saves every
+# 2 or 3 steps and is SIGKILLed while saving; what is left must be loadable and continue exactly.
+KILL_PHASES = {
+    # rank 1 dies with its shard written, .metadata not yet (rank 0 still writing its own)
+    "while_shards_are_written": ("fsdp2", ["+FSDP_CLI_TEST_PAUSE_PHASE=shards"], 6, 1),
+    # every rank has written its shard and rank 0 the manifest; the rename has not happened
+    "before_rename": ("fsdp2", ["checkpoint.every_n_steps=2"], 4, 1),
+    # async: the shards are being written in the background while training goes on
+    "async_while_shards_are_written": (
+        "fsdp2",
+        ["checkpoint.every_n_steps=2", "checkpoint.async_save=true", "+FSDP_CLI_TEST_PAUSE_PHASE=shards"],
+        4,
+        1,
+    ),
+    # the new checkpoint is visible, older ones not pruned yet
+    "after_rename": ("single", ["+FSDP_CLI_TEST_PAUSE_PHASE=after_rename"], 3, 0),
+    # a full (one-file) save, written but not renamed
+    "full_format": ("single", ["checkpoint=full"], 6, 0),
+}
 
 
-def _wait_for(predicate: Any, proc: subprocess.Popen[str], timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("timed out")
-        time.sleep(0.1)
+def _phase_env(args: list[str], marker: Path, step: int) -> tuple[list[str], dict[str, str]]:
+    """Pseudo-arguments ``+FSDP_CLI_TEST_PAUSE_PHASE=...`` become environment variables."""
+    env = {
+        "FSDP_CLI_TEST_PAUSE_IN_SAVE": "120",
+        "FSDP_CLI_TEST_PAUSE_IN_SAVE_MARKER": str(marker),
+        "FSDP_CLI_TEST_PAUSE_AT_STEP": str(step),
+    }
+    plain = []
+    for arg in args:
+        if arg.startswith("+FSDP_CLI_TEST_"):
+            key, value = arg[1:].split("=", 1)
+            env[key] = value
+        else:
+            plain.append(arg)
+    return plain, env
+
+
+def all_or_none(values: list[Any]) -> list[Any] | None:
+    return values if all(values) else None
+
+
+def _kill_and_wait(proc: subprocess.Popen[str], pid: int, run_dir: Path) -> int:
+    os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert processes_naming(str(run_dir)) == []
+    return proc.returncode
 
 
 @pytest.mark.distributed
-def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path, layout_run: Any) -> None:
-    run_dir = tmp_path / "killed"
-    marker = tmp_path / "in_save"
-    args = ["strategy=fsdp2", "devices=2", *PARITY, "checkpoint.every_n_steps=2"]
-    env = {
-        "FSDP_CLI_TEST_PAUSE_IN_SAVE": "60",
-        "FSDP_CLI_TEST_PAUSE_IN_SAVE_MARKER": str(marker),
-        "FSDP_CLI_TEST_PAUSE_AT_STEP": "4",
-    }
-    proc = _start(args, run_dir, env)
-    _wait_for(lambda: len(list(tmp_path.glob("in_save.rank*"))) == 2, proc)
-    victim = int((tmp_path / "in_save.rank1").read_text())
-    os.kill(victim, signal.SIGKILL)  # rank 1 dies with its shard written but the save not yet renamed
-    proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert names == ["step_00000002", "step_00000004.partial"], names
+@pytest.mark.parametrize("phase", list(KILL_PHASES))
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, layout_run: Any, phase: str
+) -> None:
+    layout, extra, step, victim = KILL_PHASES[phase]
+    straight = layout_run(layout)
+    run_dir, marker = tmp_path / "killed", tmp_path / "in_save"
+    args, env = _phase_env([*LAYOUTS[layout], *PARITY, *extra], marker, step)
+    proc = start_cli(args, run_dir, env=env)
+    ranks = 2 if "devices=2" in args else 1
+    markers = [marker.with_name(f"{marker.name}.rank{r}") for r in range(ranks)]
+    pids = wait_for(lambda: all_or_none([read_pid(m) for m in markers]), proc)
+    if phase.startswith("async"):
+        # Training went on while the save was being written: rows past the save's step exist.
+        wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) == 6, proc)
+        assert not (run_dir / "checkpoints" / f"step_{step:08d}").exists()
+    assert _kill_and_wait(proc, pids[victim], run_dir) != 0
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    previous, _ = newest_verified(run_dir / "checkpoints")
+    assert previous is not None, left
+    if phase in ("before_rename", "async_while_shards_are_written"):
+        assert left == ["step_00000002", f"step_{step:08d}.partial"], left
+        _resume_and_compare(args, run_dir, straight)
+    else:
+        # The checkpoint resume=auto would take is the straight run's, bit for bit, and resuming
+        # from that one is exact (test_resume_is_bitwise_exact).
+        assert previous.name.startswith(STEP3 if step == 6 else f"step_{step:08d}"), left
+        assert_same_state(previous, ckpt(straight, STEP3))
 
-    result = run_cli([*args, "resume=auto"], run_dir)
+
+def _resume_and_compare(args: list[str], run_dir: Path, straight: Path) -> None:
+    """``resume=auto`` after the kill trains steps 3-6 exactly as the straight run did. Also runs
+    validation and the csv logger (whose held-out batches must not change training)."""
+    result = run_cli([*args, "resume=auto", "trainer.val_check_interval=2", "logger=csv"], run_dir)
     assert_ok(result, run_dir)
     assert "resuming from" in result.stderr and "step_00000002 (step 2)" in result.stderr
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert losses(run_dir) == losses(layout_run("fsdp2")), "the resumed run continues exactly"
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert any("val_loss" in r for r in rows), "validation ran (its rows do not change training)"
+    assert [r["loss"] for r in rows if "loss" in r] == losses(straight), "the resumed run continues exactly"
+    assert_same_state(ckpt(run_dir, STEP6), ckpt(straight, STEP6))
     # keep_last=2 after the resumed saves at 4 and 6; the stale partial save is gone.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
+    csv = (run_dir / "csv" / "metrics.csv").read_text().splitlines()
+    assert "val_loss" in csv[0].split(","), csv[0]
+
+
+@pytest.mark.distributed
+def test_sigkill_while_replacing_a_checkpoint_of_the_same_step(tmp_path: Path, layout_run: Any) -> None:
+    """A run resumed at step 3 with max_steps=3 saves step 3 again; killed between swapping the
+    new folder in and deleting the old one, step 3 is still complete (and the straight run's)."""
+    straight = layout_run("single")
+    run_dir, marker = tmp_path / "replacing", tmp_path / "in_replace"
+    shutil.copytree(ckpt(straight, STEP3), run_dir / "checkpoints" / STEP3)
+    args = [*LAYOUTS["single"], *PARITY, "trainer.max_steps=3", "resume=auto"]
+    args, env = _phase_env([*args, "+FSDP_CLI_TEST_PAUSE_PHASE=replace"], marker, 3)
+    proc = start_cli(args, run_dir, env=env)
+    pid = wait_for(lambda: read_pid(marker.with_name(f"{marker.name}.rank0")), proc)
+    assert _kill_and_wait(proc, pid, run_dir) != 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [STEP3, f"{STEP3}.partial"]
+    previous, _ = newest_verified(run_dir / "checkpoints")
+    assert previous == run_dir / "checkpoints" / STEP3
+    assert_same_state(previous, ckpt(straight, STEP3))
+
+
+@pytest.mark.distributed
+def test_sigkill_during_convert_then_resume_from_the_converted_checkpoint(
+    tmp_path: Path, layout_run: Any
+) -> None:
+    """fsdp-ckpt convert killed before its rename leaves only DST.partial; run again, its output
+    resumes the straight run exactly: from a folder other than the checkout, with save_last=false."""
+    straight = layout_run("fsdp2")
+    source, dst, marker = ckpt(straight, STEP3), tmp_path / "step3.pt", tmp_path / "in_convert"
+    env = {
+        "FSDP_CLI_TEST_PAUSE_IN_SAVE": "120",
+        "FSDP_CLI_TEST_PAUSE_IN_SAVE_MARKER": str(marker),
+        "FSDP_CLI_TEST_PAUSE_PHASE": "convert",
+    }
+    proc = start_cli(["convert", str(source), str(dst), "--to", "full"], env=env, prog="fsdp-ckpt")
+    pid = wait_for(lambda: read_pid(marker.with_name(f"{marker.name}.rank0")), proc)
+    os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not dst.exists() and dst.with_name(dst.name + ".partial").exists()
+    assert fsdp_ckpt("verify", "--deep", str(source)) == 0
+    assert fsdp_ckpt("convert", str(source), str(dst), "--to", "full") == 0
+    run_dir, elsewhere = tmp_path / "from_converted", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = [*LAYOUTS["fsdp2"], *PARITY, f"resume={dst}", "checkpoint.save_last=false"]
+    summary = assert_ok(run_cli(args, run_dir, cwd=elsewhere), run_dir)
+    assert losses(run_dir) == losses(straight)[3:], "bitwise, as from the sharded original"
+    assert summary["checkpoint"] is None and not (run_dir / "checkpoints").exists(), "save_last=false"
+    assert not list(elsewhere.iterdir()), "nothing written to the working directory"
 
 
 @pytest.mark.distributed
 def test_sigterm_saves_then_exits_preempted_and_resume_continues(tmp_path: Path) -> None:
     run_dir = tmp_path / "preempted"
     args = ["strategy=fsdp2", "devices=2", "accelerator=cpu", "data.seq_len=32", "trainer.max_steps=100000"]
-    proc = _start(args, run_dir, {})
-    metrics = run_dir / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    proc = start_cli(args, run_dir)
+    wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) >= 2, proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode == 143

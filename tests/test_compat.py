@@ -150,3 +150,12 @@ def test_torch_dispatch_mode_and_non_persistent_buffers() -> None:
     module.register_buffer("kept", torch.zeros(1))
     module.register_buffer("recomputed", torch.zeros(1), persistent=False)
     assert torch_internals.non_persistent_buffer_names(module) == {"recomputed"}
+
+
+def test_is_compiled_in_place_sees_module_compile() -> None:
+    from torch import nn
+
+    block = nn.Linear(2, 2)
+    assert not torch_internals.is_compiled_in_place(block)
+    block.compile()  # replaces the forward lazily: nothing is compiled until the first call
+    assert torch_internals.is_compiled_in_place(block)

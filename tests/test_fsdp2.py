@@ -26,6 +26,8 @@ def assert_synced_once_per_step(run_dir: Path, units: int) -> None:
         assert sorted(counts) == [0, 0, units, units] and counts[0] != counts[1], (scatters, all_reduces)
 
 
+# Options that do not interact share a run (each run costs ~10 s of start-up on 2 cores); what
+# each one does is checked on the live modules (setup report) or by the library checks below.
 OPTIONS = {
     "dp2_tp2_sequence_parallel": ["devices=4", "tp=2", "strategy.sequence_parallel=true"],
     # Also accumulates 2 micro-batches per step and profiles them: the trace shows which backward
@@ -36,17 +38,20 @@ OPTIONS = {
         "data.micro_batch_size=1",
         "trainer.profiler=torch",
     ],
-    "reshard_after_forward_false": ["devices=2", "strategy.reshard_after_forward=false"],
+    "zero2_with_cpu_offload": [
+        "devices=2",
+        "strategy.reshard_after_forward=false",
+        "strategy.cpu_offload=true",
+    ],
     "activation_checkpointing_full": ["devices=2", "strategy.activation_checkpointing=full"],
-    "activation_checkpointing_selective": [
+    # 8 sequences per step = 2 ranks x 2 micro-batches x 2 sequences: same optimisation as one process.
+    "activation_checkpointing_selective_with_gradient_accumulation": [
         "devices=2",
         "strategy.activation_checkpointing=selective",
         "strategy.ac_every_n_blocks=2",
+        "data.micro_batch_size=2",
     ],
-    "cpu_offload": ["devices=2", "strategy.cpu_offload=true"],
     "compile": ["devices=2", "strategy.compile=true"],
-    # 8 sequences per step = 2 ranks x 2 micro-batches x 2 sequences: same optimisation as one process.
-    "gradient_accumulation": ["devices=2", "data.micro_batch_size=2"],
 }
 
 
@@ -64,6 +69,9 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
         assert setup["mesh"] == {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2}
     if name.startswith("activation_checkpointing"):
         assert setup["activation_checkpointing"] == (4 if name.endswith("full") else 2)
+    # Counted on the live modules: every block's forward was replaced by its compiled version.
+    assert setup["compiled_blocks"] == (4 if name == "compile" else 0)
+    assert setup["param_device"] == ["cpu"]
     assert setup["fsdp_units"] == [f"layers.{i}" for i in range(4)] + ["<root>"]
 
 
@@ -102,6 +110,8 @@ def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
         "Adam moments after resume equal those saved",
         "save_checkpoint writes one unsharded file",
         "remove_checkpoint deletes it",
+        "reshard_after_forward=True: blocks are resharded after forward",
+        "reshard_after_forward=False: blocks are unsharded after forward",
     ):
         assert f"CHECK {name} ok" in checks, (name, checks)
 

@@ -22,6 +22,7 @@ def test_bf16_mixed_on_every_visible_gpu(tmp_path: Path, strategy: str) -> None:
     rows = read_metrics(run_dir)
     assert rows[-1]["loss"] < rows[0]["loss"]
     if strategy == "fsdp2":
+        assert summary["setup"]["param_device"] == ["cuda"]
         assert summary["setup"]["dtypes"]["compute"] == "bfloat16"
         assert summary["setup"]["dtypes"]["reduce"] == "float32"
 
@@ -33,7 +34,8 @@ def test_fsdp1_cpu_offload_on_gpu(tmp_path: Path) -> None:
 
 def test_fsdp2_cpu_offload_on_gpu(tmp_path: Path) -> None:
     run_dir = tmp_path / "offload2"
-    assert_ok(run_cli(["strategy=fsdp2", "strategy.cpu_offload=true", *GPU], run_dir), run_dir)
+    summary = assert_ok(run_cli(["strategy=fsdp2", "strategy.cpu_offload=true", *GPU], run_dir), run_dir)
+    assert summary["setup"]["param_device"] == ["cpu"], "the sharded parameters live in host memory"
 
 
 def _float8_capable() -> bool:

@@ -13,7 +13,8 @@ from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
-EIGHT_GPUS = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+EIGHT_GPUS = 8
+"""The layout rules below are resolved for an 8-GPU machine, whatever this one has."""
 
 # (overrides, key the message must name, words it must contain)
 CLI_CASES = [
@@ -63,6 +64,25 @@ CLI_CASES = [
         "data.path=fsdp_cli/configs_missing",
         ["matches no file"],
     ),
+    # Found at run time until now (a traceback after ~11 s): checked before launch.
+    (["optim.lr=-1"], "optim.lr=-1", ["must be a finite number >= 0"]),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]", ["each in [0, 1)", "hint"]),
+    (
+        ["data=text", "data.path=tests/assets/tiny_corpus.txt", "data.seq_len=64"],
+        "data.path=tests/assets/tiny_corpus.txt",
+        ["49 bytes of text", "window of data.seq_len + 1 = 65 bytes", "allowed: at least 70 bytes"],
+    ),
+    (
+        ["data=text", "data.path=tests/assets/empty_corpus/*.txt"],
+        "data.path=tests/assets/empty_corpus/*.txt",
+        ["the 2 matching file(s) are all empty"],
+    ),
+    (
+        ["checkpoint=full", "checkpoint.async_save=true"],
+        "checkpoint.async_save=True",
+        ["checkpoint=full is one file", "hint"],
+    ),
+    (["launcher.hang_timeout_s=0"], "launcher.hang_timeout_s=0", ["must be positive", "null"]),
 ]
 
 
@@ -109,9 +129,9 @@ def test_help_lists_groups_and_options() -> None:
 
 
 # In-process checks of the rules that need a GPU layout to reach.
-def _check(*overrides: str, env: dict[str, str] = EIGHT_GPUS) -> ConfigError:
+def _check(*overrides: str) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        validate(resolve_layout(composed(*overrides), env))
+        validate(resolve_layout(composed(*overrides), {}, gpus=EIGHT_GPUS))
     return info.value
 
 
@@ -135,11 +155,11 @@ def test_micro_batch_must_divide_per_rank_batch() -> None:
 
 
 def test_torchrun_layout_wins_over_devices() -> None:
-    env = {**EIGHT_GPUS, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
-    cfg = resolve_layout(composed(), env)
+    env = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    cfg = resolve_layout(composed(), env, gpus=EIGHT_GPUS)
     assert (cfg.devices, cfg.dp) == (4, 4)
     with pytest.raises(ConfigError, match="runs 4 processes per node"):
-        resolve_layout(composed("devices=8"), env)
+        resolve_layout(composed("devices=8"), env, gpus=EIGHT_GPUS)
 
 
 def test_no_gpu_defaults_to_two_cpu_processes() -> None:

@@ -9,13 +9,16 @@ from typing import Any
 import lightning as L
 
 from fsdp_cli.callbacks.clipping import GradientClipping
+from fsdp_cli.callbacks.heartbeat import HeartbeatCallback
 from fsdp_cli.callbacks.metrics import MetricsCallback
+from fsdp_cli.callbacks.nonfinite import NonFiniteGuard
 from fsdp_cli.callbacks.progress import ProgressDisplay
 from fsdp_cli.callbacks.setup_report import SetupReport
 from fsdp_cli.callbacks.throughput import Throughput, counted_flops_per_token, llama_flops_per_token
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
 from fsdp_cli.config.schema import LlamaConfig, TrainConfig
+from fsdp_cli.launch.rank_monitor import RankMonitor
 
 
 @dataclass
@@ -24,14 +27,18 @@ class RunCallbacks:
     setup: SetupReport
     checkpoints: CheckpointCallback
     clipping: GradientClipping | None
+    nonfinite: NonFiniteGuard
     progress: ProgressDisplay | None = None
+    heartbeat: HeartbeatCallback | None = None
 
     def as_list(self) -> list[L.Callback]:
-        # Clipping first: the metrics row of a step reports the norm clipping computed; the
-        # progress display after the metrics, whose rows it shows.
+        # Clipping first: the metrics row of a step reports the norm clipping computed, and the
+        # non-finite guard checks it. The progress display after the metrics, whose rows it
+        # shows; the heartbeat last: a step has finished when it beats.
         first = [self.clipping] if self.clipping is not None else []
-        last = [self.progress] if self.progress is not None else []
-        return [*first, self.setup, self.metrics, *last, self.checkpoints]
+        progress = [self.progress] if self.progress is not None else []
+        last = [self.heartbeat] if self.heartbeat is not None else []
+        return [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
 
 
 def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
@@ -52,15 +59,27 @@ def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
     return Throughput(flops_per_token=flops, world_size=int(cfg.devices) * cfg.num_nodes, peak_tflops=peak)
 
 
-def build_callbacks(cfg: TrainConfig, module: Any = None, *, module_loaders: bool = False) -> RunCallbacks:
+def build_callbacks(
+    cfg: TrainConfig,
+    module: Any = None,
+    *,
+    module_loaders: bool = False,
+    monitor: RankMonitor | None = None,
+) -> RunCallbacks:
     """``module``: the LightningModule (its model's FLOPs per token are counted for MFU);
     ``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
-    tokens is unknown; throughput is then counted in samples (and MFU is not reported)."""
+    tokens is unknown; throughput is then counted in samples (and MFU is not reported);
+    ``monitor``: this rank's heartbeat."""
     t = cfg.trainer
     clipping = (
         GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
         if t.gradient_clip_val is not None
         else None
+    )
+    nonfinite = NonFiniteGuard(
+        skip_budget=t.skip_nonfinite_steps,
+        clipping=clipping,
+        check_grad_norm=cfg.precision.name != "16-mixed",  # loss scaling skips overflowing steps itself
     )
     metrics = MetricsCallback(
         Path(cfg.run_dir),
@@ -69,11 +88,16 @@ def build_callbacks(cfg: TrainConfig, module: Any = None, *, module_loaders: boo
         max_steps=t.max_steps,
         clipping=clipping,
         throughput=None if module_loaders else build_throughput(cfg, module),
+        nonfinite=nonfinite,
     )
+    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps)
+    checkpoints.before_save.append(nonfinite.check_before_save)
     return RunCallbacks(
         metrics=metrics,
         setup=SetupReport(),
-        checkpoints=CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps),
+        checkpoints=checkpoints,
         clipping=clipping,
         progress=ProgressDisplay(metrics, t.max_steps),
+        nonfinite=nonfinite,
+        heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
     )

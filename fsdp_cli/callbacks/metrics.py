@@ -1,10 +1,12 @@
 """The Lightning callback behind ``metrics.jsonl`` (the console shows its rows through the progress display).
 
-On a logging step it averages the step's loss over all ranks (one all-reduce, no barrier;
-tensor-parallel ranks hold equal copies, so this is the mean over data-parallel ranks) and times
-the steps since the previous log. Between logging steps it does nothing at all: the losses of
-steps that are not logged are not even summed. The console line is the progress display's
-(:mod:`fsdp_cli.callbacks.progress`); throughput fields come from :mod:`fsdp_cli.callbacks.throughput`.
+On a logging step it averages the step's loss over all ranks (one collective, no barrier: the
+non-finite guard's all_gather, which also checks every value since the last log, see
+:mod:`fsdp_cli.callbacks.nonfinite`; tensor-parallel ranks hold equal copies, so this is the mean
+over data-parallel ranks) and times the steps since the previous log. Between logging steps it
+does nothing that synchronises: each step's loss stays a device scalar. The console line is the
+progress display's (:mod:`fsdp_cli.callbacks.progress`); throughput fields come from
+:mod:`fsdp_cli.callbacks.throughput`.
 
 Throughput is ``tokens_per_s`` for token batches of a known size; for a LightningModule's own
 DataLoaders it is ``samples_per_s`` (this rank's samples times the data-parallel ranks). After
@@ -25,6 +27,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from fsdp_cli.rundir.files import METRICS_FILE
+from fsdp_cli.rundir.summary import dumps_strict
 
 
 class MetricsCallback(L.Callback):
@@ -37,6 +40,7 @@ class MetricsCallback(L.Callback):
         max_steps: int,
         clipping: Any | None = None,
         throughput: Any | None = None,
+        nonfinite: Any | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.log_every = log_every_n_steps
@@ -52,6 +56,7 @@ class MetricsCallback(L.Callback):
         self._file: Any | None = None
         self.clipping = clipping  # GradientClipping, whose norm is logged
         self.throughput = throughput  # Throughput: tflops_per_s and mfu from tokens/s
+        self.nonfinite = nonfinite  # NonFiniteGuard: its check is the logging step's loss reduction
         # The micro-batch losses of the current step, summed on the device (no sync).
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
@@ -73,17 +78,29 @@ class MetricsCallback(L.Callback):
             self._samples += extract_batch_size(batch)
         step = trainer.global_step
         logged = self._logs(step + 1 if step == self._seen_step else step)
-        if logged:
+        if logged or self.nonfinite is not None:  # the guard checks every step's loss
             self._add_loss(outputs, trainer.accumulate_grad_batches)
         if step == self._seen_step:  # still accumulating gradients
             return
         self._seen_step = step
-        if not logged:
-            return
+        mean_loss = self._step_loss(trainer, step, logged)
+        if mean_loss is not None:
+            self._write(trainer, self._row(trainer, step, mean_loss))
+
+    def _step_loss(self, trainer: L.Trainer, step: int, logged: bool) -> float | None:
+        """The step's loss averaged over the ranks, on a logged step (None on the others)."""
         loss = self._take_loss()
+        if self.nonfinite is not None:
+            self.nonfinite.record_loss(step, loss)
+        if not logged:
+            return None
+        if self.nonfinite is not None:
+            return self.nonfinite.check(step)  # the same single collective, plus the check
         if loss is None:
             loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
-        mean_loss = _mean_over_ranks(loss.float()).item()
+        return _mean_over_ranks(loss.float()).item()
+
+    def _row(self, trainer: L.Trainer, step: int, mean_loss: float) -> dict[str, Any]:
         now = time.perf_counter()
         steps = step - self._step_last
         step_time = (now - self._t_last) / steps
@@ -100,12 +117,15 @@ class MetricsCallback(L.Callback):
         grad_norm = self.clipping.grad_norm if self.clipping is not None else None
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
+        return row
+
+    def _write(self, trainer: L.Trainer, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(dumps_strict(row) + "\n")
             self._file.flush()
         if trainer.logger is not None:
-            trainer.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+            trainer.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
         if self.tokens_per_step is not None:
@@ -129,7 +149,7 @@ class MetricsCallback(L.Callback):
         row = {"step": trainer.global_step, **logged}
         self.val_rows.append(row)
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(dumps_strict(row) + "\n")
             self._file.flush()
             shown = "  ".join(f"{k} {v:.4f}" for k, v in logged.items())
             print(f"step {trainer.global_step:>6}  {shown}", flush=True)

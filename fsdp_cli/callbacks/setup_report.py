@@ -55,7 +55,9 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         },
         "activation_checkpointing": report.ac_blocks if report is not None else _ac_blocks(module),
         "tensor_parallel_modules": report.tp_modules if report is not None else None,
-        "compiled_blocks": report.compiled_blocks if report is not None else None,
+        # Read from the live modules, not from what was asked for: proof the options took effect.
+        "compiled_blocks": _compiled_modules(module),
+        "param_device": _param_devices(params),
         "float8_linears": report.float8_linears if report is not None else None,
     }
     # A model filled in place after sharding (model=hf) says what this rank read and held.
@@ -63,6 +65,17 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
     if weights is not None:
         info["weights"] = dataclasses.asdict(weights)
     return info
+
+
+def _compiled_modules(module: nn.Module) -> int:
+    from fsdp_cli.compat.torch_internals import is_compiled_in_place
+
+    return sum(is_compiled_in_place(m) for m in module.modules())
+
+
+def _param_devices(params: list[nn.Parameter]) -> list[str]:
+    """Where the parameters (each rank's shards) live: ``cpu`` under CPU offload on a GPU."""
+    return sorted({(p.to_local() if hasattr(p, "to_local") else p).device.type for p in params})
 
 
 def _autocast_dtype(trainer: L.Trainer) -> torch.dtype | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ class CheckpointCallback(L.Callback):
         self._flag_group: Any = None
         self._flag_in_flight: tuple[torch.Tensor, Any] | None = None
         self._seen_step = 0
+        self.before_save: list[Callable[[L.Trainer], None]] = []
+        """Run on every rank before each save (the non-finite check: never save a damaged state)."""
 
     # ------------------------------------------------------------------ preemption
 
@@ -102,12 +105,22 @@ class CheckpointCallback(L.Callback):
             self.save(trainer)
 
     def save(self, trainer: L.Trainer) -> Path:
+        for hook in self.before_save:
+            hook(trainer)
         path = self.directory / checkpoint_name(trainer.global_step, self.config.format)
         trainer.save_checkpoint(path, weights_only=False)
         self.last_saved = path
         if trainer.is_global_zero:
             self.prune()
         return path
+
+    def finish(self, trainer: L.Trainer) -> None:
+        """End of training: wait for a background save, then apply retention to it too."""
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()
+        if trainer.is_global_zero:
+            self.prune()
 
     def prune(self) -> list[Path]:
         """Delete complete checkpoints beyond ``keep_last`` (oldest first) and leftovers of

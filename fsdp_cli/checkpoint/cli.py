@@ -1,10 +1,11 @@
 """``fsdp-ckpt``: inspect and convert fsdp-train checkpoints offline.
 
     fsdp-ckpt inspect PATH [--json]
+    fsdp-ckpt verify PATH [--deep]
     fsdp-ckpt convert SRC DST --to full|sharded|safetensors|hf [--hf-config MODEL_DIR]
 
 No GPU and no process group are needed. Errors (not a checkpoint, an incomplete save, a missing
-shard) print one line and exit with status 2.
+shard) print one line and exit with status 2; ``verify`` exits 1 when a checkpoint is damaged.
 """
 
 from __future__ import annotations
@@ -75,6 +76,25 @@ def _print_table(info: dict[str, Any]) -> None:
         console.print(escape(OmegaConf.to_yaml(OmegaConf.create(info["config"]))), highlight=False)
 
 
+def verify(path: Path, deep: bool) -> int:
+    """One line per checkpoint (``path`` may be a run's checkpoint folder); 1 if any is damaged."""
+    from fsdp_cli.checkpoint.run import complete_checkpoints
+    from fsdp_cli.checkpoint.verify import verify_checkpoint
+
+    is_folder_of_checkpoints = path.is_dir() and not (path / ".metadata").exists()
+    targets = [p for _, p in complete_checkpoints(path)] if is_folder_of_checkpoints else [path]
+    if not targets:
+        raise CheckpointFormatError(f"{path}: no checkpoint in this folder")
+    damaged = 0
+    for target in targets:
+        try:
+            print(f"{PROG}: {verify_checkpoint(target, deep=deep).describe()}")
+        except CheckpointFormatError as err:
+            print(f"{PROG}: damaged: {err}", file=sys.stderr)
+            damaged += 1
+    return 1 if damaged else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Inspect and convert fsdp-train checkpoints (offline)."
@@ -83,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     inspect = commands.add_parser("inspect", help="format, step, layout, parameters, dtypes, config")
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    check = commands.add_parser(
+        "verify", help="check that a checkpoint (or each in a folder) is complete; exit 1 if damaged"
+    )
+    check.add_argument("path", type=Path)
+    check.add_argument("--deep", action="store_true", help="also read every byte and compare checksums")
     convert = commands.add_parser("convert", help="rewrite a checkpoint in another format")
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
@@ -101,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(info, indent=2, default=str))
             else:
                 _print_table(info)
+        elif args.command == "verify":
+            sys.exit(verify(args.path, args.deep))
         else:
             from fsdp_cli.checkpoint.convert import convert as run_convert
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fsdp_cli.checkpoint.atomic import file_records
 from fsdp_cli.checkpoint.format import (
     MANIFEST_FILE,
     MANIFEST_KEY,
@@ -27,6 +28,7 @@ from fsdp_cli.checkpoint.format import (
     remove_path,
     write_json_atomic,
 )
+from fsdp_cli.checkpoint.test_hooks import pause_for_test
 
 MODEL_PREFIX = "model."
 # Offline use is the point here; DCP's note that no process group exists is noise.
@@ -116,8 +118,7 @@ def save_full(ckpt: Checkpoint, dst: Path) -> None:
     data[MANIFEST_KEY] = _manifest_as(ckpt.manifest, "full")
     partial = _partial(dst)
     torch.save(data, partial)
-    fsync_tree(partial)
-    os.replace(partial, dst)
+    _publish(partial, dst)
 
 
 def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
@@ -130,9 +131,8 @@ def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
     }
     dcp.save(tensors, checkpoint_id=str(partial), no_dist=True)
     torch.save(ckpt.meta, partial / META_FILE)
-    write_json_atomic(partial / MANIFEST_FILE, _manifest_as(ckpt.manifest, "sharded"))
-    fsync_tree(partial)
-    os.replace(partial, dst)
+    write_json_atomic(partial / MANIFEST_FILE, _manifest_as(ckpt.manifest, "sharded", partial))
+    _publish(partial, dst)
 
 
 def save_safetensors(ckpt: Checkpoint, dst: Path) -> None:
@@ -147,8 +147,7 @@ def save_safetensors(ckpt: Checkpoint, dst: Path) -> None:
     step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
     partial = _partial(dst)
     save_file(tensors, str(partial), metadata={"format": "pt", "producer": "fsdp-ckpt", "step": str(step)})
-    fsync_tree(partial)
-    os.replace(partial, dst)
+    _publish(partial, dst)
 
 
 def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> Path:
@@ -169,15 +168,26 @@ def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> 
     return dst
 
 
+def _publish(partial: Path, dst: Path) -> None:
+    """Flushed, then renamed: an interrupted conversion leaves only ``DST.partial``."""
+    fsync_tree(partial)
+    pause_for_test("convert")
+    os.replace(partial, dst)
+
+
 def _partial(dst: Path) -> Path:
     partial = dst.with_name(dst.name + PARTIAL_SUFFIX)
     remove_path(partial)
     return partial
 
 
-def _manifest_as(manifest: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+def _manifest_as(manifest: dict[str, Any] | None, fmt: str, folder: Path | None = None) -> dict[str, Any]:
+    """The source's manifest for the new format; a sharded folder lists its own files."""
     out = dict(manifest or {})
     out["format"] = fmt
+    out.pop("files", None)
+    if folder is not None:
+        out["files"] = file_records(folder, sorted(p.name for p in folder.iterdir() if p.is_file()))
     return out
 
 

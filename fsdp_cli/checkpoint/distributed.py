@@ -6,12 +6,12 @@ with the same parameter names. That is what lets a checkpoint saved at one layou
 another: DCP reshards on load, and full checkpoints are split by ``set_model_state_dict``.
 
 Saves are atomic: each writes under ``<name>.partial`` and is renamed once every rank has
-finished and the files are flushed.
+finished and the files are flushed (:mod:`fsdp_cli.checkpoint.sharded_save`); a save that fails
+fails on every rank with one line and leaves no ``.partial`` behind.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,21 +25,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fsdp_cli.checkpoint.atomic import replace_atomically
 from fsdp_cli.checkpoint.format import (
-    MANIFEST_FILE,
     MANIFEST_KEY,
     META_FILE,
     PARTIAL_SUFFIX,
     checkpoint_format,
-    fsync_dir,
     fsync_tree,
     remove_path,
-    write_json_atomic,
 )
-
-# Set by tests to pause inside a save (after the shards are written, before the rename), so a
-# test can kill a rank mid-save and check that the previous checkpoint survives.
-PAUSE_ENV = "FSDP_CLI_TEST_PAUSE_IN_SAVE"
+from fsdp_cli.checkpoint.sharded_save import (
+    KEPT,
+    AsyncSaves,
+    SaveTarget,
+    describe_error,
+    disk_full_note,
+    save_sharded,
+)
+from fsdp_cli.checkpoint.test_hooks import pause_for_test
+from fsdp_cli.errors import RunFailure
 
 
 class DistributedCheckpointing:
@@ -48,10 +52,14 @@ class DistributedCheckpointing:
 
     ``checkpoint_format``: ``"sharded"`` (DCP folder) or ``"full"`` (one file from rank 0).
     ``checkpoint_manifest``: extra fields written into each checkpoint's manifest.
+    ``async_checkpointing``: write sharded saves in the background.
     """
 
     checkpoint_format: str = "sharded"
     checkpoint_manifest: dict[str, Any] | None = None
+    async_checkpointing: bool = False
+    """Sharded saves are written in the background (``checkpoint.async_save``)."""
+    _async_saves: AsyncSaves | None = None
     run_mesh: Any = None
     """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
 
@@ -108,18 +116,21 @@ class DistributedCheckpointing:
     ) -> None:
         path = Path(self.broadcast(str(filepath)))
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        self.wait_for_checkpoint()  # one save at a time: a background one finishes (or fails) first
         manifest = self._manifest(checkpoint)
-        if self.checkpoint_format == "sharded":
-            self._save_sharded(checkpoint, partial, manifest)
-        else:
-            self._save_full(checkpoint, partial, manifest, storage_options)
-        self.barrier("checkpoint-written")
-        _maybe_pause_for_test(int(checkpoint.get("global_step", -1)))
         if self.is_global_zero:
-            # Every rank has closed its files; flush them all before the folder becomes visible.
-            fsync_tree(partial)
-            _replace(partial, path)
-        self.barrier("checkpoint-visible")
+            remove_path(partial)  # left by a save that was interrupted
+        self.barrier("checkpoint-clean")
+        step = int(checkpoint.get("global_step", -1))
+        if self.checkpoint_format == "sharded":
+            self._save_sharded(checkpoint, SaveTarget(partial, path, step, {}, manifest))
+        else:
+            self._save_full(checkpoint, SaveTarget(partial, path, step, {}, manifest), storage_options)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background (``async_save``) checkpoint is visible; raises its failure."""
+        if self._async_saves is not None:
+            self._async_saves.wait()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -159,29 +170,29 @@ class DistributedCheckpointing:
 
         return build_manifest(self, checkpoint, extra=self.checkpoint_manifest or {})
 
-    def _save_sharded(self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any]) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        if self.is_global_zero:
-            remove_path(partial)
-        self.barrier("checkpoint-clean")
+    def _save_sharded(self, checkpoint: dict[str, Any], target: SaveTarget) -> None:
         tensors = {
             "state_dict": checkpoint.pop("state_dict"),
             "optimizer_states": {str(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))},
         }
-        dcp.save(tensors, checkpoint_id=str(partial))
-        if self.is_global_zero:
-            torch.save(checkpoint, partial / META_FILE)
-            write_json_atomic(partial / MANIFEST_FILE, manifest)
+        target.meta = checkpoint
+        if self.async_checkpointing:
+            if self._async_saves is None:
+                self._async_saves = AsyncSaves()
+            self._async_saves.submit(tensors, target)
+        else:
+            save_sharded(tensors, target)
 
-    def _save_full(
-        self, checkpoint: dict[str, Any], partial: Path, manifest: dict[str, Any], storage_options: Any | None
-    ) -> None:
-        if not self.is_global_zero:
-            return
-        checkpoint[MANIFEST_KEY] = manifest
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+    def _save_full(self, checkpoint: dict[str, Any], target: SaveTarget, storage_options: Any | None) -> None:
+        error = None
+        if self.is_global_zero:
+            checkpoint[MANIFEST_KEY] = target.manifest
+            error = _write_full(self.checkpoint_io, checkpoint, target, storage_options)
+        # Rank 0 alone writes: every rank learns how it went, so all fail together or none.
+        error = self.broadcast(error)
+        if error is not None:
+            raise RunFailure(error)
+        pause_for_test("after_rename", target.step)
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
@@ -220,33 +231,16 @@ def _gather_to_rank0(tree: Any, keep: bool) -> Any:
     return tree
 
 
-def _replace(partial: Path, path: Path) -> None:
-    """Make ``partial`` visible as ``path``; an existing checkpoint of that name is replaced."""
-    if path.exists():
-        old = path.with_name(path.name + ".old" + PARTIAL_SUFFIX)
-        remove_path(old)  # left by a crash during an earlier replace
-        os.replace(path, old)
-        os.replace(partial, path)
-        remove_path(old)
-    else:
-        os.replace(partial, path)
-    fsync_dir(path.parent)
-
-
-def _maybe_pause_for_test(step: int) -> None:
-    """Test hook: with FSDP_CLI_TEST_PAUSE_IN_SAVE=SECONDS (and optionally ..._AT_STEP=N), every rank
-    writes ``<..._MARKER>.rank<R>`` (holding its pid) and sleeps, shards written but not yet visible."""
-    seconds = float(os.environ.get(PAUSE_ENV, "0") or 0)
-    at_step = os.environ.get("FSDP_CLI_TEST_PAUSE_AT_STEP")
-    if seconds <= 0 or (at_step is not None and int(at_step) != step):
-        return
-    import signal
-    import time
-
-    # Simulating a crash mid-save: die at once when the launcher stops this rank, rather than
-    # finishing the save as the preemption handler would.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    marker = os.environ.get(PAUSE_ENV + "_MARKER")
-    if marker:
-        Path(f"{marker}.rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
-    time.sleep(seconds)
+def _write_full(io: Any, checkpoint: dict[str, Any], target: SaveTarget, storage_options: Any) -> str | None:
+    """Rank 0: the whole checkpoint into ``.partial``, flushed, renamed; an error as one line."""
+    try:
+        target.partial.parent.mkdir(parents=True, exist_ok=True)
+        io.save_checkpoint(checkpoint, target.partial, storage_options=storage_options)
+        pause_for_test("before_rename", target.step)
+        fsync_tree(target.partial)
+        replace_atomically(target.partial, target.final)
+    except Exception as err:  # noqa: BLE001 - every rank must learn it (see _save_full)
+        reason = "; ".join([*disk_full_note(target.partial.parent), f"rank 0: {describe_error(err)}"])
+        remove_path(target.partial)
+        return f"checkpoint save of step {target.step} to {target.final} failed: {reason}; {KEPT}"
+    return None

@@ -9,7 +9,8 @@ from typing import Any
 
 from fsdp_cli.dtypes import dtype_names
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: sharded checkpoints list every file with its size and CRC-32 (``files``)."""
 
 
 def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """What ``resume`` means for this run, decided in the parent before any rank starts.
 
 ``resume=auto`` becomes the newest complete checkpoint of ``checkpoint.dir`` (default
-``<run dir>/checkpoints``) or null; a path is checked to be a complete checkpoint. The
+``<run dir>/checkpoints``) that passes :func:`~fsdp_cli.checkpoint.verify.verify_checkpoint`
+(newer damaged ones are skipped with a notice saying why), or null; a path must pass it too. The
 checkpoint's manifest is compared with the new config: changed layout, precision or training
 settings are listed and the run proceeds (sharded checkpoints reshard on load); a different
 model shape stops the run with the keys that differ.
@@ -13,8 +14,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_cli.checkpoint.format import CheckpointFormatError, checkpoint_format, read_manifest
-from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
+from fsdp_cli.checkpoint.format import CheckpointFormatError, read_manifest
+from fsdp_cli.checkpoint.run import checkpoint_dir, newest_verified
+from fsdp_cli.checkpoint.verify import verify_checkpoint
 from fsdp_cli.config.convert import to_container
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError
@@ -40,31 +42,37 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     """The config with ``resume`` made concrete (a path or None), and notices for the user."""
     if cfg.resume is None:
         return cfg, []
+    notices: list[str] = []
     if cfg.resume == "auto":
-        found = complete_checkpoints(checkpoint_dir(cfg))
-        if not found:
+        found, notices = newest_verified(checkpoint_dir(cfg))
+        if found is None:
+            what = "no intact checkpoint" if notices else "no checkpoint"
             return dataclasses.replace(cfg, resume=None), [
-                f"note: resume=auto: no checkpoint in {checkpoint_dir(cfg)}; starting fresh"
+                *notices,
+                f"note: resume=auto: {what} in {checkpoint_dir(cfg)}; starting fresh",
             ]
-        path = str(found[-1][1])
+        path = str(found)
     else:
         path = str(cfg.resume)
-        try:
-            checkpoint_format(path)
-        except CheckpointFormatError as err:
-            raise ConfigError(
-                "resume", path, str(err), hint="fsdp-ckpt inspect PATH shows what a checkpoint holds"
-            ) from None
-    try:
-        manifest = read_manifest(path)
-    except CheckpointFormatError as err:
-        raise ConfigError(
-            "resume", path, str(err), hint="fsdp-ckpt inspect PATH shows what a checkpoint holds"
-        ) from None
-    notices = [f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else "")]
+        _checked(path, verify_checkpoint)
+    manifest = _checked(path, read_manifest)
+    notices.append(f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else ""))
     if manifest and "config" in manifest:
         notices.extend(compare(manifest["config"], to_container(cfg), path))
     return dataclasses.replace(cfg, resume=path), notices
+
+
+def _checked(path: str, check: Any) -> Any:
+    """``check(path)``; a checkpoint that fails it is a one-line config error."""
+    try:
+        return check(path)
+    except CheckpointFormatError as err:
+        raise ConfigError(
+            "resume",
+            path,
+            str(err).removeprefix(f"{path}: "),
+            hint="fsdp-ckpt verify PATH checks a checkpoint; resume=auto picks the newest intact one",
+        ) from None
 
 
 def compare(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> list[str]:

@@ -34,3 +34,26 @@ def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
                 continue
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def newest_verified(directory: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint in ``directory`` that passes :func:`verify_checkpoint`,
+    and one notice per newer one skipped (naming what was wrong with it)."""
+    from fsdp_cli.checkpoint.atomic import recover_interrupted_replace
+    from fsdp_cli.checkpoint.verify import verify_checkpoint
+
+    notices = recover_interrupted_replace(directory)
+    found = complete_checkpoints(directory)
+    for index in range(len(found) - 1, -1, -1):
+        path = found[index][1]
+        try:
+            verify_checkpoint(path)
+        except CheckpointFormatError as err:
+            problem = str(err).removeprefix(f"{path}: ")
+            older = found[index - 1][1].name if index > 0 else "none"
+            notices.append(
+                f"note: resume=auto: skipping {path.name}: {problem}; trying the next newest ({older})"
+            )
+            continue
+        return path, notices
+    return None, notices

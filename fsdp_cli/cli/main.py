@@ -32,7 +32,9 @@ from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
 from fsdp_cli.launch.launcher import launch
+from fsdp_cli.rundir.failure import merge_failure, read_failure
 from fsdp_cli.rundir.files import CONFIG_FILE
+from fsdp_cli.rundir.heartbeat import read_heartbeats
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, STATUS_FAILED, STOP_CODES
 from fsdp_cli.rundir.summary import read_summary, write_summary
 from fsdp_cli.rundir.table import print_summary
@@ -66,7 +68,7 @@ def _launch(
     if global_rank() == 0:
         _write_atomically(run_dir / CONFIG_FILE, to_yaml(cfg))
     code = _run_here(cfg) if job is not None else launch(cfg)
-    return code, finish(code, run_dir, job=job, multirun=multirun)
+    return code, finish(code, run_dir, job=job, multirun=multirun, cfg=cfg)
 
 
 def _run_here(cfg: TrainConfig) -> int:
@@ -85,7 +87,9 @@ def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
         fail(err.one_line())
 
 
-def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) -> dict[str, Any] | None:
+def finish(
+    code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool, cfg: TrainConfig | None = None
+) -> dict[str, Any] | None:
     """Report the run (the summary table) and turn the ranks' status into ours."""
     if job is not None and global_rank() != 0:
         # One rank of a torchrun/SLURM job: rank 0 reports; a failing rank still fails its process.
@@ -93,17 +97,17 @@ def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) 
             sys.exit(code)
         return None
     summary = read_summary(run_dir)
-    if summary is None:
-        if code == 0:
-            # Multi-node: global rank 0 (and its summary) lives on another node.
-            print(f"{PROG}: this node's ranks finished; rank 0's node holds summary.json", flush=True)
-            return None
-        # The ranks died before any could write it (killed, segfault): record that much.
-        summary = {
-            "status": STATUS_FAILED,
-            "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
-            "run_dir": str(run_dir),
-        }
+    if summary is None and code == 0:
+        # Multi-node: global rank 0 (and its summary) lives on another node.
+        print(f"{PROG}: this node's ranks finished; rank 0's node holds summary.json", flush=True)
+        return None
+    failure = read_failure(run_dir) if code != 0 and job is None else None
+    if summary is None or failure is not None:
+        # The ranks died before any could write one (killed, segfault): what the parent knows.
+        summary = summary or _parent_summary(cfg, run_dir, code)
+        if failure is not None:
+            # Which rank failed first and how, or which ranks hung: seen from outside the ranks.
+            summary = merge_failure(summary, failure)
         write_summary(run_dir, summary)
     if code == EXIT_CONFIG_ERROR:
         # A mistake only the built model could reveal (a wrap class it does not have, ...): the
@@ -115,6 +119,29 @@ def finish(code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool) 
     # Preemption or Ctrl-C stops a sweep too: the signal was meant for the whole command.
     if code in STOP_CODES or (code != 0 and not multirun):
         sys.exit(code if code in STOP_CODES else EXIT_FAILED)
+    return summary
+
+
+def _parent_summary(cfg: TrainConfig | None, run_dir: Path, code: int) -> dict[str, Any]:
+    """``summary.json`` for ranks that died before writing one: the layout, and the last step any
+    rank finished (from the heartbeats)."""
+    summary: dict[str, Any] = {
+        "status": STATUS_FAILED,
+        "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
+        "exit_code": code,
+        "run_dir": str(run_dir),
+    }
+    if cfg is not None:
+        summary.update(
+            strategy=cfg.strategy.name,
+            world_size=int(cfg.devices) * cfg.num_nodes,
+            dp=int(cfg.dp),
+            tp=cfg.tp,
+            precision=cfg.precision.name,
+            model=getattr(cfg.model, "target", None) or cfg.model.name,
+        )
+    beats = read_heartbeats(run_dir)
+    summary["steps"] = max((max(b.step, 0) for b in beats.values()), default=0)
     return summary
 
 

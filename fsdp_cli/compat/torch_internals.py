@@ -1,6 +1,7 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
-random fill of a tensor) and a module's set of non-persistent buffers."""
+random fill of a tensor), a module's set of non-persistent buffers, and whether a module was
+compiled in place."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (ParallelStyle, "_apply"),
     (_python_dispatch, "TorchDispatchMode"),
     (Module(), "_non_persistent_buffers_set"),
+    (Module(), "_compiled_call_impl"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -69,3 +71,8 @@ def global_offset(tensor: Any) -> tuple[int, ...]:
 def fsdp1_sharding_strategy(name: str) -> Any:
     """torch's FSDP1 ``ShardingStrategy`` member for one of our names."""
     return _FSDP1ShardingStrategy[FSDP1_SHARDING.get(name, name)]
+
+
+def is_compiled_in_place(module: Module) -> bool:
+    """Whether ``module.compile()`` replaced its forward (torch keeps it in ``_compiled_call_impl``)."""
+    return module._compiled_call_impl is not None

@@ -320,6 +320,10 @@ class CheckpointConfig:
     """Save when training ends."""
     save_on_sigterm: bool = True
     """On SIGTERM (preemption) save a checkpoint, then exit with status ``preempted``."""
+    async_save: bool = False
+    """Sharded checkpoints only: copy the state to CPU memory, then write it in a background
+    thread while training continues (torch.distributed.checkpoint's async save). The checkpoint
+    becomes visible (renamed from ``.partial``) only once every rank's write has finished."""
 
 
 @dataclass
@@ -554,6 +558,10 @@ class TrainerConfig:
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for ``mfu`` in metrics.jsonl; null = looked up by GPU name
     and precision (H100, H200, A100, L4, ...); on CPUs mfu stays null unless this is set."""
+    skip_nonfinite_steps: int = 0
+    """Skip (zero the update of) up to this many optimizer steps whose gradient norm is not
+    finite, then fail; 0 = fail at the first non-finite loss or gradient norm. Skipping checks
+    every step on the host (one device sync per step); failing alone rides on the logging step."""
 
 
 @dataclass
@@ -575,6 +583,12 @@ class LauncherConfig:
     """torch elastic restarts of a failed worker group (each restart resumes from the newest checkpoint)."""
     shutdown_timeout_s: int = 300
     """After forwarding SIGTERM, how long the launcher lets ranks finish their preemption save."""
+    hang_timeout_s: float | None = 900.0
+    """End the job (status failed, every rank's Python stack in its log) when no rank finished a
+    step or a validation batch for this many seconds; null = never."""
+    startup_timeout_s: float | None = 1800.0
+    """The same limit while ranks start up (imports, rendezvous, checkpoint load, compile, the
+    first step) or save a checkpoint; null = never."""
 
 
 @dataclass

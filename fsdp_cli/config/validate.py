@@ -8,12 +8,14 @@ second.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 
 from fsdp_cli.config.model_folder import check_hf_model
 from fsdp_cli.config.schema import (
     Accelerator,
+    CheckpointFormat,
     CustomModelConfig,
     DDPConfig,
     FSDP2Config,
@@ -26,7 +28,14 @@ from fsdp_cli.config.schema import (
     TrainConfig,
     WrapPolicy,
 )
-from fsdp_cli.data.files import JSONL_SUFFIXES, check_token_files, existing_files, text_files
+from fsdp_cli.data.files import (
+    HELD_OUT_FRACTION,
+    JSONL_SUFFIXES,
+    check_token_files,
+    existing_files,
+    text_bytes,
+    text_files,
+)
 from fsdp_cli.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
@@ -305,15 +314,12 @@ def _within_model(cfg: TrainConfig, data_key: str, model_key: str, hint: str | N
 
 
 def check_data_path(cfg: TrainConfig) -> None:
-    """The files a data option reads exist, are not empty and (token files) hold usable ids."""
+    """The files a data option reads exist, are not empty and hold enough: a text corpus one window
+    of ``seq_len + 1`` bytes (and one held out, with validation), token files usable ids."""
     data = cfg.data
-    if data.name == "text" and data.path is not None and not text_files(data.path):
-        raise ConfigError(
-            "data.path",
-            data.path,
-            "matches no file",
-            hint="give a file, a folder or a glob; null = Python's own sources",
-        )
+    if data.name == "text":
+        _check_text_corpus(cfg)
+        return
     keys = ["path"] + (["val_path"] if getattr(data, "val_path", None) is not None else [])
     for key in keys:
         if data.name == "tokens":
@@ -341,6 +347,94 @@ def check_validation_data(cfg: TrainConfig) -> None:
             None,
             f"trainer.val_check_interval={cfg.trainer.val_check_interval} needs held-out data for data={data.name}",
             hint="data.val_path=GLOB (held-out files, same format), or trainer.val_check_interval=null",
+        )
+
+
+def _check_text_corpus(cfg: TrainConfig) -> None:
+    """A text corpus that exists and holds enough bytes for one training window (and, with
+    validation, one held-out window): found here from file sizes, not after the ranks started."""
+    data = cfg.data
+    if data.name != "text" or data.path is None:
+        return
+    files = text_files(data.path)
+    if not files:
+        raise ConfigError(
+            "data.path",
+            data.path,
+            "matches no file",
+            hint="give a file, a folder or a glob; null = Python's own sources",
+        )
+    if data.max_bytes < 1:
+        raise ConfigError("data.max_bytes", data.max_bytes, "must be at least 1")
+    total = text_bytes(files, data.max_bytes)
+    if total == 0:
+        raise ConfigError(
+            "data.path",
+            data.path,
+            f"the {len(files)} matching file(s) are all empty",
+            hint="point data.path at files that hold text",
+        )
+    validating = cfg.trainer.val_check_interval is not None
+    train = int(total * (1 - HELD_OUT_FRACTION))
+    need = data.seq_len + 2  # one window of seq_len + 1 bytes, and somewhere to start it
+    short = (
+        "training"
+        if train < need
+        else ("held-out (validation)" if validating and total - train < need else None)
+    )
+    if short is not None:
+        minimum = math.ceil(need / (HELD_OUT_FRACTION if validating else 1 - HELD_OUT_FRACTION))
+        raise ConfigError(
+            "data.path",
+            data.path,
+            f"{total} bytes of text leave the {short} part shorter than a window of data.seq_len + 1 = "
+            f"{data.seq_len + 1} bytes",
+            allowed=f"at least {minimum} bytes of text (data.max_bytes={data.max_bytes})",
+            hint="point data.path at more text or lower data.seq_len",
+        )
+
+
+def check_optim(cfg: TrainConfig) -> None:
+    """What torch.optim.AdamW and the schedule would refuse, refused before any rank starts."""
+    optim = cfg.optim
+    for key, value in (("lr", optim.lr), ("eps", optim.eps), ("weight_decay", optim.weight_decay)):
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"optim.{key}", value, "must be a finite number >= 0", allowed="0 or more")
+    if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
+        raise ConfigError(
+            "optim.betas",
+            list(optim.betas),
+            "AdamW needs two coefficients, each in [0, 1)",
+            allowed="[beta1, beta2] with 0 <= beta < 1",
+            hint="optim.betas=[0.9,0.95]",
+        )
+    if optim.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps", optim.warmup_steps, "must be 0 or more")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.min_lr_ratio", optim.min_lr_ratio, "must be in [0, 1]", allowed="0..1")
+
+
+def check_fault_handling(cfg: TrainConfig) -> None:
+    if cfg.trainer.skip_nonfinite_steps < 0:
+        raise ConfigError(
+            "trainer.skip_nonfinite_steps",
+            cfg.trainer.skip_nonfinite_steps,
+            "must be 0 or more",
+            allowed="0, 1, ...",
+        )
+    for key in ("hang_timeout_s", "startup_timeout_s"):
+        value = getattr(cfg.launcher, key)
+        if value is not None and not value > 0:
+            raise ConfigError(
+                f"launcher.{key}", value, "must be positive", allowed="seconds > 0, or null for no limit"
+            )
+    if cfg.checkpoint.async_save and cfg.checkpoint.format is not CheckpointFormat.sharded:
+        raise ConfigError(
+            "checkpoint.async_save",
+            True,
+            f"background saves write sharded checkpoints; checkpoint={cfg.checkpoint.format.value} is one file",
+            allowed="checkpoint=sharded with async_save=true",
+            hint="use checkpoint=sharded (fsdp-ckpt convert makes a single file afterwards)",
         )
 
 
@@ -453,6 +547,8 @@ CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_trainer,
     check_checkpoint,
     check_wrap_and_logger,
+    check_optim,
+    check_fault_handling,
 )
 DATA_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_batch,

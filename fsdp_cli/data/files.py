@@ -15,6 +15,8 @@ from fsdp_cli.errors import ConfigError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 """What ``data=text`` reads from a folder."""
+HELD_OUT_FRACTION = 0.05
+"""The tail of a text corpus kept for validation."""
 TOKEN_SUFFIXES = (".bin",)
 """What ``data=tokens`` reads from a folder."""
 JSONL_SUFFIXES = (".jsonl",)
@@ -113,3 +115,13 @@ def check_token_range(key: str, file: Path, dtype: str, vocab_size: int) -> None
             f"holds token id {largest}, not below data.vocab_size={vocab_size}",
             hint="the files were tokenized for another vocabulary, or data.dtype does not match how they were written",
         )
+
+
+def text_bytes(files: list[Path], max_bytes: int) -> int:
+    """How many bytes of text ``read_corpus`` will read from ``files`` (from their sizes)."""
+    total = 0
+    for file in files:
+        total += file.stat().st_size
+        if total >= max_bytes:
+            return max_bytes
+    return total

@@ -10,9 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fsdp_cli.data.files import text_files
-
-HELD_OUT_FRACTION = 0.05
+from fsdp_cli.data.files import HELD_OUT_FRACTION, text_files
 
 
 def read_corpus(path: str | None, max_bytes: int) -> torch.Tensor:

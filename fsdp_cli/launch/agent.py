@@ -1,51 +1,180 @@
 """The launcher process: PyTorch's elastic agent (``torch.distributed.run``), reporting failures our way.
 
 ``python -m fsdp_cli.launch.agent <torchrun arguments>`` runs exactly what ``torchrun`` would. The
-difference is at the end: when a rank fails, torchrun prints its own traceback and failure
-table; for a config error (a rank exited with status 2 after printing one line) that is noise,
-so the agent exits 2 quietly. For any other failure it prints the failure table, which names
-the rank that failed first, and exits 1. The table also goes to ``<log dir>/launcher.log``.
+difference is at the end, when a rank fails:
+
+* a config error (a rank exited with status 2 after printing one line) or a preemption (143)
+  ends quietly with that status;
+* otherwise the agent decides which rank failed first and how (:func:`failure_report`), writes
+  it to ``<run dir>/failure.json`` (the parent merges it into ``summary.json``) and prints it in
+  one line; torch's full failure table goes to ``<log dir>/launcher.log``.
+
+Why not ``ChildFailedError.get_first_failure()``: it takes the smallest timestamp, and timestamps
+are whole seconds (the error file's for a rank that raised, the agent's poll time for one killed
+by a signal). A rank SIGKILLed at t=...9.99 and a survivor whose collective failed with
+"Connection reset by peer" 5 ms later at t=...0.00 come out in the wrong order, and failures
+seen in the same poll tie. So failures a peer caused (a lost connection, the agent's own SIGTERM,
+a pid the launcher killed after a death) are set aside before ordering by time.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
-from fsdp_cli.launch.launcher import LOG_DIR_ENV
+from fsdp_cli.launch.environment import die_with_parent
+from fsdp_cli.launch.launcher import LOG_DIR_ENV, RUN_DIR_ENV
+from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
+from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED
+
+PROG = "fsdp-train"
+
+# What a rank raises when a *peer* went away (gloo and NCCL wordings): never the cause when another
+# rank failed differently.
+COLLATERAL_WORDS = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "socket closed",
+    "communicator was aborted",
+    "nccl communicator",
+)
+_SIGNAL_HINTS = {
+    "SIGKILL": " (the kernel's out-of-memory killer sends this too)",
+    "SIGSEGV": " (segmentation fault)",
+    "SIGBUS": " (bus error)",
+    "SIGABRT": " (abort)",
+}
+
+
+def message_of(failure: ProcessFailure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message or "")
+    return "" if text.startswith("To enable traceback") else text
+
+
+def is_collateral(failure: ProcessFailure, killed: frozenset[int] = frozenset()) -> bool:
+    if failure.exitcode == -signal.SIGTERM or failure.pid in killed:
+        return True
+    return any(word in message_of(failure).lower() for word in COLLATERAL_WORDS)
+
+
+def first_failure(
+    failures: Mapping[int, ProcessFailure], killed: frozenset[int] = frozenset()
+) -> tuple[int, ProcessFailure]:
+    order = {rank: i for i, rank in enumerate(failures)}  # insertion order: the order seen
+    primary = {r: f for r, f in failures.items() if not is_collateral(f, killed)} or dict(failures)
+    rank = min(primary, key=lambda r: (primary[r].timestamp, order[r]))
+    return rank, primary[rank]
+
+
+def describe(failure: ProcessFailure) -> str:
+    """``killed by SIGKILL (...)``, ``exit code 137 (128+9: SIGKILL, ...)``, ``exit code 1: <its error>``."""
+    code = failure.exitcode
+    if code < 0:
+        name = failure.signal_name()
+        return f"killed by {name}{_SIGNAL_HINTS.get(name, '')}"
+    text = f"exit code {code}"
+    if code > 128:
+        try:
+            text += f" (128+{code - 128}: {signal.Signals(code - 128).name}, as a shell or container reports a signal)"
+        except ValueError:
+            pass
+    lines = message_of(failure).strip().splitlines()
+    return text + (f": {lines[-1][:400]}" if lines else "")
+
+
+def failure_report(
+    failures: Mapping[int, ProcessFailure], killed: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    rank, failure = first_failure(failures, killed)
+    message = message_of(failure)
+    # Errors the ranks agreed on (a non-finite loss, a failed save: raised on every rank together)
+    # name all of them rather than an arbitrary "first".
+    same = sorted(r for r, f in failures.items() if message and message_of(f) == message)
+    agreed = failure.exitcode >= 0 and len(same) > 1
+    error = (
+        f"ranks {','.join(map(str, same))} failed: {describe(failure)}"
+        if agreed
+        else (f"rank {rank} failed first: {describe(failure)}")
+    )
+    return {
+        "kind": "rank_failure",
+        "error": error,
+        "rank": rank,
+        "pid": failure.pid,
+        "exit_code": failure.exitcode,
+        "signal": failure.signal_name() if failure.exitcode < 0 else None,
+        "message": message,
+        "agreed": agreed,
+        "ranks": {
+            str(r): {
+                "pid": f.pid,
+                "exit_code": f.exitcode,
+                "collateral": is_collateral(f, killed),
+                "message": message_of(f)[-400:],
+            }
+            for r, f in failures.items()
+        },
+    }
+
+
+def _killed_by_launcher(run_dir: Path) -> frozenset[int]:
+    try:
+        return frozenset(int(x) for x in launcher_file(run_dir, KILLED_FILE, os.getpid()).read_text().split())
+    except (OSError, ValueError):
+        return frozenset()
+
+
+def _report(err: ChildFailedError) -> int:
+    log_dir = os.environ.get(LOG_DIR_ENV)
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / LAUNCHER_LOG).write_text(err.format_msg() + "\n")
+    _, torch_first = err.get_first_failure()
+    if torch_first.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED) and len(err.failures) == 1:
+        return torch_first.exitcode
+    run_dir = Path(os.environ.get(RUN_DIR_ENV, "."))
+    if launcher_file(run_dir, ABORT_FILE, os.getpid()).exists():
+        return EXIT_FAILED  # the launcher ended a hung job and writes the report itself
+    report = failure_report(err.failures, _killed_by_launcher(run_dir))
+    if report["exit_code"] in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):
+        return int(report["exit_code"])
+    write_failure(run_dir, report)
+    if not report["agreed"]:  # an error every rank raised was printed by rank 0 already
+        print(f"{PROG}: {report['error']}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
 
 
 def main(argv: list[str]) -> int:
+    # A launcher killed outright (SIGKILL) must not leave ranks training: stop them, as on preemption.
+    die_with_parent(signal.SIGTERM)
     args = get_args_parser().parse_args(argv)
     # The agent's own per-event chatter ("Sending process ... closing signal") adds nothing the
-    # failure report below does not say.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # failure report does not say.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(args)
     except SignalException as err:
         # Preemption (SIGTERM): the ranks were sent the signal, saved, and exited. Ctrl-C and
         # the others keep the shell's 128 + signal convention.
-        print(f"fsdp-train: stopped by signal {err.sigval.name}", file=sys.stderr, flush=True)
+        print(f"{PROG}: stopped by signal {err.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        _, first = err.get_first_failure()
-        report = err.format_msg()
-        log_dir = os.environ.get(LOG_DIR_ENV)
-        if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(log_dir) / LAUNCHER_LOG).write_text(report + "\n")
-        if first.exitcode in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):
-            return first.exitcode
-        print(report, file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return _report(err)
     return 0
 
 

@@ -124,3 +124,14 @@ def gpu_compute_capability(env: Mapping[str, str]) -> tuple[int, int] | None:
     """The lowest compute capability among the GPUs this process may use (None without NVML)."""
     found = [(c[0], c[1]) for c in _nvml_query(env, "capability")]
     return min(found) if found else None
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``),
+    so that killing a launcher outright does not leave its children running. Elsewhere: nothing."""
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

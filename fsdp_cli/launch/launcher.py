@@ -6,6 +6,10 @@ re-executed, so each Hydra multirun job is launched exactly once, with its own p
 and (``--standalone``) its own free rendezvous port. (Inside an existing torchrun or SLURM job
 the entry point is already a rank and calls the worker itself.)
 
+While the ranks run, :class:`Supervisor` polls their heartbeat files: it ends a hung job (after
+dumping every rank's Python stack into its log) and kills the survivors of a dead rank that do
+not exit by themselves (see :mod:`fsdp_cli.launch.watchdog`).
+
 No torch import here: the launcher runs in a subprocess.
 """
 
@@ -15,14 +19,36 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV
+from fsdp_cli.launch.stacks import dump_stacks
+from fsdp_cli.launch.watchdog import (
+    DeadRankWatch,
+    HangWatchdog,
+    hang_report,
+    kill_groups,
+    own_beats,
+    rank_pids,
+)
+from fsdp_cli.rundir.failure import clear_failure, write_failure
 from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
+from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
+from fsdp_cli.rundir.status import EXIT_FAILED
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
 """Tells the agent where the run's logs go (it writes its failure report there)."""
+RUN_DIR_ENV = "FSDP_CLI_RUN_DIR"
+"""Tells the agent where the heartbeat files and ``failure.json`` live."""
+POLL_S = 0.25
+"""How often the launcher looks at the agent and the heartbeats."""
+MONITOR_INTERVAL_S = 0.1
+"""How often torch's agent looks at its ranks (pinned: a rank's death is noticed within it)."""
+AGENT_EXIT_GRACE_S = 10.0
+"""After killing a hung job's ranks, how long the agent gets to notice before it is killed too."""
 
 
 def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
@@ -45,7 +71,13 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",
         ]
-    cmd += [f"--max-restarts={cfg.launcher.max_restarts}", "-m", "fsdp_cli.worker", str(config_path)]
+    cmd += [
+        f"--max-restarts={cfg.launcher.max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        "-m",
+        "fsdp_cli.worker",
+        str(config_path),
+    ]
     return cmd
 
 
@@ -59,24 +91,90 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, per_rank))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[LOG_DIR_ENV] = str(log_dir(cfg.run_dir))
+    env[RUN_DIR_ENV] = str(cfg.run_dir)
+    env[WATCHDOG_ENV] = "launcher"
     # How long the launcher waits for ranks to save after forwarding SIGTERM, before SIGKILL.
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(cfg.launcher.shutdown_timeout_s))
     return env
 
 
 def launch(cfg: TrainConfig) -> int:
-    """Start the ranks and wait for them; returns their exit status (0 when all succeeded)."""
-    config_path = Path(cfg.run_dir) / CONFIG_FILE
-    proc = subprocess.Popen(torchrun_command(cfg, config_path), env=worker_env(cfg))
+    """Start the ranks and supervise them; returns their exit status (0 when all succeeded)."""
+    run_dir = Path(cfg.run_dir)
+    clear_failure(run_dir)  # a resumed run reuses its directory (stale heartbeats name other agents)
+    proc = subprocess.Popen(torchrun_command(cfg, run_dir / CONFIG_FILE), env=worker_env(cfg))
     # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to
     # every rank: they checkpoint and exit with status "preempted".
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                # Ctrl-C reached the ranks too (same process group); wait for them to stop.
-                continue
+        return Supervisor(cfg, proc).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Supervisor:
+    """Waits for the agent while watching the ranks' heartbeats (see :mod:`fsdp_cli.launch.watchdog`)."""
+
+    def __init__(self, cfg: TrainConfig, proc: subprocess.Popen[bytes]) -> None:
+        self.run_dir = Path(cfg.run_dir)
+        self.proc = proc
+        self.hang = HangWatchdog(cfg.launcher.hang_timeout_s, cfg.launcher.startup_timeout_s)
+        self.dead = DeadRankWatch()
+
+    def run(self) -> int:
+        watching = True
+        while True:
+            try:
+                return self.proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            except KeyboardInterrupt:
+                continue  # Ctrl-C reached the ranks too (same process group); wait for them to stop
+            if not watching:
+                continue
+            try:
+                code = self._watch()
+            except Exception as err:  # noqa: BLE001 - supervision must never abandon the ranks
+                print(f"fsdp-train: warning: the hang and dead-rank watch stopped: {err!r}", file=sys.stderr)
+                watching = False
+                continue
+            if code is not None:
+                return code
+
+    def _watch(self) -> int | None:
+        """One look at the heartbeats; the exit status when the job had to be ended."""
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        doomed = self.dead.check(beats, self.proc.pid)
+        if doomed:
+            self._kill_collateral(list(doomed.values()))
+        if self.hang.check(beats):
+            return self._end_hung_job()
+        return None
+
+    def _kill_collateral(self, pids: list[int]) -> None:
+        """Survivors of a dead rank that did not exit by themselves; the agent is told they are
+        collateral, so that its report names the rank that died."""
+        with open(launcher_file(self.run_dir, KILLED_FILE, self.proc.pid), "a") as fh:
+            fh.write("".join(f"{pid}\n" for pid in pids))
+        kill_groups(pids)
+
+    def _end_hung_job(self) -> int:
+        stalled = self.hang.stalled_for_s
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        abort = launcher_file(self.run_dir, ABORT_FILE, self.proc.pid)
+        abort.parent.mkdir(parents=True, exist_ok=True)
+        abort.write_text(f"hang detected at {time.time():.3f}\n")
+        pids = rank_pids(beats, self.proc.pid)
+        stacks = dump_stacks(pids, log_dir(self.run_dir))
+        # SIGKILL, not SIGTERM: a SIGTERM would start the preemption save, or be ignored by a rank
+        # blocked in C code, costing the agent's whole shutdown timeout.
+        kill_groups(pids.values())
+        try:
+            self.proc.wait(timeout=AGENT_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        report = hang_report(beats, stacks, stalled)
+        write_failure(self.run_dir, report)
+        print(f"fsdp-train: {report['error']}", file=sys.stderr, flush=True)
+        return EXIT_FAILED

@@ -30,10 +30,12 @@ DEFAULT_RDZV_PORT = 29500
 """torchrun's port when ``MASTER_ADDR`` comes without ``MASTER_PORT``."""
 
 
-def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], gpus: int | None = None) -> TrainConfig:
+def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None = None) -> TrainConfig:
     """Return ``cfg`` with accelerator, devices, num_nodes, dp, precision and (multi-node) the
-    rendezvous made concrete. ``gpus``: plan for that many GPUs per node instead of the ones
-    visible here (``fsdp-plan``)."""
+    rendezvous made concrete.
+
+    ``gpus``: the number of usable GPUs; None counts them (``CUDA_VISIBLE_DEVICES`` in ``env``
+    and the driver). Tests pass it to describe another machine than the one they run on."""
     job = detect_cluster_job(env)
     gpus = visible_gpu_count(env) if gpus is None else gpus
     accelerator = cfg.accelerator

@@ -16,6 +16,12 @@ LAUNCHER_LOG = "launcher.log"
 PROFILER_DIR = "profiler"
 """``trainer.profiler`` output: traces (``*.pt.trace.json``) and hook timings."""
 
+HEARTBEAT_DIR = ".heartbeat"
+"""One liveness file per rank (pid, last step, phase), read by the launcher's hang watchdog."""
+FAILURE_FILE = "failure.json"
+"""Which rank failed first and how (or which ranks hung), written by the launcher side and merged
+into ``summary.json`` by the parent."""
+
 
 def log_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / LOG_DIR
@@ -27,3 +33,7 @@ def rank_log(run_dir: str | Path, rank: int) -> Path:
 
 def profiler_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / PROFILER_DIR
+
+
+def heartbeat_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HEARTBEAT_DIR

@@ -4,6 +4,7 @@ parent, the sweep report and the tests."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Iterable, Mapping
@@ -25,10 +26,27 @@ def median_of(rows: Iterable[Mapping[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None: strict JSON has no tokens for them
+    (Python writes bare ``NaN``, which ``jq`` and most parsers reject)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps_strict(value: Any, **kwargs: Any) -> str:
+    """JSON text that every parser reads: non-finite floats become null."""
+    return json.dumps(json_safe(value), allow_nan=False, default=str, **kwargs)
+
+
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     path = Path(run_dir) / SUMMARY_FILE
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # ranks may race on a failed run
-    tmp.write_text(json.dumps(dict(summary), indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(dumps_strict(dict(summary), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 

@@ -100,6 +100,28 @@ class ParallelizeChecks(L.Callback):
         )
 
 
+class ShardingAfterForward(L.Callback):
+    """Between forward and backward: are the blocks' parameters resharded (DTensor shards) or still
+    gathered (plain tensors), as ``reshard_after_forward`` asked?"""
+
+    def __init__(self, resharded: bool) -> None:
+        self.resharded = resharded
+        self.seen = False
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.seen:
+            return
+        self.seen = True
+        block = pl_module.model.layers["0"]
+        sharded = [isinstance(p, DTensor) for p in block.parameters()]
+        state = "resharded" if self.resharded else "unsharded"
+        check(
+            f"reshard_after_forward={self.resharded}: blocks are {state} after forward",
+            all(sharded) == self.resharded and any(sharded) == self.resharded,
+            str(sharded),
+        )
+
+
 class RecordStates(L.Callback):
     """At the first optimizer step after resuming: was the restore deferred, and did it happen?"""
 
@@ -157,7 +179,7 @@ def main(workdir: Path) -> None:
     # 1. Meta-device init through Trainer.init_module (-> FSDP2Strategy.tensor_init_context).
     io = RecordingCheckpointIO()
     strategy = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1, checkpoint_io=io)
-    first = trainer(strategy, 3, [ParallelizeChecks()])
+    first = trainer(strategy, 3, [ParallelizeChecks(), ShardingAfterForward(resharded=True)])
     with first.init_module(empty_init=True):
         mod = module()
         mod.model = Llama(CFG, seed=SEED)
@@ -193,6 +215,10 @@ def main(workdir: Path) -> None:
     second.strategy.remove_checkpoint(path)
     second.strategy.barrier()
     check("remove_checkpoint deletes it", not path.exists())
+
+    # 3. ZeRO-2: parameters stay gathered from forward to backward.
+    zero2 = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1, reshard_after_forward=False)
+    trainer(zero2, 1, [ShardingAfterForward(resharded=False)]).fit(module(), datamodule=data(2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""Making a finished save visible in one step, and recording what it wrote (torch-free).
+
+A save is written under ``<name>.partial`` and renamed when complete. Replacing an existing
+checkpoint of the same name (a run resumed at step N saves step N again) swaps the two in one
+``renameat2(RENAME_EXCHANGE)`` where the filesystem supports it, so there is no moment without a
+complete ``<name>``; elsewhere it falls back to two renames, and :func:`recover_interrupted_replace`
+puts the old one back if a crash fell between them.
+
+Each file of a sharded checkpoint is recorded with its size and CRC-32 in the manifest, so that
+``fsdp-ckpt verify`` and ``resume=auto`` can tell a complete checkpoint from a damaged one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, fsync_dir, remove_path
+from fsdp_cli.checkpoint.test_hooks import pause_for_test
+
+OLD_SUFFIX = ".old" + PARTIAL_SUFFIX
+"""The previous checkpoint while the two-rename fallback replaces it."""
+_CHUNK = 16 * 2**20
+
+
+def replace_atomically(partial: Path, path: Path) -> None:
+    """Make ``partial`` visible as ``path``, replacing a checkpoint of that name if there is one."""
+    if path.exists() and _exchange(partial, path):
+        pause_for_test("replace")
+        remove_path(partial)  # now the previous checkpoint
+    elif path.exists():
+        old = path.with_name(path.name + OLD_SUFFIX)
+        remove_path(old)
+        os.replace(path, old)
+        os.replace(partial, path)
+        remove_path(old)
+    else:
+        os.replace(partial, path)
+    fsync_dir(path.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def recover_interrupted_replace(directory: Path) -> list[str]:
+    """Restore checkpoints whose replacement by the two-rename fallback was interrupted between
+    its renames; returns notices naming them."""
+    notices = []
+    if not directory.is_dir():
+        return notices
+    for old in directory.glob(f"*{OLD_SUFFIX}"):
+        path = old.with_name(old.name[: -len(OLD_SUFFIX)])
+        if not path.exists():
+            os.replace(old, path)
+            notices.append(f"note: restored {path.name}, whose replacement was interrupted")
+    return notices
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """Size and CRC-32 of one file, as the manifest records it."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": path.stat().st_size, "crc32": f"{crc:08x}"}
+
+
+def file_records(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: file_record(folder / name) for name in names}

@@ -1,0 +1,145 @@
+"""The launcher's view of its ranks: hung jobs and dead ranks, from the heartbeat files (torch-free).
+
+* :class:`HangWatchdog`: no local rank has beaten (finished a step or a validation batch, entered
+  or left a save) for ``launcher.hang_timeout_s`` (``launcher.startup_timeout_s`` while a rank
+  starts up or saves).
+* :class:`DeadRankWatch`: a rank's process is gone without having finished training normally
+  (killed, or failed). The elastic agent then stops the others with SIGTERM and a hard-coded 30 s
+  before SIGKILL; a survivor blocked in an NCCL collective, or treating SIGTERM as "save at the
+  next step", uses all of it. After :data:`PEER_EXIT_GRACE_S` the launcher kills the survivors
+  that are still training itself.
+
+Ranks run in sessions of their own (torch starts each with ``start_new_session=True``), so a
+rank's process group is its pid and holds its data-loader workers: they are killed by group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fsdp_cli.launch.stacks import RankStack, parent_pid, proc_state
+from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, RankBeat
+
+PEER_EXIT_GRACE_S = 5.0
+"""How long survivors of a dead rank get to exit by themselves before the launcher kills them."""
+
+
+def own_beats(beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, RankBeat]:
+    """The beats of the ranks our agent started: nodes sharing a run directory (on one host too)
+    each watch their own."""
+    return {rank: beat for rank, beat in beats.items() if beat.parent == agent_pid}
+
+
+def rank_pids(beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, int]:
+    """Ranks whose pid is still a child of our agent: a recycled pid is never signalled."""
+    return {rank: beat.pid for rank, beat in beats.items() if parent_pid(beat.pid) == agent_pid}
+
+
+def kill_groups(pids: Iterable[int]) -> None:
+    for pid in pids:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class HangWatchdog:
+    """``check(beats)`` is True once no rank has beaten for the timeout of the phases they are in,
+    measured on this process's monotonic clock from the last change it saw."""
+
+    def __init__(self, hang_timeout_s: float | None, startup_timeout_s: float | None) -> None:
+        self.hang_timeout_s = hang_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._last: tuple[tuple[int, int, int], ...] | None = None
+        self._since = time.monotonic()
+
+    def check(self, beats: Mapping[int, RankBeat]) -> bool:
+        key = tuple(sorted((rank, beat.pid, beat.beats) for rank, beat in beats.items()))
+        now = time.monotonic()
+        if key != self._last:
+            self._last, self._since = key, now
+            return False
+        slow = not beats or any(beat.phase in SLOW_PHASES for beat in beats.values())
+        limit = self.startup_timeout_s if slow else self.hang_timeout_s
+        return limit is not None and now - self._since >= limit
+
+    @property
+    def stalled_for_s(self) -> float:
+        return time.monotonic() - self._since
+
+
+class DeadRankWatch:
+    """``check(beats, agent_pid)`` returns the pids to kill once a rank has been gone, without
+    finishing normally, for :data:`PEER_EXIT_GRACE_S`: the ranks still training (a rank writing
+    its outputs after it failed, or finished, is left alone); else an empty dict."""
+
+    def __init__(self, grace_s: float = PEER_EXIT_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._dead_since: float | None = None
+        self._generation: frozenset[int] = frozenset()
+
+    def check(self, beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, int]:
+        generation = frozenset(beat.pid for beat in beats.values())
+        if generation != self._generation:  # an elastic restart started new ranks
+            self._generation, self._dead_since = generation, None
+        alive = rank_pids(beats, agent_pid)
+        gone = [
+            r
+            for r, b in beats.items()
+            if b.phase != PHASE_EXIT and (r not in alive or proc_state(b.pid) == "Z")
+        ]
+        if not gone:
+            return {}
+        now = time.monotonic()
+        if self._dead_since is None:
+            self._dead_since = now
+        if now - self._dead_since < self.grace_s:
+            return {}
+        return {r: pid for r, pid in alive.items() if beats[r].phase not in (PHASE_EXIT, PHASE_FAILED)}
+
+
+def hang_report(
+    beats: Mapping[int, RankBeat], stacks: Mapping[int, RankStack], stalled_s: float
+) -> dict[str, Any]:
+    """``failure.json`` for a hung job: one line naming the stuck ranks and the last step, and the details."""
+    last = max((b.step for b in beats.values()), default=-1)
+    stuck = [s for s in stacks.values() if not s.waiting_on_others] or list(stacks.values())
+    waiting = sorted(s.rank for s in stacks.values() if s.waiting_on_others and s not in stuck)
+    parts = [f"rank {s.rank} {s.where}" + (f" [{'; '.join(s.notes)}]" if s.notes else "") for s in stuck]
+    line = f"hang: no rank made progress for {stalled_s:.0f} s; last step {last}"
+    steps = {r: b.step for r, b in sorted(beats.items())}
+    if len(set(steps.values())) > 1:
+        line += " (per rank: " + ", ".join(f"{r}={s}" for r, s in steps.items()) + ")"
+    if not stacks:
+        line += "; no rank had started (no heartbeat)"
+    else:
+        line += "; stuck: " + "; ".join(parts)
+    if waiting:
+        line += "; waiting for them in a collective: rank " + ",".join(map(str, waiting))
+    line += "; stacks in logs/rank<N>.log"
+    return {
+        "kind": "hang",
+        "error": line,
+        "last_step": last,
+        "stuck_ranks": sorted(s.rank for s in stuck),
+        "stalled_s": round(stalled_s, 1),
+        "ranks": {
+            str(r): {
+                "pid": s.pid,
+                "state": s.state,
+                "where": s.where,
+                "dumper": s.dumper,
+                "notes": s.notes,
+                "step": beats[r].step if r in beats else None,
+                "phase": beats[r].phase if r in beats else None,
+            }
+            for r, s in sorted(stacks.items())
+        },
+    }

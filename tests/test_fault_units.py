@@ -1,0 +1,322 @@
+"""The pieces behind fault handling, in-process (no ranks started): the agent's choice of the first
+failure, the hang watchdog's clock, where a stack dump says a rank is, the non-finite guard,
+strict JSON, heartbeat files, and checkpoint verification."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_cli.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
+from fsdp_cli.checkpoint.atomic import file_record
+from fsdp_cli.checkpoint.format import CheckpointFormatError
+from fsdp_cli.checkpoint.run import newest_verified
+from fsdp_cli.checkpoint.verify import verify_checkpoint
+from fsdp_cli.launch.stacks import where_from_faulthandler, where_from_py_spy
+from fsdp_cli.launch.watchdog import HangWatchdog
+from fsdp_cli.rundir.failure import merge_failure
+from fsdp_cli.rundir.heartbeat import Heartbeat, RankBeat, read_heartbeats
+from fsdp_cli.rundir.summary import dumps_strict
+
+# --------------------------------------------------------------------------- the agent's report
+
+
+def _failure(rank: int, exitcode: int, message: str, timestamp: int, tmp_path: Path) -> object:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error{rank}.json"
+    if message:
+        error_file.write_text(json.dumps({"message": message, "timestamp": timestamp}))
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+    failure.timestamp = timestamp
+    return failure
+
+
+def test_first_failure_sets_collateral_errors_aside(tmp_path: Path) -> None:
+    """The survivor's "connection reset" carries an earlier whole-second timestamp than the
+    SIGKILL the agent saw on its next poll: it must still not be named as the cause."""
+    from fsdp_cli.launch.agent import failure_report
+
+    failures = {
+        0: _failure(0, 1, "RuntimeError: [gloo] Read error: Connection reset by peer", 99, tmp_path),
+        1: _failure(1, -signal.SIGKILL, "", 100, tmp_path),
+    }
+    report = failure_report(failures)
+    assert (report["rank"], report["signal"], report["agreed"]) == (1, "SIGKILL", False)
+    assert (
+        report["error"]
+        == "rank 1 failed first: killed by SIGKILL (the kernel's out-of-memory killer sends this too)"
+    )
+    assert report["ranks"]["0"]["collateral"] is True
+    # A pid the launcher killed after the death is collateral too, whatever its exit.
+    failures = {
+        0: _failure(0, -signal.SIGKILL, "", 99, tmp_path),
+        1: _failure(1, -signal.SIGSEGV, "", 100, tmp_path),
+    }
+    report = failure_report(failures, killed=frozenset({1000}))
+    assert report["error"] == "rank 1 failed first: killed by SIGSEGV (segmentation fault)"
+
+
+def test_failure_descriptions(tmp_path: Path) -> None:
+    from fsdp_cli.launch.agent import describe, failure_report
+
+    assert describe(_failure(2, 137, "", 1, tmp_path)).startswith("exit code 137 (128+9: SIGKILL")
+    assert describe(_failure(2, 1, "ValueError: bad\nsecond line", 1, tmp_path)) == "exit code 1: second line"
+    same = "non-finite loss (rank 1) at step 3"
+    report = failure_report({0: _failure(0, 1, same, 5, tmp_path), 1: _failure(1, 1, same, 5, tmp_path)})
+    assert report["agreed"] and report["error"] == f"ranks 0,1 failed: exit code 1: {same}"
+
+
+def test_merge_keeps_the_cause_first() -> None:
+    rank_summary = {"status": "failed", "error": "RuntimeError: Connection reset by peer", "steps": 2}
+    failure = {"error": "rank 1 failed first: killed by SIGKILL", "agreed": False}
+    merged = merge_failure(rank_summary, failure)
+    assert merged["error"] == failure["error"] and merged["rank_error"] == rank_summary["error"]
+    agreed = merge_failure(
+        {"error": "non-finite loss at step 3"}, {"error": "ranks 0,1 failed: ...", "agreed": True}
+    )
+    assert agreed["error"] == "non-finite loss at step 3" and agreed["status"] == "failed"
+
+
+# --------------------------------------------------------------------------- watchdog, stacks
+
+
+def _beat(rank: int, beats: int, phase: str = "train") -> RankBeat:
+    return RankBeat(
+        rank=rank, pid=100 + rank, parent=99, host="h", beats=beats, step=beats, time=0.0, phase=phase
+    )
+
+
+def test_hang_watchdog_times_the_phase_ranks_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    watchdog = HangWatchdog(hang_timeout_s=10, startup_timeout_s=100)
+    assert not watchdog.check({0: _beat(0, 5), 1: _beat(1, 5)})
+    now[0] += 9
+    assert not watchdog.check({0: _beat(0, 5), 1: _beat(1, 5)})
+    now[0] += 2  # 11 s without a beat
+    assert watchdog.check({0: _beat(0, 5), 1: _beat(1, 5)})
+    assert not watchdog.check({0: _beat(0, 6), 1: _beat(1, 5)}), "any rank's progress resets the clock"
+    now[0] += 50  # a rank in a save gets the start-up timeout
+    assert not watchdog.check({0: _beat(0, 6, "save"), 1: _beat(1, 5)})
+    now[0] += 60
+    assert watchdog.check({0: _beat(0, 6, "save"), 1: _beat(1, 5)})
+    off = HangWatchdog(hang_timeout_s=None, startup_timeout_s=None)
+    now[0] += 1e6
+    assert not off.check({})
+
+
+FAULTHANDLER_DUMP = """Thread 0x00007f8b (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 327 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f8c (most recent call first):
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 4394 in all_gather_single
+  File "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", line 119 in __call__
+  File "/work/fsdp_cli/worker.py", line 155 in fit
+  File "<frozen runpy>", line 88 in _run_code
+  File "/work/fsdp_cli/worker.py", line 278 in <module>
+"""
+
+
+def test_where_a_stack_dump_says_a_rank_is() -> None:
+    assert where_from_faulthandler(FAULTHANDLER_DUMP) == "waiting in a collective (all_gather_single)"
+    loader = FAULTHANDLER_DUMP.replace(
+        "torch/distributed/distributed_c10d.py", "torch/utils/data/dataloader.py"
+    )
+    assert where_from_faulthandler(loader) == "waiting for the data loader"
+    spy = 'Thread 12 (idle): "MainThread"\n    misbehave (tests/assets/faulty.py:69)\n    forward (faulty.py:58)\n'
+    assert where_from_py_spy(spy) == "in misbehave (faulty.py:69)"
+
+
+def test_heartbeat_is_read_back_and_torn_files_are_skipped(tmp_path: Path) -> None:
+    beat = Heartbeat(tmp_path, rank=1, local_rank=1)
+    beat.beat(7, "train")
+    read = read_heartbeats(tmp_path)[1]
+    assert (read.pid, read.step, read.beats, read.phase) == (os.getpid(), 7, 1, "train")
+    (tmp_path / ".heartbeat" / "rank2").write_text('{"rank": 2, "pid"')  # being written
+    assert set(read_heartbeats(tmp_path)) == {1}
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+
+def test_nonfinite_guard_names_the_first_bad_step() -> None:
+    guard = NonFiniteGuard()
+    for step, loss in ((1, 2.0), (2, math.nan), (3, 1.5)):
+        guard.record_loss(step, torch.tensor(loss))
+    with pytest.raises(NonFiniteError, match=r"non-finite loss \(rank 0\) at step 2 \(detected at step 3\)"):
+        guard.check(3)
+    guard.record_loss(4, torch.tensor(1.25))
+    assert guard.check(4) == 1.25 and not guard.pending
+
+
+class _Optimizer:
+    def __init__(self) -> None:
+        self.cleared = 0
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        assert set_to_none, "parameters without gradients are what optimizers leave alone"
+        self.cleared += 1
+
+
+class _Clipping:
+    grad_norm: torch.Tensor | None = None
+
+
+def test_skipping_drops_the_gradients_until_the_budget_is_spent() -> None:
+    clipping, optimizer = _Clipping(), _Optimizer()
+    guard = NonFiniteGuard(skip_budget=1, clipping=clipping)
+
+    class Trainer:
+        global_step = 0
+
+    for step, norm in enumerate((0.5, math.inf, 0.25), start=1):
+        Trainer.global_step, clipping.grad_norm = step - 1, torch.tensor(norm)
+        guard.on_before_optimizer_step(Trainer, None, optimizer)
+        guard.record_loss(step, torch.tensor(1.0))
+    assert guard.skipped == [2] and optimizer.cleared == 1
+    assert guard.check(3) == 1.0, "a skipped step's non-finite norm does not fail the run"
+    Trainer.global_step, clipping.grad_norm = 3, torch.tensor(math.nan)
+    with pytest.raises(NonFiniteError, match=r"step 4; already skipped 1 step\(s\) .* at 2"):
+        guard.on_before_optimizer_step(Trainer, None, optimizer)
+    assert guard.state_dict() == {"skipped": [2]}
+
+
+def test_json_written_by_a_run_is_strict() -> None:
+    text = dumps_strict({"loss": math.nan, "norms": [1.0, math.inf], "ok": 2.5})
+    assert json.loads(text) == {"loss": None, "norms": [1.0, None], "ok": 2.5}
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def _sharded(folder: Path, step: int, shard: bytes = b"x" * 100) -> Path:
+    """A sharded checkpoint's files (contents are opaque to the size and checksum check)."""
+    folder.mkdir(parents=True)
+    for name, data in ((".metadata", b"meta"), ("__0_0.distcp", shard), ("meta.pt", b"pt")):
+        (folder / name).write_bytes(data)
+    files = {name: file_record(folder / name) for name in (".metadata", "__0_0.distcp", "meta.pt")}
+    (folder / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
+    return folder
+
+
+def test_verify_finds_missing_truncated_and_corrupted_files(tmp_path: Path) -> None:
+    good = _sharded(tmp_path / "good", 3)
+    assert (
+        verify_checkpoint(good, deep=True)
+        .describe()
+        .endswith("(sharded, step 3, 3 file(s), 0.0 MiB, sizes and checksums checked)")
+    )
+    truncated = _sharded(tmp_path / "truncated", 3)
+    (truncated / "__0_0.distcp").write_bytes(b"x" * 10)
+    with pytest.raises(CheckpointFormatError, match="__0_0.distcp has 10 bytes, the manifest records 100"):
+        verify_checkpoint(truncated)
+    corrupted = _sharded(tmp_path / "corrupted", 3)
+    (corrupted / "__0_0.distcp").write_bytes(b"y" * 100)
+    verify_checkpoint(corrupted)  # same size: only --deep can tell
+    with pytest.raises(CheckpointFormatError, match="does not match its recorded checksum"):
+        verify_checkpoint(corrupted, deep=True)
+    missing = _sharded(tmp_path / "missing", 3)
+    (missing / "meta.pt").unlink()
+    with pytest.raises(CheckpointFormatError, match="meta.pt is missing"):
+        verify_checkpoint(missing)
+    unreadable = _sharded(tmp_path / "unreadable", 3)
+    (unreadable / "manifest.json").write_text('{"step": 3, "fi')
+    with pytest.raises(CheckpointFormatError, match="manifest.json is unreadable"):
+        verify_checkpoint(unreadable)
+
+
+def test_verify_full_files(tmp_path: Path) -> None:
+    path = tmp_path / "step_00000003.pt"
+    torch.save({"state_dict": {"w": torch.ones(3)}, "fsdp_cli_manifest": {"step": 3}}, path)
+    assert verify_checkpoint(path, deep=True).step == 3
+    path.write_bytes(path.read_bytes()[:-40])  # truncated: the zip directory at the end is gone
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        verify_checkpoint(path)
+
+
+def test_resume_auto_falls_back_past_damaged_checkpoints(tmp_path: Path) -> None:
+    _sharded(tmp_path / "step_00000002", 2)
+    _sharded(tmp_path / "step_00000004", 4)
+    (tmp_path / "step_00000004" / "__0_0.distcp").write_bytes(b"")
+    _sharded(tmp_path / "step_00000006", 6)
+    (tmp_path / "step_00000006" / "manifest.json").unlink()
+    found, notices = newest_verified(tmp_path)
+    assert found == tmp_path / "step_00000002"
+    assert notices == [
+        "note: resume=auto: skipping step_00000006: no manifest.json (the save did not finish, or not "
+        "written by fsdp-train); trying the next newest (step_00000004)",
+        "note: resume=auto: skipping step_00000004: __0_0.distcp has 0 bytes, the manifest records 100; "
+        "trying the next newest (step_00000002)",
+    ]
+
+
+def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path: Path) -> None:
+    """Inside torchrun or srun nobody watches the heartbeat: the rank's own faulthandler timer
+    (re-armed by each beat) writes its stack into its log and ends it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from fsdp_cli.launch.rank_monitor import RankMonitor\n"
+        f"monitor = RankMonitor({str(tmp_path)!r}, 1, 1, hang_timeout_s=0.5, startup_timeout_s=0.5)\n"
+        "monitor.beat(1, 'train')\n"
+        "def stuck_in_a_collective():\n"
+        "    time.sleep(30)\n"
+        "stuck_in_a_collective()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_CLI_WATCHDOG"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    assert result.returncode == 1 and time.monotonic() - started < 20
+    log = (tmp_path / "logs" / "rank1.log").read_text()
+    assert "Timeout (0:00:00.500000)!" in log and "stuck_in_a_collective" in log
+
+
+def test_fsdp_ckpt_verify_exits_1_naming_each_damaged_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsdp_cli.checkpoint.cli import main as fsdp_ckpt
+
+    _sharded(tmp_path / "step_00000002", 2)
+    _sharded(tmp_path / "step_00000004", 4)
+    (tmp_path / "step_00000004" / "__0_0.distcp").write_bytes(b"y" * 100)
+    with pytest.raises(SystemExit) as stop:
+        fsdp_ckpt(["verify", str(tmp_path), "--deep"])  # a run's checkpoint folder: each of them
+    out = capsys.readouterr()
+    assert stop.value.code == 1
+    assert "step_00000002: ok (sharded, step 2" in out.out
+    assert out.err.strip() == (
+        f"fsdp-ckpt: damaged: {tmp_path}/step_00000004: __0_0.distcp does not match its recorded checksum (corrupted)"
+    )
+    with pytest.raises(SystemExit) as stop:
+        fsdp_ckpt(["verify", str(tmp_path / "step_00000002")])
+    assert stop.value.code == 0
+
+
+def test_a_launcher_watches_only_the_ranks_its_agent_started() -> None:
+    """Nodes sharing a run directory (on one host, as in the two-node test) see each other's files."""
+    from dataclasses import replace
+
+    from fsdp_cli.launch.watchdog import own_beats
+
+    beats = {0: _beat(0, 3), 1: replace(_beat(1, 3), parent=42)}
+    assert set(own_beats(beats, agent_pid=99)) == {0} and set(own_beats(beats, agent_pid=42)) == {1}
+
+
+def test_merge_keeps_the_line_the_failing_rank_wrote_itself() -> None:
+    own = {"error": "RuntimeError: out of memory"}
+    first = {
+        "error": "rank 0 failed first: exit code 1: RuntimeError: out of memory",
+        "message": own["error"],
+    }
+    assert merge_failure(own, first)["error"] == own["error"]
