@@ -126,3 +126,23 @@ def test_custom_target_that_is_not_a_model() -> None:
     cfg = composed("model=custom", "model._target_=collections.OrderedDict")
     with pytest.raises(ConfigError, match="not an nn.Module"):
         build_module(cfg)
+
+
+def test_a_logger_gets_the_numbers_of_a_row_and_not_the_unmeasured_fields(tmp_path) -> None:
+    """MFU is null on a CPU run (no known peak); metrics.jsonl keeps the null, while a logger that
+    refuses None (TensorBoard) gets every number of the row and no MFU."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from fsdp_cli.callbacks.metrics import MetricsCallback
+
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    callback = MetricsCallback(tmp_path, log_every_n_steps=1, tokens_per_step=8, max_steps=1)
+    callback._write(
+        SimpleNamespace(logger=logger), {"step": 1, "loss": 2.5, "tflops_per_s": None, "mfu": None}
+    )
+    logger.finalize("success")
+    events = b"".join(p.read_bytes() for p in (tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert b"loss" in events and b"mfu" not in events
+    assert callback.rows == [{"step": 1, "loss": 2.5, "tflops_per_s": None, "mfu": None}]

@@ -125,7 +125,10 @@ class MetricsCallback(L.Callback):
             self._file.write(dumps_strict(row) + "\n")
             self._file.flush()
         if trainer.logger is not None:
-            trainer.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            # Loggers take numbers only; a field this run cannot measure (e.g. MFU without a
+            # known peak) is null in metrics.jsonl and left out here.
+            numbers = {k: v for k, v in row.items() if k != "step" and v is not None}
+            trainer.logger.log_metrics(numbers, step=row["step"])
 
     def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
         if self.tokens_per_step is not None:

@@ -23,6 +23,7 @@ from fsdp_cli.launch.environment import (
     visible_gpu_count,
 )
 from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.float8 import device_problem
 
 CPU_DEFAULT_DEVICES = 2
 """Processes per node for ``devices=auto`` on a machine without GPUs."""
@@ -87,23 +88,9 @@ def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, 
     """float8 needs torchao and GPUs with float8 tensor cores (compute capability 8.9+)."""
     if not getattr(cfg.strategy, "float8", False):
         return
-    if accelerator is Accelerator.cpu:
-        raise ConfigError(
-            "strategy.float8",
-            "true",
-            "float8 training needs a GPU with float8 tensor cores; this run is on CPU",
-            allowed="false on CPU",
-            hint="run on Ada/Hopper GPUs (H100, H200, L40S, L4) or set strategy.float8=false",
-        )
-    capability = gpu_compute_capability(env)
-    if capability is not None and capability < (8, 9):
-        raise ConfigError(
-            "strategy.float8",
-            "true",
-            f"the GPUs here are compute capability {capability[0]}.{capability[1]}, without float8 tensor cores",
-            allowed="GPUs of compute capability 8.9 or newer (Ada, Hopper)",
-            hint="set strategy.float8=false (bf16-mixed) on these GPUs",
-        )
+    problem = device_problem(on_gpu=accelerator is Accelerator.gpu, capability=gpu_compute_capability(env))
+    if problem is not None:
+        raise problem
     if cfg.tp > 1:
         raise ConfigError(
             "strategy.float8",

@@ -10,39 +10,59 @@ dependency (``pip install "fsdp-cli[float8]"``), imported only here.
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from fsdp_cli.errors import ConfigError
+
+if TYPE_CHECKING:  # torch stays out of the parent's check (device_problem)
+    from torch import nn
 
 MIN_CAPABILITY = (8, 9)
 """float8 tensor cores: Ada (8.9), Hopper (9.0) and newer."""
 
 
-def check_float8_device(device_type: str) -> None:
-    """One line for a device that cannot train in float8 (the parent checks first where NVML is)."""
-    import torch
-
-    if device_type != "cuda":
-        raise ConfigError(
+def device_problem(
+    *, on_gpu: bool, capability: tuple[int, int] | None, gpu: str = "the GPUs here"
+) -> ConfigError | None:
+    """Why float8 cannot train on this device (None when it can, or when the capability is unknown).
+    Asked by the parent before launch (NVML) and by each rank for its own device."""
+    if not on_gpu:
+        return ConfigError(
             "strategy.float8",
             "true",
             "float8 training needs a GPU with float8 tensor cores; this run is on CPU",
             allowed="false on CPU",
             hint="run on Ada/Hopper GPUs (H100, H200, L40S, L4) or set strategy.float8=false",
         )
-    capability = torch.cuda.get_device_capability()
-    if capability < MIN_CAPABILITY:
-        raise ConfigError(
+    if capability is not None and tuple(capability) < MIN_CAPABILITY:
+        return ConfigError(
             "strategy.float8",
             "true",
-            f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) has no float8 tensor cores",
+            f"no float8 tensor cores on {gpu} (compute capability {capability[0]}.{capability[1]})",
             allowed="GPUs of compute capability 8.9 or newer (Ada, Hopper)",
             hint="set strategy.float8=false (bf16-mixed) on this GPU",
         )
+    return None
+
+
+def check_float8_device(device_type: str) -> None:
+    """One line for a device that cannot train in float8 (the parent checks first where NVML is)."""
+    import torch
+
+    on_gpu = device_type == "cuda"
+    problem = device_problem(
+        on_gpu=on_gpu,
+        capability=torch.cuda.get_device_capability() if on_gpu else None,
+        gpu=torch.cuda.get_device_name() if on_gpu else "",
+    )
+    if problem is not None:
+        raise problem
 
 
 def float8_candidates(model: nn.Module) -> list[str]:
     """Names of the linear layers float8 applies to (see the module docstring)."""
+    from torch import nn
+
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     head = linears[-1][0] if linears else None
     return [
