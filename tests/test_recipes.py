@@ -4,6 +4,7 @@ started); and ``fsdp-recipe`` lists, shows and copies them."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -65,6 +66,49 @@ def hardware_env(hardware: str, srun: bool) -> tuple[dict[str, str], int, int]:
     return env, nodes, per_node
 
 
+# A recipe for the user's own model and data names them with placeholders; the test puts files of
+# the shape the recipe is written for there (a Llama 3.2 1B config.json, weights present).
+LLAMA_1B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}
+
+
+def fill_placeholders(override: str, tmp_path: Path) -> str:
+    if "MODEL_DIR" in override:
+        model = tmp_path / "model"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps(LLAMA_1B_CONFIG))
+        (model / "model.safetensors").touch()
+        _save_tokenizer(model / "tokenizer.json")
+        override = override.replace("MODEL_DIR", str(model))
+    if "CORPUS" in override:
+        corpus = tmp_path / "corpus"
+        corpus.mkdir(exist_ok=True)
+        words = " ".join(["the model reads a document"] * 1000)  # 5,000 tokens: two 2,049-token windows
+        (corpus / "part0.jsonl").write_text(json.dumps({"text": words}) + "\n")
+        override = override.replace("CORPUS", str(corpus))
+    return override
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|end_of_text|>"])
+    tokenizer.train_from_iterator(["the model reads a document"], trainer)
+    tokenizer.save(str(path))
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_on_the_hardware_its_header_names(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -74,6 +118,7 @@ def test_recipe_runs_on_the_hardware_its_header_names(
     assert recipe.hardware and recipe.about, "Hardware: and About: follow the command"
     env, srun, overrides = parse_command(recipe.command)
     assert f"recipe={name}" in overrides
+    overrides = [fill_placeholders(o, tmp_path) for o in overrides]
     cluster_env, nodes, gpus_per_node = hardware_env(recipe.hardware, srun)
     # The GPUs this machine would have: counted through NVML in real life, simulated here.
     monkeypatch.setattr(layout, "visible_gpu_count", lambda env: gpus_per_node)
