@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,21 +23,17 @@ from omegaconf import DictConfig
 
 from fsdp_cli.cli.configs import config_path
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
-from fsdp_cli.cli.resolve import resolve_config
-from fsdp_cli.cli.sweep import exit_status as sweep_exit_status
-from fsdp_cli.cli.sweep_job import run_sweep_job
-from fsdp_cli.config.convert import to_yaml
-from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
-from fsdp_cli.launch.launcher import launch
-from fsdp_cli.rundir.failure import merge_failure, read_failure
-from fsdp_cli.rundir.files import CONFIG_FILE
-from fsdp_cli.rundir.heartbeat import read_heartbeats
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, STATUS_FAILED, STOP_CODES
-from fsdp_cli.rundir.summary import read_summary, write_summary
-from fsdp_cli.rundir.table import print_summary
+
+if TYPE_CHECKING:
+    from fsdp_cli.config.schema import TrainConfig
+
+# What only a run, a sweep or its report needs (resolution, the launcher, the run directory's
+# readers) is imported where it is used: `--cfg job` prints the composed config before `train`
+# runs, and a config mistake stops inside `resolve`, so neither pays for the rest.
 
 PROG = "fsdp-train"
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -54,6 +50,8 @@ def train(cfg: DictConfig) -> Any:
     job = detect_cluster_job(os.environ)
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
+        from fsdp_cli.cli.sweep_job import run_sweep_job
+
         # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
@@ -65,6 +63,10 @@ def _launch(
     cfg: TrainConfig, *, run_dir: Path, job: ClusterJob | None, multirun: bool
 ) -> tuple[int, dict[str, Any] | None]:
     """Write the resolved config, run the ranks, report: their exit status and the summary."""
+    from fsdp_cli.config.convert import to_yaml
+    from fsdp_cli.launch.launcher import launch
+    from fsdp_cli.rundir.files import CONFIG_FILE
+
     if global_rank() == 0:
         _write_atomically(run_dir / CONFIG_FILE, to_yaml(cfg))
     code = _run_here(cfg) if job is not None else launch(cfg)
@@ -81,6 +83,8 @@ def _run_here(cfg: TrainConfig) -> int:
 def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
     """The composed config as the typed, resolved, validated config every rank reads; a mistake
     is one line on stderr and exit status 2."""
+    from fsdp_cli.cli.resolve import resolve_config
+
     try:
         return resolve_config(cfg, run_dir, os.environ, notify=_notify)
     except ConfigError as err:
@@ -91,6 +95,10 @@ def finish(
     code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool, cfg: TrainConfig | None = None
 ) -> dict[str, Any] | None:
     """Report the run (the summary table) and turn the ranks' status into ours."""
+    from fsdp_cli.rundir.failure import merge_failure, read_failure
+    from fsdp_cli.rundir.summary import read_summary, write_summary
+    from fsdp_cli.rundir.table import print_summary
+
     if job is not None and global_rank() != 0:
         # One rank of a torchrun/SLURM job: rank 0 reports; a failing rank still fails its process.
         if code != 0:
@@ -125,6 +133,8 @@ def finish(
 def _parent_summary(cfg: TrainConfig | None, run_dir: Path, code: int) -> dict[str, Any]:
     """``summary.json`` for ranks that died before writing one: the layout, and the last step any
     rank finished (from the heartbeats)."""
+    from fsdp_cli.rundir.heartbeat import read_heartbeats
+
     summary: dict[str, Any] = {
         "status": STATUS_FAILED,
         "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
@@ -215,10 +225,13 @@ def main() -> None:
     check_modes(sys.argv[1:])
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
     train()
-    # After a sweep: 1 when any job failed (skipped ones do not count), decided by its report.
-    code = sweep_exit_status()
-    if code:
-        sys.exit(code)
+    if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
+        from fsdp_cli.cli.sweep import exit_status
+
+        # After a sweep: 1 when any job failed (skipped ones do not count), decided by its report.
+        code = exit_status()
+        if code:
+            sys.exit(code)
 
 
 if __name__ == "__main__":
