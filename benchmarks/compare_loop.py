@@ -133,8 +133,13 @@ def run_hand_loop(cell: Cell, args: argparse.Namespace, out: Path, precision: st
         f"precision={precision}",
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    if result.returncode != 0:
+    if result.returncode != 0 and not out.is_file():
         raise SystemExit(f"hand-written loop failed ({cell.name}):\n{result.stderr[-3000:]}")
+    if result.returncode != 0:  # rank 0 wrote its measurement; a rank failed while exiting
+        print(
+            f"note: the hand-written loop exited {result.returncode} after measuring ({cell.name})",
+            flush=True,
+        )
     return json.loads(out.read_text())
 
 

@@ -158,6 +158,10 @@ def main(out: str, opts: dict[str, str]) -> None:
         Path(out).write_text(
             json.dumps({"step_time_s": statistics.median(times), "samples": times, "peak_memory_bytes": peak})
         )
+    # Every rank done before any tears down: a gloo DDP rank leaving while its peer still
+    # writes once aborted at exit ("terminate called without an active exception").
+    dist.barrier()
+    del model, optimizer
     dist.destroy_process_group()
 
 
