@@ -167,3 +167,48 @@ def test_no_gpu_defaults_to_two_cpu_processes() -> None:
         composed(), {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | CPU
     )
     assert cfg.devices == 2
+
+
+COUNT_COMPOSES = """
+import atexit, sys
+from hydra._internal.hydra import Hydra
+modes = []
+original = Hydra.compose_config
+def counting(self, *args, **kwargs):
+    modes.append(str(kwargs.get("run_mode")))
+    return original(self, *args, **kwargs)
+Hydra.compose_config = counting
+atexit.register(lambda: print("composed:", ",".join(modes), file=sys.stderr))
+from fsdp_cli.cli.main import main
+sys.argv = ["fsdp-train", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "composes"),
+    [([], "RunMode.RUN"), (["hydra.mode=MULTIRUN"], "RunMode.MULTIRUN,RunMode.MULTIRUN")],
+    ids=["run", "hydra.mode-on-the-command-line"],
+)
+def test_a_run_composes_once_and_hydra_mode_on_the_command_line_still_decides(
+    tmp_path: Path, extra: list[str], composes: str
+) -> None:
+    """Hydra composes a second time only to read ``hydra.mode``: fsdp-train decides by ``-m``
+    unless ``hydra.mode`` is on the command line (then Hydra's probe runs and it is a sweep)."""
+    import subprocess
+    import sys
+
+    args = ["tp=3", "devices=4", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep", *extra]
+    result = subprocess.run(
+        [sys.executable, "-c", COUNT_COMPOSES, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, **CPU},
+    )
+    assert f"composed: {composes}" in result.stderr, result.stderr[-2000:]
+    if extra:  # the sweep's one job is invalid: skipped with its reason, nothing started
+        assert result.returncode == 0 and "skipped" in result.stdout + result.stderr
+    else:
+        assert result.returncode == 2 and "tp=3" in result.stderr

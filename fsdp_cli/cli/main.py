@@ -219,6 +219,10 @@ def main() -> None:
         sys.path.insert(0, os.getcwd())
     register_schemas()
     register_sweep_launcher()
+    if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):
+        from fsdp_cli.compat.hydra_internals import mode_from_command_line
+
+        mode_from_command_line()
     # Optuna imports alembic, whose INFO chatter ("setup plugin ...") Hydra's root logger prints.
     logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)

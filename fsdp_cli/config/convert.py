@@ -74,11 +74,12 @@ _MISSING = "???"
 def to_train_config(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     """Turn a composed (or loaded) config into a :class:`TrainConfig`, resolving interpolations."""
     if isinstance(cfg, DictConfig):
-        raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        # Sections stay nodes: those Hydra composed against their schema convert directly.
+        raw: dict[str, Any] = {k: _section(cfg, k) for k in cfg if k != "hydra"}
     else:
-        raw = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
-    assert isinstance(raw, dict)
-    raw = {k: v for k, v in raw.items() if k != "hydra"}
+        plain = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
+        assert isinstance(plain, dict)
+        raw = {k: v for k, v in plain.items() if k != "hydra"}
 
     fields: dict[str, Any] = {}
     fields["strategy"] = _by_name("strategy", raw.get("strategy"), STRATEGY_SCHEMAS)
@@ -134,18 +135,36 @@ def _by_name(group: str, node: Any, schemas: Mapping[str, type]) -> Any:
     return _typed(group, schemas[name], node)
 
 
+def _section(cfg: DictConfig, key: str) -> Any:
+    """A top-level value of a composed config, resolved; a mapping stays a node (converted later
+    against its schema, interpolations resolved against the whole config)."""
+    value = OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_list(value) else value
+
+
 def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
     try:
+        if isinstance(node, DictConfig) and OmegaConf.get_type(node) is schema:
+            return OmegaConf.to_object(node)  # composed against this schema: keys and types checked
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        bad = getattr(err, "full_key", None) or "?"
+        bad = str(getattr(err, "full_key", None) or "?")
         problem = str(err).splitlines()[0]
-        raise ConfigError(f"{key}.{bad}" if bad != "?" else key, node, problem) from None
+        if bad == "?":
+            raise ConfigError(key, _plain(node), problem) from None
+        where = bad if bad.startswith(f"{key}.") else f"{key}.{bad}"
+        raise ConfigError(where, _plain(node), problem) from None
+
+
+def _plain(node: Any, *, resolve: bool = False) -> Any:
+    return OmegaConf.to_container(node, resolve=resolve) if isinstance(node, DictConfig) else node
 
 
 def _model(node: Any) -> Any:
-    if isinstance(node, Mapping) and ("_target_" in node or node.get("name") == "custom"):
+    # (`in` on a DictConfig skips keys whose value is missing: ask its keys.)
+    if isinstance(node, Mapping) and ("_target_" in node.keys() or node.get("name") == "custom"):
+        node = _plain(node, resolve=True)
         if "_target_" in node:
             target = node["_target_"]
             kwargs = {k: v for k, v in node.items() if k != "_target_"}
