@@ -9,9 +9,9 @@ The matrix: the built-in Llama (``model=tiny`` resized) and a plain ``nn.Module`
 seq 128, batch 8) and a compute-bound one (dim 256, 4 blocks, seq 256, batch 8), under
 ``strategy=fsdp2``, ``fsdp`` and ``ddp``, with ``trainer.log_every_n_steps=1`` and ``10``.
 
-Every cell is run as a pair, fsdp-train then the hand-written loop, and the pairs of all cells are
-interleaved (cell 1, cell 2, ..., then the next repeat), so load drifting on the machine hits both
-sides of a pair alike. A pair's ratio is fsdp-train's median step time over the hand loop's
+Every cell is run as a pair, fsdp-train and the hand-written loop (which goes first alternates
+between repeats), and the pairs of all cells are interleaved (cell 1, cell 2, ..., then the next
+repeat), so load drifting on the machine hits both sides of a pair alike. A pair's ratio is fsdp-train's median step time over the hand loop's
 (steps after warm-up); a cell reports the median ratio over its repeats and their spread
 (min-max). Writes ``benchmark.json`` (every measurement) to ``--out``.
 """
@@ -148,10 +148,17 @@ def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str,
     for repeat in range(args.repeats):
         for cell in cells:
             started = time.time()
-            ours = run_fsdp_train(cell, args, tmp / f"{cell.name.replace('/', '_')}_{repeat}")
-            hand = run_hand_loop(
-                cell, args, tmp / f"{cell.name.replace('/', '_')}_{repeat}.json", ours["precision"]
-            )
+            stem = tmp / f"{cell.name.replace('/', '_')}_{repeat}"
+            # Which side goes first alternates between repeats: a machine slowing down (or
+            # speeding up) during a pair favours neither side over the whole run. (The hand loop
+            # takes the precision fsdp-train resolved, known from the first repeat.)
+            if repeat % 2 == 0:
+                ours = run_fsdp_train(cell, args, stem)
+                hand = run_hand_loop(cell, args, stem.with_suffix(".json"), ours["precision"])
+            else:
+                precision = pairs[cell.name][0]["precision"]
+                hand = run_hand_loop(cell, args, stem.with_suffix(".json"), precision)
+                ours = run_fsdp_train(cell, args, stem)
             pair = {
                 "fsdp_train_s": ours["step_time_s"],
                 "hand_s": hand["step_time_s"],
