@@ -4,12 +4,11 @@
   in the configured format, atomically).
 * ``checkpoint.keep_last``: after each save, delete the oldest complete checkpoints beyond N; the
   newest complete one is never deleted, and a save that did not finish never counts.
-* SIGTERM (preemption): the signal only sets a flag. Ranks agree on it without waiting: each
-  optimizer-step boundary starts a non-blocking all-reduce of the CPU flag over a gloo group of its
-  own (no GPU synchronisation, never queued in front of the training collectives) and reads the
-  one started at the previous boundary, which has long finished. All ranks therefore stop after
-  the same step (at most one step after the signal), and the worker saves before exiting with
-  status ``preempted``.
+* SIGTERM (preemption): the signal only sets a flag. Ranks agree on it without waiting, through
+  a non-blocking exchange on a gloo group of its own, every step or, when steps are short, about
+  every quarter second (:mod:`fsdp_cli.checkpoint.stop_flag`). All ranks therefore stop after
+  the same step (within about half a second of the signal, or two steps when steps are longer),
+  and the worker saves before exiting with status ``preempted``.
 * Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
   dropout resumes exactly too.
 """
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
+from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
 from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
 from fsdp_cli.config.schema import CheckpointConfig
 
@@ -41,8 +41,7 @@ class CheckpointCallback(L.Callback):
         self.preempted = False
         self.last_saved: Path | None = None
         self._sigterm = False
-        self._flag_group: Any = None
-        self._flag_in_flight: tuple[torch.Tensor, Any] | None = None
+        self._stop_flags: StopFlagExchange | None = None
         self._seen_step = 0
         self.before_save: list[Callable[[L.Trainer], None]] = []
         """Run on every rank before each save (the non-finite check: never save a damaged state)."""
@@ -64,27 +63,17 @@ class CheckpointCallback(L.Callback):
         # (setup runs before the Trainer registers its handlers, so the override takes effect.)
         disable_lightning_sigterm_handling(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._flag_group = dist.new_group(backend="gloo")
+            self._stop_flags = StopFlagExchange(dist.new_group(backend="gloo"))
 
-    def _any_rank_signalled(self) -> bool:
-        """Whether any rank had been signalled by the previous step boundary (the same answer on
-        every rank); starts the exchange of this boundary's flags for the next call."""
-        if self._flag_group is None:
+    def _any_rank_signalled(self, step: int) -> bool:
+        """Whether any rank has been signalled (the same answer on every rank, at the same step)."""
+        if self._stop_flags is None:
             return self._sigterm
-        previous = self._flag_in_flight
-        flag = torch.tensor([1 if self._sigterm else 0], dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
-        self._flag_in_flight = (flag, work)
-        if previous is None:
-            return False
-        previous[1].wait()
-        return bool(previous[0].item())
+        return self._stop_flags.any_rank_signalled(step, self._sigterm)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Every rank started the last exchange; finish it before the group is torn down.
-        if self._flag_in_flight is not None:
-            self._flag_in_flight[1].wait()
-            self._flag_in_flight = None
+        if self._stop_flags is not None:
+            self._stop_flags.finish()
 
     # ------------------------------------------------------------------ periodic saves
 
@@ -96,7 +85,7 @@ class CheckpointCallback(L.Callback):
         if step == self._seen_step:  # between micro-batches of one step
             return
         self._seen_step = step
-        if self.config.save_on_sigterm and self._any_rank_signalled():
+        if self.config.save_on_sigterm and self._any_rank_signalled(step):
             self.preempted = True
             trainer.should_stop = True
             return
