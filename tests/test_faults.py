@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FAST, entry_point, processes_naming, run_cli
+from conftest import (
+    FAST,
+    complete_lines,
+    entry_point,
+    processes_naming,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+)
 
 from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.rundir.heartbeat import read_heartbeats
@@ -258,3 +267,21 @@ def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_chec
         assert check.returncode == 0, check.stderr
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_ctrl_c_stops_every_rank_and_is_reported_as_interrupted_not_failed(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals the foreground process group (fsdp-train and torch's agent;
+    the ranks run in sessions of their own and are stopped by the agent)."""
+    import signal
+
+    run_dir = tmp_path / "interrupted"
+    proc = start_cli(["devices=2", "accelerator=cpu", "trainer.max_steps=100000"], run_dir)
+    wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) >= 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and "failure" not in summary, summary
+    assert "resume=auto" in summary["error"] and summary["steps"] >= 2
+    assert "interrupted" in out and "Traceback" not in out + err
+    assert processes_naming(str(run_dir)) == []

@@ -26,7 +26,14 @@ from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
-from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, STATUS_FAILED, STOP_CODES
+from fsdp_cli.rundir.status import (
+    EXIT_CONFIG_ERROR,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    STATUS_FAILED,
+    STATUS_INTERRUPTED,
+    STOP_CODES,
+)
 
 if TYPE_CHECKING:
     from fsdp_cli.config.schema import TrainConfig
@@ -109,7 +116,8 @@ def finish(
         # Multi-node: global rank 0 (and its summary) lives on another node.
         print(f"{PROG}: this node's ranks finished; rank 0's node holds summary.json", flush=True)
         return None
-    failure = read_failure(run_dir) if code != 0 and job is None else None
+    # (Ctrl-C stops every rank on purpose: no rank failed first.)
+    failure = read_failure(run_dir) if code not in (0, EXIT_INTERRUPTED) and job is None else None
     if summary is None or failure is not None:
         # The ranks died before any could write one (killed, segfault): what the parent knows.
         summary = summary or _parent_summary(cfg, run_dir, code)
@@ -141,6 +149,12 @@ def _parent_summary(cfg: TrainConfig | None, run_dir: Path, code: int) -> dict[s
         "exit_code": code,
         "run_dir": str(run_dir),
     }
+    if code == EXIT_INTERRUPTED:
+        summary.update(
+            status=STATUS_INTERRUPTED,
+            error="interrupted (Ctrl-C); nothing was saved after the last checkpoint: "
+            f"resume=auto hydra.run.dir={run_dir} continues from it",
+        )
     if cfg is not None:
         summary.update(
             strategy=cfg.strategy.name,

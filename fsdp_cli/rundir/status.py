@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 STATUS_OK, STATUS_FAILED, STATUS_PREEMPTED = "ok", "failed", "preempted"
+STATUS_INTERRUPTED = "interrupted"
+"""Ctrl-C (SIGINT): stopped on request, not failed; nothing saved beyond the last checkpoint."""
 STATUS_SKIPPED = "skipped"
 """A sweep job whose config cannot run; its one-line config error is the reason recorded."""
 

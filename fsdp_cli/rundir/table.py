@@ -13,7 +13,7 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     from rich.table import Table
 
     status = summary.get("status")
-    colour = {"ok": "green", "preempted": "yellow"}.get(str(status), "red")
+    colour = {"ok": "green", "preempted": "yellow", "interrupted": "yellow"}.get(str(status), "red")
     table = Table(title=f"fsdp-train [{colour}]{status}[/{colour}]", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
