@@ -76,7 +76,10 @@ def run(cfg: TrainConfig) -> int:
         outcome = Outcome()
         if result.preempted:
             outcome = Outcome(
-                STATUS_PREEMPTED, "stopped by SIGTERM after saving a checkpoint", EXIT_PREEMPTED
+                STATUS_PREEMPTED,
+                f"stopped by {built.callbacks.checkpoints.stop_signal or 'a stop signal to another rank'}"
+                " after saving a checkpoint",
+                EXIT_PREEMPTED,
             )
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -4,11 +4,12 @@
   in the configured format, atomically).
 * ``checkpoint.keep_last``: after each save, delete the oldest complete checkpoints beyond N; the
   newest complete one is never deleted, and a save that did not finish never counts.
-* SIGTERM (preemption): the signal only sets a flag. Ranks agree on it without waiting, through
-  a non-blocking exchange on a gloo group of its own, every step or, when steps are short, about
-  every quarter second (:mod:`fsdp_cli.checkpoint.stop_flag`). All ranks therefore stop after
-  the same step (within about half a second of the signal, or two steps when steps are longer),
-  and the worker saves before exiting with status ``preempted``.
+* SIGTERM (preemption), or SIGUSR1 (what Lightning's SLURM docs ask schedulers to send before a
+  time limit, ``#SBATCH --signal=SIGUSR1@90``): the signal only sets a flag. Ranks agree on it
+  without waiting, through a non-blocking exchange on a gloo group of its own, every step or,
+  when steps are short, about every quarter second (:mod:`fsdp_cli.checkpoint.stop_flag`). All
+  ranks therefore stop after the same step (within about half a second of the signal, or two
+  steps when steps are longer), and the worker saves before exiting with status ``preempted``.
 * Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
   dropout resumes exactly too.
 """
@@ -32,6 +33,9 @@ from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
 from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
 from fsdp_cli.config.schema import CheckpointConfig
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Save, then stop: preemption, or a scheduler's warning before the time limit."""
+
 
 class CheckpointCallback(L.Callback):
     def __init__(self, config: CheckpointConfig, directory: Path, max_steps: int) -> None:
@@ -41,6 +45,8 @@ class CheckpointCallback(L.Callback):
         self.preempted = False
         self.last_saved: Path | None = None
         self._sigterm = False
+        self.stop_signal: str | None = None
+        """The signal that asked this rank to stop; None when another rank was the one signalled."""
         self._stop_flags: StopFlagExchange | None = None
         self._seen_step = 0
         self.before_save: list[Callable[[L.Trainer], None]] = []
@@ -49,12 +55,14 @@ class CheckpointCallback(L.Callback):
     # ------------------------------------------------------------------ preemption
 
     def install_signal_handler(self) -> None:
-        """Call before ``fit``: a SIGTERM marks the run for a save at the next step boundary."""
+        """Call before ``fit``: SIGTERM or SIGUSR1 marks the run for a save at the next step boundary."""
         if self.config.save_on_sigterm:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            for stop_signal in STOP_SIGNALS:
+                signal.signal(stop_signal, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
+        self.stop_signal = signal.Signals(signum).name
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning's own SIGTERM handling broadcasts from inside the signal handler (a collective

@@ -319,7 +319,7 @@ class CheckpointConfig:
     save_last: bool = True
     """Save when training ends."""
     save_on_sigterm: bool = True
-    """On SIGTERM (preemption) save a checkpoint, then exit with status ``preempted``."""
+    """On SIGTERM or SIGUSR1 (preemption, a scheduler's time-limit warning) save a checkpoint, then exit with status ``preempted``."""
     async_save: bool = False
     """Sharded checkpoints only: copy the state to CPU memory, then write it in a background
     thread while training continues (torch.distributed.checkpoint's async save). The checkpoint

@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-STACK_SIGNAL = signal.SIGUSR1
+STACK_SIGNAL = signal.SIGUSR2
+"""Not SIGUSR1: SLURM jobs written for Lightning ask for ``--signal=SIGUSR1@90`` before their
+time limit, and a rank treats that as a request to save and stop (see
+:mod:`fsdp_cli.checkpoint.callback`)."""
 _KEEP_OPEN: list[IO[Any]] = []  # faulthandler keeps only the file descriptor: the file must stay open
 
 
