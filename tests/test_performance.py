@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PARITY, assert_ok, assert_same_losses, read_metrics, run_cli
+from conftest import PARITY, assert_ok, assert_same_losses, composed, read_metrics, run_cli
 
 from fsdp_cli.callbacks.progress import ProgressDisplay, format_eta, plain_line
 from fsdp_cli.callbacks.throughput import (
@@ -19,7 +19,7 @@ from fsdp_cli.callbacks.throughput import (
     llama_flops_per_token,
 )
 from fsdp_cli.config.schema import LlamaConfig
-from tests.assets.traces import ALL_REDUCE, collectives_per_backward
+from tests.assets.traces import ALL_REDUCE, BROADCAST, collectives_per_backward, inside, rank0_trace
 
 DDP_ACCUMULATING = ["strategy=ddp", "devices=2", "data.micro_batch_size=2", "trainer.profiler=torch"]
 
@@ -37,6 +37,16 @@ def test_ddp_accumulation_all_reduces_once_per_step_and_keeps_the_losses(
     counts = collectives_per_backward(run_dir, ALL_REDUCE)
     assert len(counts) == 4 and counts[0] != counts[1], counts
     assert sorted(counts)[:2] == [0, 0] and min(sorted(counts)[2:]) > 0, counts
+    # No buffer broadcast before each forward: the built-in model's buffers are RoPE tables.
+    # (Checkpoint saves broadcast their plans: only training steps are looked at.)
+    events = rank0_trace(run_dir)
+    steps = [
+        e
+        for e in events
+        if e["name"].startswith("[pl][profile][Strategy]") and e["name"].endswith(".training_step")
+    ]
+    assert len(steps) == 4, [e["name"] for e in steps]
+    assert not [b for b in events if b["name"] == BROADCAST and any(inside(b, s) for s in steps)]
     # TFLOP/s per rank from the model's FLOPs per token; MFU against the peak the config gave.
     rows = read_metrics(run_dir)
     for row in rows:
@@ -106,3 +116,24 @@ def test_progress_is_a_live_rich_line_on_a_terminal(capsys: Any) -> None:
     assert display._live is not None and display._live.tasks[0].completed == 1
     display.close()
     assert "step      1/10" not in capsys.readouterr().out
+
+
+def test_ddp_broadcasts_buffers_only_for_models_that_may_need_it() -> None:
+    """The built-in Llama's buffers are derived (RoPE tables): no broadcast before every forward;
+    any other model keeps DDP's default (BatchNorm statistics stay in step); the key overrides."""
+    from fsdp_cli.builders.strategy import build_ddp
+
+    builtin = composed("strategy=ddp", "devices=2", "accelerator=cpu")
+    custom = composed(
+        "strategy=ddp",
+        "devices=2",
+        "accelerator=cpu",
+        "model=custom",
+        "model._target_=tests.assets.custom_models.TinyLM",
+    )
+    forced = composed("strategy=ddp", "devices=2", "accelerator=cpu", "strategy.broadcast_buffers=true")
+    kwargs = {
+        name: build_ddp(cfg, cfg.strategy)._ddp_kwargs["broadcast_buffers"]
+        for name, cfg in (("builtin", builtin), ("custom", custom), ("forced", forced))
+    }
+    assert kwargs == {"builtin": False, "custom": True, "forced": True}

@@ -14,6 +14,7 @@ from fsdp_cli.config.schema import (
     DDPConfig,
     FSDP2Config,
     FSDPConfig,
+    LlamaConfig,
     ModelParallelConfig,
     TrainConfig,
 )
@@ -45,9 +46,18 @@ def build_ddp(cfg: TrainConfig, strategy: DDPConfig) -> Strategy:
         gradient_as_bucket_view=strategy.gradient_as_bucket_view,
         static_graph=strategy.static_graph,
         bucket_cap_mb=strategy.bucket_cap_mb,
+        broadcast_buffers=ddp_broadcasts_buffers(cfg, strategy),
     )
     ddp.checkpoint_format = cfg.checkpoint.format.value
     return ddp
+
+
+def ddp_broadcasts_buffers(cfg: TrainConfig, strategy: DDPConfig) -> bool:
+    """``strategy.broadcast_buffers``; null: no per-step broadcast for the built-in Llama (its
+    buffers are RoPE tables every rank computes alike), DDP's default for every other model."""
+    if strategy.broadcast_buffers is not None:
+        return strategy.broadcast_buffers
+    return not isinstance(cfg.model, LlamaConfig)
 
 
 def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:

@@ -140,6 +140,10 @@ class DDPConfig:
     """Tell DDP the graph is the same every step (enables some communication optimisations)."""
     bucket_cap_mb: int = 25
     """Size of the gradient all-reduce buckets in MiB."""
+    broadcast_buffers: bool | None = None
+    """Broadcast rank 0's buffers before every forward (DDP's default; keeps BatchNorm statistics
+    in step). null: off for the built-in models, whose only buffers are derived (RoPE tables),
+    on for the others."""
 
 
 @dataclass

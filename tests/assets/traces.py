@@ -9,6 +9,7 @@ from typing import Any
 
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 ALL_REDUCE = "c10d::allreduce_"
+BROADCAST = "c10d::broadcast_"
 
 
 def rank0_trace(run_dir: Path) -> list[dict[str, Any]]:
@@ -17,7 +18,7 @@ def rank0_trace(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in json.loads(traces[0].read_text())["traceEvents"] if e.get("ph") == "X"]
 
 
-def _inside(event: dict[str, Any], window: dict[str, Any]) -> bool:
+def inside(event: dict[str, Any], window: dict[str, Any]) -> bool:
     return (
         event["tid"] == window["tid"]
         and window["ts"] <= event["ts"]
@@ -40,5 +41,5 @@ def collectives_per_backward(run_dir: Path, name: str, within: str | None = None
     calls = [e for e in events if e["name"] == name]
     if within is not None:
         windows = [e for e in events if e["name"].startswith(within)]
-        calls = [c for c in calls if any(_inside(c, w) for w in windows)]
-    return [sum(_inside(c, b) for c in calls) for b in backwards]
+        calls = [c for c in calls if any(inside(c, w) for w in windows)]
+    return [sum(inside(c, b) for c in calls) for b in backwards]
