@@ -62,6 +62,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def parallelize(model: nn.Module, block_cls: type, strategy: str, device: torch.device, bf16: bool) -> Any:
+    from fsdp_cli.builders.strategy import ddp_buffer_sync
+    from fsdp_cli.models.llama import Llama
+
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -77,8 +80,12 @@ def parallelize(model: nn.Module, block_cls: type, strategy: str, device: torch.
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        # fsdp-train's default: no buffer broadcast per forward for the built-in model (RoPE tables).
         return DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            **ddp_buffer_sync(not isinstance(model, Llama)),
         )
     from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

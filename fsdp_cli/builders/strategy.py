@@ -46,7 +46,7 @@ def build_ddp(cfg: TrainConfig, strategy: DDPConfig) -> Strategy:
         gradient_as_bucket_view=strategy.gradient_as_bucket_view,
         static_graph=strategy.static_graph,
         bucket_cap_mb=strategy.bucket_cap_mb,
-        broadcast_buffers=ddp_broadcasts_buffers(cfg, strategy),
+        **ddp_buffer_sync(ddp_broadcasts_buffers(cfg, strategy)),
     )
     ddp.checkpoint_format = cfg.checkpoint.format.value
     return ddp
@@ -58,6 +58,19 @@ def ddp_broadcasts_buffers(cfg: TrainConfig, strategy: DDPConfig) -> bool:
     if strategy.broadcast_buffers is not None:
         return strategy.broadcast_buffers
     return not isinstance(cfg.model, LlamaConfig)
+
+
+def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
+    """DistributedDataParallel's keyword for broadcasting buffers before each forward:
+    ``forward_sync_buffers`` where torch has it (``broadcast_buffers`` is deprecated there),
+    ``broadcast_buffers`` before. Either way buffers are still synced once at construction."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync_every_forward}
+    return {"broadcast_buffers": sync_every_forward}
 
 
 def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:
