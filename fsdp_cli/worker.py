@@ -89,7 +89,8 @@ def run(cfg: TrainConfig) -> int:
     summary = _summary(cfg, built, result, outcome, wall=time.time() - started)
     # Rank 0 writes the summary. When a run fails, another rank may get there first (and rank 0
     # may be stopped by the launcher before it can), so a failing rank writes one if none exists.
-    if rank == 0 or (outcome.exit_code != EXIT_OK and not summary_exists(run_dir)):
+    # (A preempted run is not failing: every rank saved and stops, and rank 0 reports.)
+    if rank == 0 or (outcome.status == STATUS_FAILED and not summary_exists(run_dir)):
         write_summary(run_dir, summary)
     return outcome.exit_code
 
