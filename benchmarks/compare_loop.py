@@ -11,9 +11,9 @@ seq 128, batch 8) and a compute-bound one (dim 256, 4 blocks, seq 256, batch 8),
 
 Every cell is run as a pair, fsdp-train and the hand-written loop (which goes first alternates
 between repeats), and the pairs of all cells are interleaved (cell 1, cell 2, ..., then the next
-repeat), so load drifting on the machine hits both sides of a pair alike. A pair's ratio is fsdp-train's median step time over the hand loop's
-(steps after warm-up); a cell reports the median ratio over its repeats and their spread
-(min-max). Writes ``benchmark.json`` (every measurement) to ``--out``.
+repeat), so load drifting on the machine hits both sides of a pair alike. A pair's ratio is
+fsdp-train's median step time over the hand loop's (steps after warm-up); a cell reports the
+median ratio over its repeats and their spread (min-max). Writes ``benchmark.json`` (every measurement) to ``--out``.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def parallelize(model: nn.Module, block_cls: type, strategy: str, device: torch.device, bf16: bool) -> Any:
-    from fsdp_cli.builders.strategy import ddp_buffer_sync
+    from fsdp_cli.compat.torch_internals import ddp_buffer_sync
     from fsdp_cli.models.llama import Llama
 
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]

@@ -121,7 +121,8 @@ def test_progress_is_a_live_rich_line_on_a_terminal(capsys: Any) -> None:
 def test_ddp_broadcasts_buffers_only_for_models_that_may_need_it() -> None:
     """The built-in Llama's buffers are derived (RoPE tables): no broadcast before every forward;
     any other model keeps DDP's default (BatchNorm statistics stay in step); the key overrides."""
-    from fsdp_cli.builders.strategy import build_ddp, ddp_buffer_sync
+    from fsdp_cli.builders.strategy import build_ddp
+    from fsdp_cli.compat.torch_internals import ddp_buffer_sync
 
     builtin = composed("strategy=ddp", "devices=2", "accelerator=cpu")
     custom = composed(

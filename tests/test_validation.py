@@ -195,18 +195,27 @@ def test_a_run_composes_once_and_hydra_mode_on_the_command_line_still_decides(
 ) -> None:
     """Hydra composes a second time only to read ``hydra.mode``: fsdp-train decides by ``-m``
     unless ``hydra.mode`` is on the command line (then Hydra's probe runs and it is a sweep)."""
+    import signal
     import subprocess
     import sys
 
     args = ["tp=3", "devices=4", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep", *extra]
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-c", COUNT_COMPOSES, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
         cwd=tmp_path,
         env={**os.environ, **CPU},
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # it and anything it started
+        proc.wait()
+        raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert f"composed: {composes}" in result.stderr, result.stderr[-2000:]
     if extra:  # the sweep's one job is invalid: skipped with its reason, nothing started
         assert result.returncode == 0 and "skipped" in result.stdout + result.stderr

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import Strategy
 
 from fsdp_cli.builders.imports import import_object
 from fsdp_cli.builders.precision import fsdp2_mp_policy, mixed_precision_dtypes
+from fsdp_cli.compat.torch_internals import ddp_buffer_sync
 from fsdp_cli.config.schema import (
     CheckpointFormat,
     DDPConfig,
@@ -58,19 +59,6 @@ def ddp_broadcasts_buffers(cfg: TrainConfig, strategy: DDPConfig) -> bool:
     if strategy.broadcast_buffers is not None:
         return strategy.broadcast_buffers
     return not isinstance(cfg.model, LlamaConfig)
-
-
-def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
-    """DistributedDataParallel's keyword for broadcasting buffers before each forward:
-    ``forward_sync_buffers`` where torch has it (``broadcast_buffers`` is deprecated there),
-    ``broadcast_buffers`` before. Either way buffers are still synced once at construction."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": sync_every_forward}
-    return {"broadcast_buffers": sync_every_forward}
 
 
 def build_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> Strategy:

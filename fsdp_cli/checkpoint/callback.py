@@ -44,7 +44,7 @@ class CheckpointCallback(L.Callback):
         self.max_steps = max_steps
         self.preempted = False
         self.last_saved: Path | None = None
-        self._sigterm = False
+        self._stop_requested = False
         self.stop_signal: str | None = None
         """The signal that asked this rank to stop; None when another rank was the one signalled."""
         self._stop_flags: StopFlagExchange | None = None
@@ -58,10 +58,10 @@ class CheckpointCallback(L.Callback):
         """Call before ``fit``: SIGTERM or SIGUSR1 marks the run for a save at the next step boundary."""
         if self.config.save_on_sigterm:
             for stop_signal in STOP_SIGNALS:
-                signal.signal(stop_signal, self._on_sigterm)
+                signal.signal(stop_signal, self._on_stop_signal)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._sigterm = True
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
         self.stop_signal = signal.Signals(signum).name
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -76,8 +76,8 @@ class CheckpointCallback(L.Callback):
     def _any_rank_signalled(self, step: int) -> bool:
         """Whether any rank has been signalled (the same answer on every rank, at the same step)."""
         if self._stop_flags is None:
-            return self._sigterm
-        return self._stop_flags.any_rank_signalled(step, self._sigterm)
+            return self._stop_requested
+        return self._stop_flags.any_rank_signalled(step, self._stop_requested)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._stop_flags is not None:

@@ -1,10 +1,11 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
-random fill of a tensor), a module's set of non-persistent buffers, and whether a module was
-compiled in place."""
+random fill of a tensor), a module's set of non-persistent buffers, whether a module was
+compiled in place, and DDP's keyword for per-forward buffer syncing (renamed in torch 2.13)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
@@ -13,6 +14,7 @@ from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _python_dispatch
 
 from fsdp_cli.compat import require
@@ -76,3 +78,12 @@ def fsdp1_sharding_strategy(name: str) -> Any:
 def is_compiled_in_place(module: Module) -> bool:
     """Whether ``module.compile()`` replaced its forward (torch keeps it in ``_compiled_call_impl``)."""
     return module._compiled_call_impl is not None
+
+
+def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
+    """DistributedDataParallel's keyword for broadcasting buffers before each forward:
+    ``forward_sync_buffers`` where torch has it (``broadcast_buffers`` is deprecated there),
+    ``broadcast_buffers`` before. Either way buffers are still synced once at construction."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync_every_forward}
+    return {"broadcast_buffers": sync_every_forward}

@@ -18,3 +18,12 @@ EXIT_INTERRUPTED = 130
 """128 + SIGINT: Ctrl-C."""
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)
 """A job ending with one of these was told to stop: a sweep stops with it, whatever jobs remain."""
+
+STATUS_COLOURS = {
+    STATUS_OK: "green",
+    STATUS_SKIPPED: "yellow",
+    STATUS_PREEMPTED: "yellow",
+    STATUS_INTERRUPTED: "yellow",
+    STATUS_FAILED: "red",
+}
+"""How the run and sweep tables colour each status (anything else: red)."""

@@ -13,13 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdp_cli.rundir.status import (
-    STATUS_FAILED,
-    STATUS_INTERRUPTED,
-    STATUS_OK,
-    STATUS_PREEMPTED,
-    STATUS_SKIPPED,
-)
+from fsdp_cli.rundir.status import STATUS_COLOURS, STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
 from fsdp_cli.rundir.sweep_jobs import COLUMNS, JobResult, collect, counts
 from fsdp_cli.rundir.sweep_plot import write_png
 
@@ -27,13 +21,6 @@ CSV_FILE = "sweep_summary.csv"
 JSON_FILE = "sweep_summary.json"
 PNG_FILE = "sweep_summary.png"
 LOG_WIDTH = 240
-STATUS_COLOURS = {
-    STATUS_OK: "green",
-    STATUS_SKIPPED: "yellow",
-    STATUS_PREEMPTED: "yellow",
-    STATUS_INTERRUPTED: "yellow",
-    STATUS_FAILED: "red",
-}
 
 
 # --------------------------------------------------------------------------- writing

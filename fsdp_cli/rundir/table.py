@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.rundir.status import STATUS_COLOURS
+
 
 def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     from rich.console import Console
@@ -13,7 +15,7 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     from rich.table import Table
 
     status = summary.get("status")
-    colour = {"ok": "green", "preempted": "yellow", "interrupted": "yellow"}.get(str(status), "red")
+    colour = STATUS_COLOURS.get(str(status), "red")
     table = Table(title=f"fsdp-train [{colour}]{status}[/{colour}]", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
