@@ -159,3 +159,27 @@ def test_is_compiled_in_place_sees_module_compile() -> None:
     assert not torch_internals.is_compiled_in_place(block)
     block.compile()  # replaces the forward lazily: nothing is compiled until the first call
     assert torch_internals.is_compiled_in_place(block)
+
+
+def test_wait_if_async_collective_returns_a_plain_tensor_gradients_flow_through() -> None:
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    class InFlight(torch.autograd.Function):
+        """Returns its input as an AsyncCollectiveTensor, as a tensor-parallel style's output hook does."""
+
+        @staticmethod
+        def forward(ctx, t):  # type: ignore[no-untyped-def]
+            return AsyncCollectiveTensor(t.detach().clone())
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            return grad
+
+    x = torch.arange(3.0, requires_grad=True)
+    waited = torch_internals.wait_if_async_collective(InFlight.apply(x * 2))
+    assert type(waited) is torch.Tensor and torch.equal(waited, torch.tensor([0.0, 2.0, 4.0]))
+    (waited * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 4.0, 6.0]))
+    plain = torch.ones(2)
+    assert torch_internals.wait_if_async_collective(plain) is plain

@@ -1,13 +1,15 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
-compiled in place, and DDP's keyword for per-forward buffer syncing (renamed in torch 2.13)."""
+compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), and the
+tensor an asynchronous functional collective returns before it is waited on."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+from torch.distributed import _functional_collectives as _funcol
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
@@ -29,6 +31,8 @@ ENTRIES: list[tuple[Any, str]] = [
     (_python_dispatch, "TorchDispatchMode"),
     (Module(), "_non_persistent_buffers_set"),
     (Module(), "_compiled_call_impl"),
+    (_funcol, "AsyncCollectiveTensor"),
+    (_funcol, "wait_tensor"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -87,3 +91,11 @@ def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": sync_every_forward}
     return {"broadcast_buffers": sync_every_forward}
+
+
+def wait_if_async_collective(tensor: Any) -> Any:
+    """``tensor`` as a plain tensor if it is the in-flight result of an asynchronous collective
+    (an ``AsyncCollectiveTensor``, what tensor-parallel styles return), waiting for it; anything
+    else unchanged. The wait is an autograd op: gradients flow through it (``AsyncCollectiveTensor.wait()``
+    returns the bare result, cut off from the graph)."""
+    return _funcol.wait_tensor(tensor) if isinstance(tensor, _funcol.AsyncCollectiveTensor) else tensor

@@ -116,10 +116,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
     report.ac_blocks = apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
 
     if options.compile:
-        for block in blocks:
-            # Module.compile() compiles in place: parameter names (and checkpoints) do not change.
-            block.compile()
-        report.compiled_blocks = len(blocks)
+        from fsdp_cli.parallel.compile import compile_blocks
+
+        report.compiled_blocks = compile_blocks(model, blocks, tensor_parallel=dims.tp_enabled)
 
     apply_fsdp(
         model,
