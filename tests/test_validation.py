@@ -28,6 +28,7 @@ CLI_CASES = [
     ),
     (["strategy=ddp", "tp=2", "devices=2"], "tp=2", ["strategy=ddp has no tensor parallelism", "hint"]),
     (["precision=16-mixed"], "precision=16-mixed", ["float16 needs a GPU", "bf16-mixed"]),
+    (["precision=64-true"], "precision=64-true", ["strategy=fsdp2 cannot train in float64", "strategy=ddp"]),
     (
         ["strategy.replicate_size=3", "devices=2"],
         "strategy.replicate_size=3",

@@ -173,6 +173,15 @@ def check_precision(cfg: TrainConfig) -> None:
             allowed="32-true, bf16-mixed, bf16-true on CPU",
             hint="use precision=bf16-mixed",
         )
+    if name == "64-true" and not isinstance(cfg.strategy, DDPConfig):
+        # Lightning's sharded strategies (FSDPStrategy, ModelParallelStrategy) refuse float64.
+        raise ConfigError(
+            "precision",
+            name,
+            f"strategy={cfg.strategy.name} cannot train in float64",
+            allowed="32-true, bf16-mixed, bf16-true",
+            hint="use strategy=ddp for float64",
+        )
     if name == "16-mixed" and isinstance(cfg.strategy, (FSDP2Config, ModelParallelConfig)):
         raise ConfigError(
             "precision",
