@@ -51,7 +51,11 @@ CLI_CASES = [
     ),
     (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint", ["no such checkpoint"]),
     (["resume=README.md"], "resume=README.md", ["not an fsdp-train checkpoint"]),
-    (["strategy.float8=true"], "strategy.float8=true", ["float8 tensor cores", "on CPU", "hint"]),
+    (
+        ["strategy.float8=true", "tp=2", "devices=2"],
+        "strategy.float8=true",
+        ["not combined with tensor parallel", "tp=1"],
+    ),
     (
         ["trainer.profiler=torch", "trainer.max_steps=3"],
         "trainer.max_steps=3",

@@ -2,7 +2,8 @@
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
 compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), and the
-tensor an asynchronous functional collective returns before it is waited on."""
+tensor an asynchronous functional collective returns before it is waited on, and the plain
+tensors inside a wrapper tensor subclass (torchao's float8 weights)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (Module(), "_compiled_call_impl"),
     (_funcol, "AsyncCollectiveTensor"),
     (_funcol, "wait_tensor"),
+    (_python_dispatch, "is_traceable_wrapper_subclass"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -99,3 +101,12 @@ def wait_if_async_collective(tensor: Any) -> Any:
     else unchanged. The wait is an autograd op: gradients flow through it (``AsyncCollectiveTensor.wait()``
     returns the bare result, cut off from the graph)."""
     return _funcol.wait_tensor(tensor) if isinstance(tensor, _funcol.AsyncCollectiveTensor) else tensor
+
+
+def plain_tensors(tensor: Any) -> list[Any]:
+    """The tensors holding ``tensor``'s memory: itself, or for a wrapper tensor subclass (torchao's
+    float8 weights; it has no storage of its own) the tensors it wraps, recursively."""
+    if not _python_dispatch.is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]

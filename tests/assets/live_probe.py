@@ -15,6 +15,7 @@ rank then writes ``<probe dir>/rank<R>.json``:
   inside ``backward`` (``c10d``: the gradient reduce-scatter / all-reduce, with their input
   dtypes where the profile has them) and the transfers gloo ran for them (``gloo``: the dtype
   of the buffer actually reduced);
+* ``float8_linears``: how many of the live modules are torchao's Float8Linear;
 * ``dynamo``: torch._dynamo's counters after the first step and at the end (frames compiled,
   graphs, graph breaks), to show a compiled model compiles once.
 """
@@ -41,6 +42,7 @@ _TRACE_DTYPES = {
     "c10::BFloat16": "bfloat16",
     "c10::Half": "float16",
     "c10::Float8_e4m3fn": "float8_e4m3fn",
+    "unsigned char": "uint8",  # FSDP2 all-gathers float8 weights as bytes
 }
 
 
@@ -110,6 +112,7 @@ class LiveProbe(L.Callback):
     # -- compute dtype: the head's forward, once
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._hook = head_linear(pl_module).register_forward_hook(self._record_head)
+        self.info["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in pl_module.modules())
 
     def _record_head(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         self.info["compute"] = {
