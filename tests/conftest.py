@@ -232,6 +232,15 @@ def composed(*overrides: str) -> Any:
     return to_train_config(cfg)
 
 
+def run_of(cfg: Any, gpus: int = 0) -> Any:
+    """The resolved run (:class:`~fsdp_cli.config.resolved.ResolvedRun`) of a composed config, its
+    layout resolved for a machine with ``gpus`` GPUs (none: CPU processes)."""
+    from fsdp_cli.config.resolved import ResolvedRun
+    from fsdp_cli.launch.layout import resolve_layout
+
+    return ResolvedRun.of(resolve_layout(cfg, {}, gpus=gpus))
+
+
 # The fp32 settings every loss-parity comparison uses; the single-process run is the reference.
 # Each run also leaves checkpoints at steps 3 and 6, which the checkpoint tests resume from.
 PARITY = [*FAST, "precision=32-true", "accelerator=cpu", "seed=11", "checkpoint.every_n_steps=3"]

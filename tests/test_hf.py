@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, composed, read_metrics, run_cli
+from conftest import assert_ok, composed, read_metrics, run_cli, run_of
 
 from fsdp_cli.config.schema import HFModelConfig
 from fsdp_cli.errors import ConfigError
@@ -469,7 +469,7 @@ def test_without_transformers_model_hf_names_the_extra(
     with pytest.raises(
         ConfigError, match=r'^model=hf: needs the transformers package; hint: pip install "fsdp-cli\[hf\]"'
     ):
-        model_folder.check_hf_model(cfg)
+        model_folder.check_hf_model(run_of(cfg))
 
 
 def test_vocabulary_comes_from_config_json(hf_files: dict) -> None:

@@ -14,12 +14,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for annotations only, which
+    never run and so create no dependency)."""
+    skipped = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+    return [n for n in ast.walk(tree) if id(n) not in skipped]
+
+
 def _imports() -> dict[str, set[str]]:
     """Every ``fsdp_cli`` module each module imports, at top level or inside a function."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_cli"):
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):

@@ -152,19 +152,21 @@ def test_data_settings_given_for_such_a_module_are_refused(capsys: Any) -> None:
     since it would do nothing."""
     from dataclasses import replace
 
-    from conftest import composed
+    from conftest import composed, run_of
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from fsdp_cli.builders.data import build_datamodule
     from fsdp_cli.errors import ConfigError
 
     cfg = replace(composed("model=custom", f"model._target_={BORING}"), dp=2)
-    assert build_datamodule(cfg, BoringModel()) is None
+    assert build_datamodule(run_of(cfg), BoringModel()) is None
     assert "BoringModel defines train_dataloader()" in capsys.readouterr().err
     with pytest.raises(
         ConfigError, match=r"^data=text: BoringModel defines train_dataloader\(\).*hint: drop"
     ):
-        build_datamodule(replace(cfg, data=composed("data=text").data, explicit_data=True), BoringModel())
+        build_datamodule(
+            run_of(replace(cfg, data=composed("data=text").data, explicit_data=True)), BoringModel()
+        )
 
 
 def test_only_command_line_data_overrides_count_as_chosen() -> None:

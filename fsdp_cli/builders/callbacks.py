@@ -17,7 +17,8 @@ from fsdp_cli.callbacks.setup_report import SetupReport
 from fsdp_cli.callbacks.throughput import Throughput, counted_flops_per_token, llama_flops_per_token
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
-from fsdp_cli.config.schema import LlamaConfig, TrainConfig
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import LlamaConfig
 from fsdp_cli.launch.rank_monitor import RankMonitor
 
 
@@ -41,10 +42,12 @@ class RunCallbacks:
         return [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
 
 
-def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
-    """FLOPs per token of the model (formula for the built-in one, counted for others) and the peak."""
+def build_throughput(run: ResolvedRun, module: Any) -> Throughput:
+    """FLOPs per token of the model (formula for the built-in one, counted for others) and the
+    device's peak for the compute dtype in effect."""
     import torch
 
+    cfg = run.cfg
     seq = getattr(cfg.data, "seq_len", None)
     flops: float | None = None
     if isinstance(cfg.model, LlamaConfig):
@@ -52,15 +55,15 @@ def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
     elif seq and callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
         flops = counted_flops_per_token(module.model_factory, seq, cfg.data.vocab_size)
     peak = cfg.trainer.peak_tflops
-    if peak is None and cfg.accelerator.value == "gpu" and torch.cuda.is_available():
+    if peak is None and run.layout.on_gpu and torch.cuda.is_available():
         from fsdp_cli.callbacks.throughput import device_peak_tflops
 
-        peak = device_peak_tflops(torch.cuda.get_device_name(), cfg.precision.name)
-    return Throughput(flops_per_token=flops, world_size=int(cfg.devices) * cfg.num_nodes, peak_tflops=peak)
+        peak = device_peak_tflops(torch.cuda.get_device_name(), run.precision.compute)
+    return Throughput(flops_per_token=flops, world_size=run.layout.world_size, peak_tflops=peak)
 
 
 def build_callbacks(
-    cfg: TrainConfig,
+    run: ResolvedRun,
     module: Any = None,
     *,
     module_loaders: bool = False,
@@ -70,6 +73,7 @@ def build_callbacks(
     ``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
     tokens is unknown; throughput is then counted in samples (and MFU is not reported);
     ``monitor``: this rank's heartbeat."""
+    cfg = run.cfg
     t = cfg.trainer
     clipping = (
         GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
@@ -79,7 +83,7 @@ def build_callbacks(
     nonfinite = NonFiniteGuard(
         skip_budget=t.skip_nonfinite_steps,
         clipping=clipping,
-        check_grad_norm=cfg.precision.name != "16-mixed",  # loss scaling skips overflowing steps itself
+        check_grad_norm=not run.precision.spec.loss_scaling,  # loss scaling skips overflowing steps itself
     )
     metrics = MetricsCallback(
         Path(cfg.run_dir),
@@ -87,10 +91,10 @@ def build_callbacks(
         tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=t.max_steps,
         clipping=clipping,
-        throughput=None if module_loaders else build_throughput(cfg, module),
+        throughput=None if module_loaders else build_throughput(run, module),
         nonfinite=nonfinite,
     )
-    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps)
+    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps, run.checkpoint_format)
     checkpoints.before_save.append(nonfinite.check_before_save)
     return RunCallbacks(
         metrics=metrics,

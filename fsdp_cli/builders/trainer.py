@@ -8,8 +8,9 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from fsdp_cli.builders.precision import fsdp2_precision_plugin
-from fsdp_cli.config.schema import FSDP2Config, LoggerName, Profiler, TrainConfig
+from fsdp_cli.builders.precision import precision_plugin
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig
 from fsdp_cli.rundir.files import profiler_dir
 
 
@@ -43,7 +44,7 @@ def build_profiler(cfg: TrainConfig, accumulation: int) -> Any:
 
 
 def build_trainer(
-    cfg: TrainConfig,
+    run: ResolvedRun,
     strategy: Any,
     *,
     callbacks: list[L.Callback],
@@ -58,13 +59,14 @@ def build_trainer(
     default), so each data-parallel rank sees different samples and tensor-parallel peers the
     same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
     """
+    cfg = run.cfg
     t = cfg.trainer
     kwargs: dict[str, Any] = {}
-    plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
+    plugin = precision_plugin(run.precision, policy_casts=run.entry.policy_casts)
     if plugin is not None:
         kwargs["plugins"] = [plugin]
     else:
-        kwargs["precision"] = cfg.precision.name
+        kwargs["precision"] = run.precision.name
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)
@@ -72,9 +74,9 @@ def build_trainer(
     else:
         kwargs["limit_val_batches"] = 0
     return L.Trainer(
-        accelerator=cfg.accelerator.value,
-        devices=int(cfg.devices),
-        num_nodes=cfg.num_nodes,
+        accelerator=run.layout.accelerator,
+        devices=run.layout.devices,
+        num_nodes=run.layout.num_nodes,
         strategy=strategy,
         max_steps=t.max_steps,
         max_epochs=-1,

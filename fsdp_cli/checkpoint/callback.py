@@ -31,15 +31,24 @@ from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
 from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
 from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
-from fsdp_cli.config.schema import CheckpointConfig
+from fsdp_cli.config.schema import CheckpointConfig, CheckpointFormat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Save, then stop: preemption, or a scheduler's warning before the time limit."""
 
 
 class CheckpointCallback(L.Callback):
-    def __init__(self, config: CheckpointConfig, directory: Path, max_steps: int) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        directory: Path,
+        max_steps: int,
+        checkpoint_format: CheckpointFormat | None = None,
+    ) -> None:
+        """``checkpoint_format``: the format the strategy writes (the run's resolved one);
+        None = ``config.format``."""
         self.config = config
+        self.format = checkpoint_format or config.format
         self.directory = Path(directory)
         self.max_steps = max_steps
         self.preempted = False
@@ -104,7 +113,7 @@ class CheckpointCallback(L.Callback):
     def save(self, trainer: L.Trainer) -> Path:
         for hook in self.before_save:
             hook(trainer)
-        path = self.directory / checkpoint_name(trainer.global_step, self.config.format)
+        path = self.directory / checkpoint_name(trainer.global_step, self.format)
         trainer.save_checkpoint(path, weights_only=False)
         self.last_saved = path
         if trainer.is_global_zero:

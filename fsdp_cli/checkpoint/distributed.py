@@ -63,6 +63,22 @@ class DistributedCheckpointing:
     run_mesh: Any = None
     """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
 
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_format: str | None = None,
+        checkpoint_manifest: dict[str, Any] | None = None,
+        async_checkpointing: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """The strategy's own arguments pass through; ``checkpoint_format`` None keeps the
+        strategy's own choice (``save_distributed_checkpoint``, ``state_dict_type``)."""
+        super().__init__(*args, **kwargs)
+        if checkpoint_format is not None:
+            self.checkpoint_format = checkpoint_format
+        self.checkpoint_manifest = checkpoint_manifest
+        self.async_checkpointing = async_checkpointing
+
     def mesh_sizes(self) -> dict[str, int]:
         """The run's mesh as ``{dimension name: size}``, for the manifest and the setup report."""
         mesh = self.run_mesh

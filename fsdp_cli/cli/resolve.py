@@ -22,6 +22,7 @@ from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
@@ -86,6 +87,18 @@ def resolve_config(
     for notice in [*advisories(typed), *resume_notices]:
         notify(notice)
     return typed
+
+
+def resolve_run(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: Mapping[str, str],
+    *,
+    notify: Callable[[str], None],
+) -> ResolvedRun:
+    """:func:`resolve_config`, as the frozen :class:`~fsdp_cli.config.resolved.ResolvedRun` the
+    launcher and the report take (every derived value computed once, here)."""
+    return ResolvedRun.of(resolve_config(cfg, run_dir, env, notify=notify))
 
 
 def chooses_data(task_overrides: list[str]) -> bool:

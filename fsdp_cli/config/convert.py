@@ -19,17 +19,11 @@ from omegaconf.errors import OmegaConfBaseException
 from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
-    DDPConfig,
-    DDPFullyShardedConfig,
-    FSDP2Config,
-    FSDPConfig,
-    FSDPNativeConfig,
     HFModelConfig,
     JsonlDataConfig,
     LauncherConfig,
     LlamaConfig,
     LoggerConfig,
-    ModelParallelConfig,
     OptimConfig,
     PrecisionConfig,
     SweepConfig,
@@ -40,17 +34,10 @@ from fsdp_cli.config.schema import (
     TrainerConfig,
     WrapConfig,
 )
+from fsdp_cli.config.strategies import SCHEMAS as STRATEGY_SCHEMAS
 from fsdp_cli.errors import ConfigError
 
-# The `name` key of each group's node selects its schema.
-STRATEGY_SCHEMAS: dict[str, type] = {
-    "ddp": DDPConfig,
-    "fsdp2": FSDP2Config,
-    "fsdp": FSDPConfig,
-    "model_parallel": ModelParallelConfig,
-    "ddp_fully_sharded": DDPFullyShardedConfig,
-    "fsdp_native": FSDPNativeConfig,
-}
+# The `name` key of each group's node selects its schema (strategies: their registry entries).
 MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "hf": HFModelConfig}
 DATA_SCHEMAS: dict[str, type] = {
     "synthetic": SyntheticDataConfig,

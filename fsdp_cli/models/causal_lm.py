@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_cli.config.schema import OptimConfig, Scheduler
+from fsdp_cli.models.args import OptimizerArgs, Scheduler
 
 
 class CausalLMModule(L.LightningModule):
@@ -31,7 +31,7 @@ class CausalLMModule(L.LightningModule):
     def __init__(
         self,
         model_factory: Callable[[], nn.Module],
-        optim: OptimConfig,
+        optim: OptimizerArgs,
         max_steps: int,
     ) -> None:
         super().__init__()
@@ -76,7 +76,7 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _schedule(opt: OptimConfig, max_steps: int) -> Callable[[int], float]:
+def _schedule(opt: OptimizerArgs, max_steps: int) -> Callable[[int], float]:
     warmup, floor = opt.warmup_steps, opt.min_lr_ratio
     decay_steps = max(1, max_steps - warmup)
 
