@@ -16,6 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(__file__).resolve().parent / "assets"
+SEAMS = Path(__file__).resolve().parent / "seams"
 # `tests.assets.*` models are named by dotted path, as a user names theirs. Appended, not
 # prepended: fsdp_cli itself must come from the installed package (whose configs ship inside it).
 if str(REPO) not in sys.path:
@@ -32,7 +33,7 @@ def entry_point(name: str) -> list[str]:
         return [str(script)]
     module = {
         "fsdp-train": "fsdp_cli.cli.main",
-        "fsdp-ckpt": "fsdp_cli.checkpoint.cli",
+        "fsdp-ckpt": "fsdp_cli.cli.ckpt",
         "fsdp-plan": "fsdp_cli.cli.plan",
     }[name]
     return [sys.executable, "-m", module]
@@ -78,6 +79,9 @@ def start_cli(
         cmd.append(f"hydra.run.dir={run_dir}")
     full_env = {**os.environ, **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
+    if any(key.startswith("FSDP_CLI_TEST_") for key in env or {}):
+        # The fault-injection seam (tests/seams/sitecustomize.py) acts on these variables.
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SEAMS), full_env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

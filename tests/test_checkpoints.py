@@ -31,9 +31,9 @@ from conftest import (
 )
 
 from fsdp_cli.checkpoint.callback import CheckpointCallback
-from fsdp_cli.checkpoint.cli import main as ckpt_main
 from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.checkpoint.run import newest_verified
+from fsdp_cli.cli.ckpt import main as ckpt_main
 from fsdp_cli.config.schema import CheckpointConfig
 
 STEP3, STEP6 = "step_00000003", "step_00000006"

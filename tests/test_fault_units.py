@@ -267,7 +267,7 @@ def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path
 
     script = (
         "import time\n"
-        "from fsdp_cli.launch.rank_monitor import RankMonitor\n"
+        "from fsdp_cli.worker.monitor import RankMonitor\n"
         f"monitor = RankMonitor({str(tmp_path)!r}, 1, 1, hang_timeout_s=0.5, startup_timeout_s=0.5)\n"
         "monitor.beat(1, 'train')\n"
         "def stuck_in_a_collective():\n"
@@ -285,7 +285,7 @@ def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path
 def test_fsdp_ckpt_verify_exits_1_naming_each_damaged_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fsdp_cli.checkpoint.cli import main as fsdp_ckpt
+    from fsdp_cli.cli.ckpt import main as fsdp_ckpt
 
     _sharded(tmp_path / "step_00000002", 2)
     _sharded(tmp_path / "step_00000004", 4)

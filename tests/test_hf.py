@@ -272,8 +272,8 @@ def test_fresh_weights_sharded_before_they_exist_equal_one_process_init(hf_files
 
 @distributed
 def test_export_to_hf_reloads_the_trained_weights(hf_files: dict, hf_run: Any, tmp_path: Path) -> None:
-    from fsdp_cli.checkpoint.cli import main as ckpt_main
     from fsdp_cli.checkpoint.convert import load
+    from fsdp_cli.cli.ckpt import main as ckpt_main
 
     checkpoint = hf_run("llama_fsdp2") / "checkpoints" / f"step_{STEPS:08d}"
     out = tmp_path / "exported"
@@ -291,7 +291,7 @@ def test_export_to_hf_reloads_the_trained_weights(hf_files: dict, hf_run: Any, t
 
 @distributed
 def test_export_refuses_a_checkpoint_of_another_model(hf_run: Any, tmp_path: Path, capsys: Any) -> None:
-    from fsdp_cli.checkpoint.cli import main as ckpt_main
+    from fsdp_cli.cli.ckpt import main as ckpt_main
 
     checkpoint = hf_run("llama_fsdp2") / "checkpoints" / f"step_{STEPS:08d}"
     with pytest.raises(SystemExit) as stop:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import assert_ok, read_metrics, run_cli
 
-from fsdp_cli.checkpoint.cli import main as ckpt_main
+from fsdp_cli.cli.ckpt import main as ckpt_main
 
 BORING = "lightning.pytorch.demos.boring_classes.BoringModel"
 ASSETS = "tests.assets.own_loaders"
@@ -170,7 +170,7 @@ def test_data_settings_given_for_such_a_module_are_refused(capsys: Any) -> None:
 
 
 def test_only_command_line_data_overrides_count_as_chosen() -> None:
-    from fsdp_cli.cli.resolve import chooses_data
+    from fsdp_cli.resolve import chooses_data
 
     assert chooses_data(["data=text", "strategy=ddp"])
     assert chooses_data(["+data.foo=1"]) and chooses_data(["data.seq_len=8"])

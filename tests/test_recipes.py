@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
 from fsdp_cli.cli import recipes as recipe_cli
-from fsdp_cli.cli.resolve import resolve_config
 from fsdp_cli.config.schema import Accelerator
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.launch import layout
+from fsdp_cli.resolve import resolve_config
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 GPUS = re.compile(r"^(\d+) nodes? x (\d+) GPUs? \(")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
@@ -19,7 +19,9 @@ from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import LlamaConfig
-from fsdp_cli.launch.rank_monitor import RankMonitor
+
+if TYPE_CHECKING:  # (type-only: the rank's monitor is handed in by the worker)
+    from fsdp_cli.worker.monitor import RankMonitor
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Everything on this path before :func:`fsdp_cli.launch.launcher.launch` is free of torch and
 lightning, so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well under a
-second. In a sweep (``-m``) each job runs through :func:`fsdp_cli.cli.sweep_job.run_sweep_job`,
+second. In a sweep (``-m``) each job runs through :func:`fsdp_cli.sweep.job.run_sweep_job`,
 so that no job stops the sweep, and the command exits with the status its report decided.
 """
 
@@ -59,7 +59,7 @@ def train(cfg: DictConfig) -> Any:
     job = detect_cluster_job(os.environ)
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        from fsdp_cli.cli.sweep_job import run_sweep_job
+        from fsdp_cli.sweep.job import run_sweep_job
 
         # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
@@ -84,7 +84,7 @@ def _launch(
 
 def _run_here(cfg: TrainConfig) -> int:
     """Inside torchrun/SLURM this process already is a rank: train in place."""
-    from fsdp_cli.worker import run
+    from fsdp_cli.worker.rank import run
 
     return run(cfg)
 
@@ -92,10 +92,11 @@ def _run_here(cfg: TrainConfig) -> int:
 def resolve(cfg: DictConfig, run_dir: Path) -> ResolvedRun:
     """The composed config as the typed, resolved, validated run every rank reads; a mistake
     is one line on stderr and exit status 2."""
-    from fsdp_cli.cli.resolve import resolve_run
+    from fsdp_cli.resolve import resolve_run
 
+    overrides = list(HydraConfig.get().overrides.task)
     try:
-        return resolve_run(cfg, run_dir, os.environ, notify=_notify)
+        return resolve_run(cfg, run_dir, os.environ, notify=_notify, overrides=overrides)
     except ConfigError as err:
         fail(err.one_line())
 
@@ -239,7 +240,7 @@ def main() -> None:
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
     train()
     if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
-        from fsdp_cli.cli.sweep import exit_status
+        from fsdp_cli.sweep.report import exit_status
 
         # After a sweep: 1 when any job failed (skipped ones do not count), decided by its report.
         code = exit_status()

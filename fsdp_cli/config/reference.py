@@ -247,7 +247,8 @@ def configs_dir() -> Path:
 def enums() -> list[str]:
     lines = ["## Values", "", "What the choices of the enumerated keys mean.", ""]
     for name, cls in sorted(
-        {(n, c) for m in SCHEMA_MODULES for n, c in inspect.getmembers(m, inspect.isclass)}, key=lambda nc: nc[0]
+        {(n, c) for m in SCHEMA_MODULES for n, c in inspect.getmembers(m, inspect.isclass)},
+        key=lambda nc: nc[0],
     ):
         module = sys.modules.get(cls.__module__)
         if not issubclass(cls, enum.Enum) or module not in SCHEMA_MODULES:

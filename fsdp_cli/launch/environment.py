@@ -9,6 +9,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
+"""Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
+
 
 @dataclass(frozen=True)
 class ClusterJob:

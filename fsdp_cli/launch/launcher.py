@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
-from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV
+from fsdp_cli.launch.environment import WATCHDOG_ENV
 from fsdp_cli.launch.stacks import dump_stacks
 from fsdp_cli.launch.watchdog import (
     DeadRankWatch,

@@ -1,7 +1,7 @@
 """One job of a sweep (``fsdp-train -m ...``): whatever it does, the sweep goes on.
 
 * :func:`check_job` and :func:`skip_job` are what the sweep launcher
-  (:mod:`fsdp_cli.cli.sweep_launcher`) calls: it checks every job of a batch before the first one
+  (:mod:`fsdp_cli.sweep.launcher`) calls: it checks every job of a batch before the first one
   starts, and runs :func:`skip_job` in place of each that cannot run.
 * :func:`run_sweep_job` guards the job itself, under any launcher (ours, Hydra's basic one,
   submitit): a config error makes it ``skipped``, any other exception or exit ``failed``; either
@@ -28,12 +28,12 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fsdp_cli.cli.resolve import resolve_config, resolve_run
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.resolved import ResolvedRun, model_label
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
+from fsdp_cli.resolve import resolve_config, resolve_run
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     STATUS_FAILED,
@@ -57,8 +57,10 @@ def check_job(cfg: DictConfig) -> str | None:
     The sweep launcher calls this with Hydra's state already set to the job's (output directory,
     job number, ``hydra.job.env_set`` applied), so it sees exactly what the job will see."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        resolve_config(cfg, run_dir, os.environ, notify=lambda notice: None)  # the job prints them
+    try:  # (the job prints the notices)
+        resolve_config(
+            cfg, run_dir, os.environ, notify=lambda notice: None, multirun=True, overrides=_overrides()
+        )
     except ConfigError as err:
         return err.one_line()
     return None
@@ -77,7 +79,7 @@ def skip_job(reason: str, cfg: DictConfig) -> float:
 def run_sweep_job(cfg: DictConfig, run_dir: Path, *, launch: Launch, notify: Callable[[str], None]) -> float:
     """Resolve, check and run one job; never raises, except to stop the whole sweep."""
     try:
-        run = resolve_run(cfg, run_dir, os.environ, notify=notify)
+        run = resolve_run(cfg, run_dir, os.environ, notify=notify, multirun=True, overrides=_overrides())
     except ConfigError as err:  # under launchers that do not check before launching (basic, submitit)
         return skip_job(err.one_line(), cfg)
     try:
@@ -93,6 +95,11 @@ def run_sweep_job(cfg: DictConfig, run_dir: Path, *, launch: Launch, notify: Cal
         summary = {**summary, "status": STATUS_SKIPPED, "reason": summary.get("error")}
         write_summary(run_dir, summary)
     return objective_value(summary, run.cfg.sweep.objective.value)
+
+
+def _overrides() -> list[str]:
+    """This job's overrides (Hydra's state is the job's while the launcher checks or runs it)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def objective_value(summary: Mapping[str, Any] | None, objective: str) -> float:

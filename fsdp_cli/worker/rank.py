@@ -4,7 +4,7 @@ Started by torch.distributed.run as ``python -m fsdp_cli.worker <run_dir>/config
 called in-process by the entry point when it already is a torchrun/SLURM rank. Rank 0 writes
 ``metrics.jsonl`` and ``summary.json`` (also when the run fails); the other ranks' console
 output goes to ``<run_dir>/logs/rank<N>.log``. Before anything else a rank installs what lets the
-launcher supervise it (:class:`~fsdp_cli.launch.rank_monitor.RankMonitor`: stack dumps into its
+launcher supervise it (:class:`~fsdp_cli.worker.monitor.RankMonitor`: stack dumps into its
 log on request, a heartbeat); a failure is one line, in ``summary.json`` and for the agent.
 """
 
@@ -22,8 +22,7 @@ from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError, RunFailure
-from fsdp_cli.launch.environment import die_with_parent, global_rank
-from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV, RankMonitor, report_error_to_agent
+from fsdp_cli.launch.environment import WATCHDOG_ENV, die_with_parent, global_rank
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -35,6 +34,7 @@ from fsdp_cli.rundir.status import (
     STATUS_PREEMPTED,
 )
 from fsdp_cli.rundir.summary import RunSummary, median_of, steady_state, summary_exists, write_summary
+from fsdp_cli.worker.monitor import RankMonitor, report_error_to_agent
 
 
 @dataclass
