@@ -14,7 +14,12 @@ from fsdp_cli.callbacks.metrics import MetricsCallback
 from fsdp_cli.callbacks.nonfinite import NonFiniteGuard
 from fsdp_cli.callbacks.progress import ProgressDisplay
 from fsdp_cli.callbacks.setup_report import SetupReport
-from fsdp_cli.callbacks.throughput import Throughput, counted_flops_per_token, llama_flops_per_token
+from fsdp_cli.callbacks.throughput import (
+    Throughput,
+    counted_flops_per_token,
+    device_peak_tflops,
+    llama_flops_per_token,
+)
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
 from fsdp_cli.config.resolved import ResolvedRun
@@ -44,11 +49,10 @@ class RunCallbacks:
         return [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
 
 
-def build_throughput(run: ResolvedRun, module: Any) -> Throughput:
+def build_throughput(run: ResolvedRun, module: Any, device_name: str | None = None) -> Throughput:
     """FLOPs per token of the model (formula for the built-in one, counted for others) and the
-    device's peak for the compute dtype in effect."""
-    import torch
-
+    device's peak for the compute dtype in effect (``device_name``: the CUDA device's, looked up
+    when None and the run is on a GPU)."""
     cfg = run.cfg
     seq = getattr(cfg.data, "seq_len", None)
     flops: float | None = None
@@ -57,11 +61,16 @@ def build_throughput(run: ResolvedRun, module: Any) -> Throughput:
     elif seq and callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
         flops = counted_flops_per_token(module.model_factory, seq, cfg.data.vocab_size)
     peak = cfg.trainer.peak_tflops
-    if peak is None and run.layout.on_gpu and torch.cuda.is_available():
-        from fsdp_cli.callbacks.throughput import device_peak_tflops
-
-        peak = device_peak_tflops(torch.cuda.get_device_name(), run.precision.compute)
+    if peak is None and run.layout.on_gpu:
+        name = device_name if device_name is not None else _cuda_device_name()
+        peak = device_peak_tflops(name, run.precision.compute) if name else None
     return Throughput(flops_per_token=flops, world_size=run.layout.world_size, peak_tflops=peak)
+
+
+def _cuda_device_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def build_callbacks(
