@@ -9,9 +9,9 @@ import lightning as L
 import torch
 from torch import nn
 
-from fsdp_cli.builders.imports import import_object
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, TrainConfig
+from fsdp_cli.dotted import import_object
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.causal_lm import CausalLMModule
 

@@ -8,11 +8,11 @@ from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 
-from fsdp_cli.builders.imports import import_object
 from fsdp_cli.builders.precision import fsdp2_mp_policy
 from fsdp_cli.compat.torch_internals import ddp_buffer_sync
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import CheckpointFormat, LlamaConfig
+from fsdp_cli.dotted import import_object
 from fsdp_cli.parallel.parallelize import ParallelizeOptions
 
 

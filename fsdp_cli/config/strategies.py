@@ -29,6 +29,7 @@ from fsdp_cli.config.schema import (
     ShardingStrategy,
     TrainConfig,
 )
+from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ParallelizeSettings
 from fsdp_cli.precision import PolicyDtypes
@@ -188,26 +189,6 @@ def _needs_configure_model(run: ResolvedRun) -> None:
             "needs a LightningModule that parallelizes itself in configure_model()",
             allowed="model=custom model._target_=<your LightningModule>",
             hint="for the built-in model use strategy=fsdp2 (it applies FSDP2 and tensor parallel for you)",
-        )
-
-
-def check_dotted(key: str, path: str) -> None:
-    """``path`` names an attribute of a module that can be found (without importing it)."""
-    import importlib.util
-
-    module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ConfigError(key, path, "not a dotted path", allowed="package.module.Name")
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise ConfigError(
-            key,
-            path,
-            f"module {module!r} cannot be imported",
-            hint="run from the folder that holds it, or add that folder to PYTHONPATH",
         )
 
 

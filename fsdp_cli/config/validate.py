@@ -24,7 +24,7 @@ from fsdp_cli.config.schema import (
     TrainConfig,
     WrapPolicy,
 )
-from fsdp_cli.config.strategies import check_dotted, entry_of
+from fsdp_cli.config.strategies import entry_of
 from fsdp_cli.data.files import (
     HELD_OUT_FRACTION,
     JSONL_SUFFIXES,
@@ -33,6 +33,7 @@ from fsdp_cli.data.files import (
     text_bytes,
     text_files,
 )
+from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.precision import AUTO, PRECISIONS, UnknownPrecision, precision_spec
 from fsdp_cli.ranges import range_problems

@@ -38,7 +38,7 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
     cfg = run.cfg
     model: nn.Module
     if isinstance(cfg.model, CustomModelConfig):
-        from fsdp_cli.builders.imports import import_object
+        from fsdp_cli.dotted import import_object
 
         target = import_object(cfg.model.target, "model._target_")
         with torch.device("meta"):
