@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -105,20 +106,11 @@ def resolve_config(
     return typed
 
 
-def resolve_run(
-    cfg: DictConfig,
-    run_dir: Path,
-    env: Mapping[str, str],
-    *,
-    notify: Callable[[str], None],
-    multirun: bool = False,
-    overrides: Sequence[str] = (),
-) -> ResolvedRun:
-    """:func:`resolve_config`, as the frozen :class:`~fsdp_cli.config.resolved.ResolvedRun` the
-    launcher and the report take (every derived value computed once, here)."""
-    return ResolvedRun.of(
-        resolve_config(cfg, run_dir, env, notify=notify, multirun=multirun, overrides=overrides)
-    )
+def resolve_run(cfg: DictConfig, run_dir: Path, env: Mapping[str, str], **options: Any) -> ResolvedRun:
+    """:func:`resolve_config` (same arguments), as the frozen
+    :class:`~fsdp_cli.config.resolved.ResolvedRun` the launcher and the report take (every
+    derived value computed once, here)."""
+    return ResolvedRun.of(resolve_config(cfg, run_dir, env, **options))
 
 
 def chooses_data(task_overrides: list[str]) -> bool:

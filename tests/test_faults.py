@@ -216,7 +216,7 @@ def test_hung_ranks_are_dumped_named_and_killed(tmp_path: Path) -> None:
     if rank2["dumper"] == "py-spy":
         assert "misbehave" in (logs / "rank2.log").read_text()
     else:
-        assert "install py-spy" in rank2["notes"]
+        assert any("install py-spy" in note for note in rank2["notes"]), rank2  # (a list of notes)
     assert not (run_dir / "checkpoints").exists(), "no SIGTERM, hence no preemption save"
     assert hang_timeout <= ended - last_beat(run_dir, 0) < hang_timeout + 20
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "the tensorboard logger wrote"

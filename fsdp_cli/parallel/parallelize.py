@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.activation_checkpoint import apply_ac
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
@@ -95,9 +96,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
     if dims.tp_enabled:
         plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
         if plan is None:
-            raise ValueError(
-                f"tp={dims.tp} but {type(model).__name__} has no tensor-parallel plan: define "
-                "model.tp_plan(sequence_parallel) or pass strategy.parallelize_fn"
+            raise ConfigError(
+                "tp",
+                dims.tp,
+                f"{type(model).__name__} has no tensor-parallel plan",
+                allowed="tp=1 for this model",
+                hint="define model.tp_plan(sequence_parallel), or pass strategy.parallelize_fn",
             )
         apply_tp(model, dims.tp_mesh, plan)
         report.tp_modules = len(plan)
