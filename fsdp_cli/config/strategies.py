@@ -87,7 +87,8 @@ class StrategyEntry:
     def build(self, run: Any) -> Any:
         return _load(self.builder)(run)
 
-    def planner_fn(self) -> Callable[..., Any] | None:
+    def load_planner(self) -> Any:
+        """The :class:`fsdp_cli.plan.memory.Planner` it names, or None."""
         return _load(self.planner) if self.planner else None
 
 
@@ -99,13 +100,13 @@ def _load(path: str) -> Any:
 # --------------------------------------------------------------------------- checks
 
 
-def _no_tensor_parallel(run: ResolvedRun) -> None:
-    cfg = run.cfg
-    if cfg.tp > 1:
+def check_tensor_parallel(run: ResolvedRun) -> None:
+    """``tp > 1`` only for a strategy that splits layers."""
+    if run.layout.tp > 1 and not run.entry.tensor_parallel:
         raise ConfigError(
             "tp",
-            cfg.tp,
-            f"strategy={cfg.strategy.name} has no tensor parallelism",
+            run.layout.tp,
+            f"strategy={run.entry.name} has no tensor parallelism",
             allowed="tp=1",
             hint="use strategy=fsdp2 (or model_parallel) for tensor parallel",
         )
@@ -239,7 +240,7 @@ FSDP1 = StrategyEntry(
     builder="fsdp_cli.builders.fsdp1:build_fsdp1",
     planner="fsdp_cli.plan.memory:FSDP1",
     sharding=fsdp1_sharding,
-    checks=(_no_tensor_parallel, _check_fsdp1, _policy_fits_precision("mixed_precision")),
+    checks=(_check_fsdp1, _policy_fits_precision("mixed_precision")),
     explicit_policy=lambda s: s.mixed_precision,
     fills_after_sharding=True,
     offloads=lambda s: s.cpu_offload,
@@ -250,7 +251,6 @@ DDP = StrategyEntry(
     builder="fsdp_cli.builders.strategy:build_ddp",
     planner="fsdp_cli.plan.memory:DDP",
     sharding=lambda s, dp, devices, world: Sharding(replicate=world, shard=1),
-    checks=(_no_tensor_parallel,),
 )
 MODEL_PARALLEL = StrategyEntry(
     name="model_parallel",

@@ -24,7 +24,7 @@ from fsdp_cli.config.schema import (
     TrainConfig,
     WrapPolicy,
 )
-from fsdp_cli.config.strategies import entry_of
+from fsdp_cli.config.strategies import check_tensor_parallel, entry_of
 from fsdp_cli.data.files import (
     HELD_OUT_FRACTION,
     JSONL_SUFFIXES,
@@ -100,8 +100,9 @@ def check_ranges(cfg: TrainConfig) -> None:
 
 
 def check_strategy(run: ResolvedRun) -> None:
-    """The strategy's own checks (its registry entry)."""
-    for check in run.entry.checks:
+    """Tensor parallel only where the strategy has it, then the strategy's own checks (its
+    registry entry)."""
+    for check in (check_tensor_parallel, *run.entry.checks):
         check(run)
 
 

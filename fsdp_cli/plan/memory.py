@@ -171,7 +171,7 @@ def plan_memory(
 
 def planner_of(run: ResolvedRun) -> Planner | None:
     """The strategy's planner (its registry entry names it); None: no plan for it."""
-    planner = run.entry.planner_fn()
+    planner = run.entry.load_planner()
     return planner if isinstance(planner, Planner) else None
 
 
