@@ -13,16 +13,16 @@ Dtypes are names (``"bfloat16"``), so this module imports neither torch nor the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 FLOAT32, BFLOAT16, FLOAT16, FLOAT64 = "float32", "bfloat16", "float16", "float64"
 DTYPE_BYTES = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2, FLOAT64: 8}
 AUTO = "auto"
 
 
-@dataclass(frozen=True)
-class PrecisionSpec:
-    """What a precision name means."""
+class PrecisionSpec(NamedTuple):
+    """What a precision name means. (The types here are named tuples: the config-only commands
+    import this module, and a frozen dataclass costs ten times as much to define.)"""
 
     name: str
     param: str
@@ -92,8 +92,7 @@ def auto_precision(on_gpu: bool) -> str:
     return "bf16-mixed" if on_gpu else "32-true"
 
 
-@dataclass(frozen=True)
-class PolicyDtypes:
+class PolicyDtypes(NamedTuple):
     """An explicit mixed-precision policy as a strategy's config gives it (None = not set)."""
 
     param: str | None = None
@@ -102,8 +101,7 @@ class PolicyDtypes:
     cast_forward_inputs: bool = True
 
 
-@dataclass(frozen=True)
-class ResolvedPrecision:
+class ResolvedPrecision(NamedTuple):
     """The dtypes in effect for a run: the precision's own, with an explicit policy applied."""
 
     spec: PrecisionSpec

@@ -21,15 +21,16 @@ import math
 import types
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 RANGE_KEY = "fsdp_cli.range"
 
 
-@dataclass(frozen=True)
-class Range:
-    """``low <= value <= high`` (either bound open or absent), or one of ``also``."""
+class Range(NamedTuple):
+    """``low <= value <= high`` (either bound open or absent), or one of ``also``.
+
+    (A named tuple rather than a dataclass: every config-only command creates this type, and a
+    frozen dataclass costs ten times as much to define.)"""
 
     low: float | None = None
     high: float | None = None
@@ -41,7 +42,7 @@ class Range:
     hint: str | None = None
 
     def accepts(self, value: Any) -> bool:
-        if value in self.also:
+        if any(value is a or (type(value) is type(a) and value == a) for a in self.also):
             return True
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False
@@ -104,8 +105,7 @@ def field_range(field: dataclasses.Field[Any]) -> Range | None:
     return field.metadata.get(RANGE_KEY)
 
 
-@dataclass(frozen=True)
-class RangeProblem:
+class RangeProblem(NamedTuple):
     key: str
     value: Any
     range: Range

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fsdp_cli.config.schema import (
     CheckpointFormat,
@@ -29,19 +28,17 @@ from fsdp_cli.config.schema import (
     ShardingStrategy,
     TrainConfig,
 )
-from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.parallel.options import ParallelizeSettings
-from fsdp_cli.precision import PolicyDtypes
 
 if TYPE_CHECKING:  # (type-only: the resolved run is made from an entry)
     from fsdp_cli.config.resolved import ResolvedRun
+    from fsdp_cli.parallel.options import ParallelizeSettings
+    from fsdp_cli.precision import PolicyDtypes
 
 Check = Callable[["ResolvedRun"], None]
 
 
-@dataclass(frozen=True)
-class Sharding:
+class Sharding(NamedTuple):
     """How a strategy lays its data-parallel ranks out: ``replicate`` groups of ``shard`` ranks
     (``shard=1``: every rank holds every parameter)."""
 
@@ -49,8 +46,10 @@ class Sharding:
     shard: int
 
 
-@dataclass(frozen=True)
-class StrategyEntry:
+class StrategyEntry(NamedTuple):
+    """(A named tuple: the config-only commands import the registry, and a frozen dataclass
+    costs ten times as much to define.)"""
+
     name: str
     schema: type
     builder: str
@@ -155,6 +154,8 @@ def _check_fsdp2(run: ResolvedRun) -> None:
                 hint="true = FULL_SHARD, false = SHARD_GRAD_OP",
             )
     if strategy.parallelize_fn is not None:
+        from fsdp_cli.dotted import check_dotted
+
         check_dotted("strategy.parallelize_fn", strategy.parallelize_fn)
 
 
@@ -287,6 +288,8 @@ def entry_of(cfg: TrainConfig) -> StrategyEntry:
 
 def policy_dtypes(policy: MixedPrecisionPolicyConfig | None) -> PolicyDtypes | None:
     """A strategy's mixed-precision config as the precision table's :class:`PolicyDtypes`."""
+    from fsdp_cli.precision import PolicyDtypes
+
     if policy is None:
         return None
     name = lambda d: d.value if isinstance(d, DType) else d  # noqa: E731
