@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,7 @@ from conftest import (
     assert_ok,
     assert_same_losses,
     complete_lines,
-    entry_point,
     losses,
-    processes_naming,
     read_metrics,
     read_pid,
     read_summary,
@@ -29,6 +26,7 @@ from conftest import (
     start_cli,
     wait_for,
 )
+from harness import Job, processes_naming
 
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.cli import main as ckpt_main
@@ -159,12 +157,8 @@ def test_resume_auto_with_nothing_saved_starts_fresh(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     run_dir = layout_run("fsdp2_tp2")
-    result = subprocess.run(
-        [*entry_point("fsdp-ckpt"), "inspect", str(ckpt(run_dir, STEP6)), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = run_cli(["inspect", str(ckpt(run_dir, STEP6)), "--json"], prog="fsdp-ckpt", timeout=120)
+    assert result.returncode == 0, result
     info = json.loads(result.stdout)
     summary = read_summary(run_dir)
     assert (info["format"], info["step"], info["world_size"]) == ("sharded", 6, 2)
@@ -173,12 +167,8 @@ def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     assert info["dtypes"] == ["float32"] and info["optimizer_state"] is True
     assert set(info["versions"]) == {"torch", "lightning", "fsdp_cli"}
     assert info["config"]["tp"] == 2 and info["config"]["strategy"]["name"] == "fsdp2"
-    table = subprocess.run(
-        [*entry_point("fsdp-ckpt"), "inspect", str(ckpt(run_dir, STEP6))],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    table = run_cli(["inspect", str(ckpt(run_dir, STEP6))], prog="fsdp-ckpt", timeout=120)
+    assert table.returncode == 0, table
     assert "tensor_parallel=2" in table.stdout and "trained with:" in table.stdout
 
 
@@ -367,7 +357,7 @@ def all_or_none(values: list[Any]) -> list[Any] | None:
     return values if all(values) else None
 
 
-def _kill_and_wait(proc: subprocess.Popen[str], pid: int, run_dir: Path) -> int:
+def _kill_and_wait(proc: Job, pid: int, run_dir: Path) -> int:
     os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=120)
     assert processes_naming(str(run_dir)) == []

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PARITY, read_metrics, read_summary
-from process_group import kill_group, popen, started
+from conftest import PARITY, read_metrics, read_summary, start_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +29,7 @@ def wait_for_listener(port: int, proc: Any, timeout: float = 120) -> None:
     """Until node 0's agent hosts the rendezvous store (so that it, not node 1, is the host)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, proc.output()
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -47,11 +46,11 @@ def test_two_nodes_through_a_c10d_rendezvous_train_as_one_job(
     # Node 0 names the rendezvous in the config, node 1 through the usual environment variables.
     node0 = [*common, f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.node_rank=0"]
     node1_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1"}
-    with started(node0) as first:
-        wait_for_listener(port, first)
-        with started(common, env=node1_env) as second:
-            out1, _ = second.communicate(timeout=300)
-        out0, _ = first.communicate(timeout=300)
+    first = start_cli(node0, merge_output=True)
+    wait_for_listener(port, first)
+    second = start_cli(common, env=node1_env, merge_output=True)
+    out1, _ = second.communicate(timeout=300)
+    out0, _ = first.communicate(timeout=300)
     assert (first.returncode, second.returncode) == (0, 0), f"{out0[-3000:]}\n{out1[-3000:]}"
     summary = read_summary(run_dir)
     assert (summary["status"], summary["world_size"], summary["dp"]) == ("ok", 2, 2)
@@ -88,13 +87,8 @@ def test_ranks_started_by_srun_train_as_one_job_in_one_run_directory(tmp_path: P
     port = free_port(10000, 19999)
     job_id = f"7{port - 10000:04d}"
     args = ["accelerator=cpu", "trainer.max_steps=3", "data.seq_len=32"]
-    procs = [popen(args, cwd=tmp_path, env=srun_env(rank, job_id)) for rank in (0, 1)]
-    try:
-        outs = [proc.communicate(timeout=300)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            kill_group(proc)
-            proc.wait()
+    procs = [start_cli(args, cwd=tmp_path, env=srun_env(rank, job_id), merge_output=True) for rank in (0, 1)]
+    outs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     # One run directory, named after the job, shared by both ranks (Hydra's files too).
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == [f"slurm-{job_id}"]

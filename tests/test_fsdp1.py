@@ -11,6 +11,7 @@ from conftest import (
     SINGLE_PROCESS,
     assert_ok,
     assert_same_losses,
+    cli_in_process,
     composed,
     read_metrics,
     read_summary,
@@ -178,7 +179,9 @@ def test_fsdp_native_and_legacy_precisions() -> None:
 
 
 def test_precision_16_on_cpu_is_refused_under_its_new_name(tmp_path: Path) -> None:
-    result = run_cli(["strategy=ddp_fully_sharded", "precision=16", "accelerator=cpu"], tmp_path / "p16")
+    result = cli_in_process(
+        ["strategy=ddp_fully_sharded", "precision=16", "accelerator=cpu"], tmp_path / "p16"
+    )
     assert result.returncode == 2
     assert "precision=16 is the old name of precision=16-mixed" in result.stderr
     assert "fsdp-train: error: precision=16-mixed: float16 needs a GPU" in result.stderr

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run_cli
+from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run, run_cli
 from test_plan import assert_plan_matches_the_run
 
 from tests.assets.traces import ALL_REDUCE, REDUCE_SCATTER, collectives_per_backward
@@ -78,27 +77,9 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
 def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
     """parallelize() placements/bytes/idempotence, tensor_init_context parity, unsharded save, deferred optimizer restore."""
     script = REPO / "tests" / "assets" / "fsdp2_library_checks.py"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(script),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    result = run([*cmd, str(tmp_path)], timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     checks = [line for line in result.stdout.splitlines() if line.startswith("CHECK")]
     for name in (

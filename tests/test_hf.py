@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, composed, read_metrics, run_cli
+from conftest import assert_ok, cli_in_process, composed, read_metrics, run_cli
 
 from fsdp_cli.config.schema import HFModelConfig
 from fsdp_cli.errors import ConfigError
@@ -437,7 +437,7 @@ def test_model_folder_mistakes_are_found_before_any_rank(
 
 
 def test_a_missing_model_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = run_cli(
+    result = cli_in_process(
         ["model=hf", "model.path=/no/such/folder"], tmp_path / "run", env={"CUDA_VISIBLE_DEVICES": ""}
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]

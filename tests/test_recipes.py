@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, entry_point
+from conftest import REPO, cli_in_process
+from harness import Result
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
@@ -140,10 +140,8 @@ def test_a_recipe_on_the_wrong_allocation_is_refused(monkeypatch: pytest.MonkeyP
         resolve_config(compose_dict("recipe=llama_70b_hsdp"), tmp_path, two_nodes, notify=print)
 
 
-def run_recipe_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*entry_point("fsdp-recipe"), *args], cwd=cwd, capture_output=True, text=True, timeout=60
-    )
+def run_recipe_cli(*args: str, cwd: Path) -> Result:
+    return cli_in_process(list(args), prog="fsdp-recipe", cwd=cwd)
 
 
 def test_ls_lists_every_recipe_with_its_hardware(tmp_path: Path) -> None:
@@ -182,8 +180,6 @@ def test_a_copied_recipe_is_edited_and_runs_with_the_command_cp_prints(tmp_path:
 def _cfg_job(args: list[str], cwd: Path) -> Any:
     from omegaconf import OmegaConf
 
-    r = subprocess.run(
-        [*entry_point("fsdp-train"), *args, "--cfg", "job"], cwd=cwd, capture_output=True, text=True
-    )
+    r = cli_in_process([*args, "--cfg", "job"], cwd=cwd)
     assert r.returncode == 0, r.stderr
     return OmegaConf.to_container(OmegaConf.create(r.stdout))
