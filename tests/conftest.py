@@ -126,9 +126,14 @@ def _processes_of_the_test(request: pytest.FixtureRequest, monkeypatch: pytest.M
     started is killed, with everything it started, when the test ends."""
     if request.node.get_closest_marker("distributed") is None:
         _refuse_processes(request.node.nodeid, monkeypatch)
-    first = len(_JOBS)
     yield
-    jobs, _JOBS[first:] = _JOBS[first:], []
+    end_jobs()
+
+
+def end_jobs() -> None:
+    """Kill every job the running test started, with everything each started (what happens when
+    a test ends, whatever happened in it)."""
+    jobs, _JOBS[:] = _JOBS[:], []
     for job in jobs:
         job.close()
 
@@ -273,13 +278,23 @@ def assert_same_losses(reference: list[float], run_dir: Path, tol: float = 1e-5,
     assert max(diffs) < tol, diffs
 
 
-def gpu_count() -> int:
-    try:
-        import torch
+def gpu_count(env: dict[str, str] | None = None) -> int:
+    """The CUDA devices torch can use here. 0 means "no CUDA device", and only that: the GPU tests
+    then skip. A torch that does not import, or GPUs that NVML lists but torch cannot use (a
+    broken CUDA install, a driver too old for this torch), fail the session loudly instead."""
+    import torch
 
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001
-        return 0
+    from fsdp_cli.launch.environment import visible_gpu_count
+
+    count = torch.cuda.device_count()
+    listed = visible_gpu_count(os.environ if env is None else env)
+    if count == 0 and listed > 0:
+        raise RuntimeError(
+            f"the driver lists {listed} GPU(s) but torch {torch.__version__} (CUDA {torch.version.cuda}) "
+            "can use none: a broken CUDA install (or a CPU build of torch); CUDA_VISIBLE_DEVICES= runs "
+            "the tests without GPUs"
+        )
+    return count
 
 
 requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU; none on this machine")

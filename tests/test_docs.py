@@ -173,7 +173,7 @@ STEP_KEYS = (
 STEP_FACTOR = 2
 """Every step count of a shown run is divided by this (rounded up), one factor for all so that a
 ``resume=auto`` after a run still continues it: the longest, tiny_cpu_text's 200 steps, trains 100."""
-MAX_TRIALS = 2
+MAX_TRIALS = 1
 """An Optuna sweep runs this many of its trials."""
 RUN_ELSEWHERE = {
     "fsdp-train": "tests/test_runs.py::test_default_run_is_fsdp2_over_two_cpu_processes",
