@@ -104,7 +104,8 @@ def test_resume_at_another_layout_continues_like_the_straight_run(
 ) -> None:
     """Load step 3 of one layout into another, train steps 4-6 there: the same per-step losses as
     the straight run (to the cross-layout tolerance; a wrong restore of weights or Adam moments
-    shows at once), and the restored state itself saved back unchanged."""
+    shows at once), and the state it saves at step 6, in its own layout and format, the straight
+    run's step 6 (weights and Adam moments, to the same relative tolerance)."""
     source, args = CROSS[name]
     straight = layout_run(source)
     run_dir = tmp_path / name
@@ -113,6 +114,20 @@ def test_resume_at_another_layout_continues_like_the_straight_run(
     assert "changed since the checkpoint (compatible, proceeding)" in result.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == [4, 5, 6]
     assert_same_losses(losses(straight)[3:], run_dir, minimum=3)
+    assert_close_state(ckpt(run_dir, STEP6), ckpt(straight, STEP6))
+
+
+def assert_close_state(a: Path, b: Path, rtol: float = 1e-4) -> None:
+    """Same weights and Adam moments up to the reduction order of another layout: each tensor's
+    difference is below ``rtol`` of its norm."""
+    x, y = load(a), load(b)
+    sx, sy = x.optimizer_states[0]["state"], y.optimizer_states[0]["state"]
+    assert x.state_dict.keys() == y.state_dict.keys() and sx.keys() == sy.keys()
+    pairs = [(key, x.state_dict[key], y.state_dict[key]) for key in x.state_dict]
+    pairs += [((k, m), sx[k][m], sy[k][m]) for k in sx for m in ("exp_avg", "exp_avg_sq", "step")]
+    for key, u, v in pairs:
+        u, v = torch.as_tensor(u, dtype=torch.float64), torch.as_tensor(v, dtype=torch.float64)
+        assert u.shape == v.shape and torch.linalg.norm(u - v) <= rtol * torch.linalg.norm(v), key
 
 
 @pytest.mark.distributed

@@ -37,12 +37,28 @@ def wait_for_listener(port: int, proc: Any, timeout: float = 120) -> None:
     raise AssertionError("node 0 never started its rendezvous")
 
 
+TWO_NODES = {
+    "fsdp2": ([], {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 1}),
+    # FSDP1's hybrid strategies with their default size: shard within each node, replicate across.
+    "fsdp_hybrid_shard": (
+        ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD"],
+        {"replicate": 2, "shard": 1},
+    ),
+    "fsdp_hybrid_shard_zero2": (
+        ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD_ZERO2"],
+        {"replicate": 2, "shard": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TWO_NODES))
 def test_two_nodes_through_a_c10d_rendezvous_train_as_one_job(
-    tmp_path: Path, reference_losses: list[float]
+    tmp_path: Path, reference_losses: list[float], name: str
 ) -> None:
+    strategy, mesh = TWO_NODES[name]
     run_dir = tmp_path / "shared"  # one run directory, as on a shared filesystem
     port = free_port()
-    common = ["num_nodes=2", "devices=1", *PARITY, f"hydra.run.dir={run_dir}"]
+    common = ["num_nodes=2", "devices=1", *strategy, *PARITY, f"hydra.run.dir={run_dir}"]
     # Node 0 names the rendezvous in the config, node 1 through the usual environment variables.
     node0 = [*common, f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.node_rank=0"]
     node1_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1"}
@@ -58,6 +74,7 @@ def test_two_nodes_through_a_c10d_rendezvous_train_as_one_job(
     assert len(losses) == len(reference_losses)
     assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < 1e-5, (losses, reference_losses)
     assert (run_dir / "logs" / "rank1.log").is_file(), "global rank 1 ran on node 1"
+    assert summary["setup"]["mesh"] == mesh
 
 
 def srun_env(rank: int, job_id: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ from fsdp_cli.cli import recipes as recipe_cli
 from fsdp_cli.cli.resolve import resolve_config
 from fsdp_cli.config.schema import Accelerator
 from fsdp_cli.config.store import register_schemas
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch import layout
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -136,8 +137,9 @@ def test_recipe_runs_on_the_hardware_its_header_names(
 def test_a_recipe_on_the_wrong_allocation_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(layout, "visible_gpu_count", lambda env: 8)
     two_nodes = {"SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8"}
-    with pytest.raises(Exception, match=r"num_nodes=4: this slurm job spans 2 node\(s\)"):
+    with pytest.raises(ConfigError, match=r"num_nodes=4: this slurm job spans 2 node\(s\)") as err:
         resolve_config(compose_dict("recipe=llama_70b_hsdp"), tmp_path, two_nodes, notify=print)
+    assert err.value.key == "num_nodes" and "\n" not in err.value.one_line()
 
 
 def run_recipe_cli(*args: str, cwd: Path) -> Result:

@@ -153,6 +153,22 @@ def test_optuna_with_a_failed_and_invalid_trials_maximises_tokens_per_s(tmp_path
     assert "sweep: 4 jobs (1 ok, 2 skipped, 1 failed)" in r.out
 
 
+@pytest.mark.distributed
+def test_submitit_local_runs_each_job_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """Hydra's submitit launcher (no pre-pass: each job checks itself) really running a sweep."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=submitit_local", *CPU, "devices=2", "tp=1,3", "trainer.max_steps=3"]
+    r = run([*args, f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r
+    assert statuses(sweep, 2) == ["ok", "skipped"]
+    assert [row["step"] for row in read_metrics(sweep / "0")] == [1, 2, 3]
+    assert read_summary(sweep / "1")["reason"].startswith("tp=3: must divide the world size 2")
+    # Each job ran in a process submitit started, not in the sweep's own.
+    assert sorted(p.name for p in (sweep / ".submitit").iterdir()), "submitit's job folders"
+    assert [row["status"] for row in sweep_rows(sweep)] == ["ok", "skipped"]
+
+
 # --------------------------------------------------------------------------- no ranks started
 
 
