@@ -38,15 +38,16 @@ def wait_for_listener(port: int, proc: Any, timeout: float = 120) -> None:
 
 
 TWO_NODES = {
-    "fsdp2": ([], {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 1}),
-    # FSDP1's hybrid strategies with their default size: shard within each node, replicate across.
+    "fsdp2": (["devices=1"], {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 1}),
+    # FSDP1's hybrid strategies with their default size: shard within each node (2 processes),
+    # replicate across the nodes. (One process per node is refused: test_validation.py.)
     "fsdp_hybrid_shard": (
-        ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD"],
-        {"replicate": 2, "shard": 1},
+        ["devices=2", "strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD"],
+        {"replicate": 2, "shard": 2},
     ),
     "fsdp_hybrid_shard_zero2": (
-        ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD_ZERO2"],
-        {"replicate": 2, "shard": 1},
+        ["devices=2", "strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD_ZERO2"],
+        {"replicate": 2, "shard": 2},
     ),
 }
 
@@ -58,7 +59,7 @@ def test_two_nodes_through_a_c10d_rendezvous_train_as_one_job(
     strategy, mesh = TWO_NODES[name]
     run_dir = tmp_path / "shared"  # one run directory, as on a shared filesystem
     port = free_port()
-    common = ["num_nodes=2", "devices=1", *strategy, *PARITY, f"hydra.run.dir={run_dir}"]
+    common = ["num_nodes=2", *strategy, *PARITY, f"hydra.run.dir={run_dir}"]
     # Node 0 names the rendezvous in the config, node 1 through the usual environment variables.
     node0 = [*common, f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.node_rank=0"]
     node1_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1"}
@@ -69,7 +70,8 @@ def test_two_nodes_through_a_c10d_rendezvous_train_as_one_job(
     out0, _ = first.communicate(timeout=300)
     assert (first.returncode, second.returncode) == (0, 0), f"{out0[-3000:]}\n{out1[-3000:]}"
     summary = read_summary(run_dir)
-    assert (summary["status"], summary["world_size"], summary["dp"]) == ("ok", 2, 2)
+    world = 2 * int(strategy[0].split("=")[1])
+    assert (summary["status"], summary["world_size"], summary["dp"]) == ("ok", world, world)
     losses = [row["loss"] for row in read_metrics(run_dir)]
     assert len(losses) == len(reference_losses)
     assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < 1e-5, (losses, reference_losses)

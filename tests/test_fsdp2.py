@@ -75,10 +75,10 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
         assert setup["mesh"] == {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 1}
         assert_synced_once_per_step(run_dir, units=5)
         assert_plan_matches_the_run(run_dir)
-        # Resharded after forward (the default): blocks are gathered again for their backward, in
-        # each micro-batch; not the last block (backward starts with it, parallel/fsdp2.py) nor
-        # the root (FSDP2 keeps it gathered).
-        assert collectives_per_backward(run_dir, ALL_GATHER) == [3, 3, 3, 3]
+        # Resharded after forward (the default): units are gathered again for their backward, in
+        # each micro-batch: blocks 0-2 and the root; not the last block (backward starts with it,
+        # parallel/fsdp2.py keeps it gathered).
+        assert collectives_per_backward(run_dir, ALL_GATHER) == [4, 4, 4, 4]
     if name == "zero2_with_cpu_offload":
         assert collectives_per_backward(run_dir, ALL_GATHER) == [0, 0]
     if name == "dp2_tp2_sequence_parallel":

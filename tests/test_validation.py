@@ -164,6 +164,19 @@ def test_torchrun_layout_wins_over_devices() -> None:
         resolve_layout(composed("devices=8"), env, gpus=EIGHT_GPUS)
 
 
+@pytest.mark.parametrize("sharding", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_hybrid_shard_groups_of_one_process_are_refused(sharding: str) -> None:
+    """torch's FSDP1 would silently train each replica on its own batch (seen in a real two-node
+    run: the losses left the single-process ones after the first step)."""
+    one_per_node = ["strategy=fsdp", f"strategy.sharding_strategy={sharding}", "devices=1", "num_nodes=2"]
+    one_per_node.append("launcher.rdzv_endpoint=node0:29500")
+    err = _check(*one_per_node)
+    assert err.key == "strategy.sharding_strategy" and "never syncs gradients" in err.problem
+    err = _check("strategy=fsdp", f"strategy.sharding_strategy={sharding}", "strategy.hybrid_shard_size=1")
+    assert err.key == "strategy.hybrid_shard_size" and err.value == 1
+    validate(resolve_layout(composed("strategy=fsdp", f"strategy.sharding_strategy={sharding}"), {}, gpus=8))
+
+
 def test_no_gpu_defaults_to_two_cpu_processes() -> None:
     cfg = resolve_layout(
         composed(), {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | CPU
