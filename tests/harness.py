@@ -85,17 +85,21 @@ class Job:
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update(env or {})
         full_env[TAG] = self.tag
-        with open(self._logs / "stdout", "w") as out, open(self._logs / "stderr", "w") as err:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT if merge_output else err,
-                text=True,
-                env=full_env,
-                cwd=cwd or REPO,
-                start_new_session=True,
-            )
+        try:
+            with open(self._logs / "stdout", "w") as out, open(self._logs / "stderr", "w") as err:
+                self.proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if merge_output else err,
+                    text=True,
+                    env=full_env,
+                    cwd=cwd or REPO,
+                    start_new_session=True,
+                )
+        except BaseException:  # nothing started (a missing program, the fast tier's refusal)
+            self._remove_logs()
+            raise
         self.args = cmd
 
     # ------------------------------------------------------------------ as a Popen
@@ -180,6 +184,9 @@ class Job:
 
     def close(self) -> None:
         self.kill()
+        self._remove_logs()
+
+    def _remove_logs(self) -> None:
         for name in ("stdout", "stderr"):
             (self._logs / name).unlink(missing_ok=True)
         self._logs.rmdir()

@@ -7,10 +7,12 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import gpu_count
+from conftest import gpu_count, start
 
 from fsdp_cli.launch import environment
 
@@ -28,6 +30,13 @@ from fsdp_cli.launch import environment
 def test_a_test_not_marked_distributed_cannot_start_a_process(start: object) -> None:
     with pytest.raises(pytest.fail.Exception, match="starts a process but is not marked distributed"):
         start()  # type: ignore[operator]
+
+
+def test_a_refused_start_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the harness keeps a job's output
+    with pytest.raises(pytest.fail.Exception, match="not marked distributed"):
+        start(["true"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_no_cuda_device_means_skip_and_a_broken_install_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
