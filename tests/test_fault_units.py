@@ -259,11 +259,14 @@ def test_resume_auto_falls_back_past_damaged_checkpoints(tmp_path: Path) -> None
     ]
 
 
+@pytest.mark.distributed
 def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path: Path) -> None:
     """Inside torchrun or srun nobody watches the heartbeat: the rank's own faulthandler timer
-    (re-armed by each beat) writes its stack into its log and ends it."""
-    import subprocess
+    (re-armed by each beat) writes its stack into its log and ends it. (A process of its own:
+    the timer ends the process it runs in.)"""
     import sys
+
+    from conftest import run
 
     script = (
         "import time\n"
@@ -274,9 +277,8 @@ def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path
         "    time.sleep(30)\n"
         "stuck_in_a_collective()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_CLI_WATCHDOG"}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    result = run([sys.executable, "-c", script], env={"FSDP_CLI_WATCHDOG": ""}, timeout=60)
     assert result.returncode == 1 and time.monotonic() - started < 20
     log = (tmp_path / "logs" / "rank1.log").read_text()
     assert "Timeout (0:00:00.500000)!" in log and "stuck_in_a_collective" in log

@@ -172,6 +172,22 @@ def _check_fsdp1(run: ResolvedRun) -> None:
                 allowed=", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
                 hint="null shards within each node and replicates across nodes",
             )
+        if layout.shard == 1 and world > 1:
+            # torch's FSDP1 clamps a one-rank shard group to NO_SHARD, which then never reduces
+            # gradients across the replicas: each would train on its own batch only.
+            key, value = (
+                ("strategy.hybrid_shard_size", 1)
+                if strategy.hybrid_shard_size
+                else ("strategy.sharding_strategy", strategy.sharding_strategy.value)
+            )
+            raise ConfigError(
+                key,
+                value,
+                f"shard groups of one process (devices={layout.devices} per node): torch's FSDP1 then runs "
+                "NO_SHARD inside each group and never syncs gradients across them",
+                allowed="shard groups of 2 or more processes",
+                hint="strategy.sharding_strategy=NO_SHARD replicates on every rank; or run 2+ processes per node",
+            )
     elif strategy.hybrid_shard_size is not None:
         raise ConfigError(
             "strategy.hybrid_shard_size",

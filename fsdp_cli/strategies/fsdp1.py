@@ -104,7 +104,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             else:
                 replicate = self.world_size // (self.hybrid_shard_size or self.num_processes)
         dims = ParallelDims.resolve(world_size=self.world_size, replicate=replicate)
-        mesh = dims.build_fsdp1_mesh(self.root_device.type)
+        mesh = dims.build_fsdp1_mesh(self.root_device.type, hybrid=self.sharding_strategy.name in HYBRID)
         self.kwargs["device_mesh"] = mesh
         self.run_mesh = mesh
 
