@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import gpu_count, start
 
-from fsdp_cli.launch import environment
+from fsdp_cli.launch import nvml
 
 
 @pytest.mark.parametrize(
@@ -41,9 +41,9 @@ def test_a_refused_start_leaves_no_files(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_no_cuda_device_means_skip_and_a_broken_install_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(environment, "_nvml_device_count", lambda: 0)
+    monkeypatch.setattr(nvml, "device_count", lambda: 0)
     assert gpu_count({}) == 0  # no driver, no device: the GPU tests skip
-    monkeypatch.setattr(environment, "_nvml_device_count", lambda: 2)
+    monkeypatch.setattr(nvml, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match=r"the driver lists 2 GPU\(s\) but torch .* can use none"):
         gpu_count({})
     assert gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0  # GPUs hidden on purpose

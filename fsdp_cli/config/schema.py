@@ -109,14 +109,6 @@ class SweepObjective(Enum):
 # --------------------------------------------------------------------------- group options
 
 
-@dataclass
-class GroupOption:
-    """Base of the schemas a group option selects by ``name`` (its field comes first)."""
-
-    name: str = ""
-    """Selects this schema (set by the option file)."""
-
-
 TIMEOUT = at_least(1)
 """Collective timeouts: whole seconds, at least one."""
 
@@ -125,10 +117,11 @@ TIMEOUT = at_least(1)
 
 
 @dataclass
-class DDPConfig(GroupOption):
+class DDPConfig:
     """``strategy=ddp``: Lightning's DDPStrategy, the baseline every sharded layout is compared with."""
 
     name: str = "ddp"
+    """Selects this schema (set by the option file)."""
     process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = field(default=1800, metadata=TIMEOUT)
@@ -163,7 +156,7 @@ class MixedPrecisionPolicyConfig:
 
 
 @dataclass
-class FSDP2Config(ParallelizeSettings, GroupOption):
+class FSDP2Config(ParallelizeSettings):
     """``strategy=fsdp2``: :class:`fsdp_cli.strategies.FSDP2Strategy` (FSDP2 + optional tensor parallel).
 
     The data-parallel and tensor-parallel sizes come from the top-level ``dp`` and ``tp``; the
@@ -172,6 +165,7 @@ class FSDP2Config(ParallelizeSettings, GroupOption):
     """
 
     name: str = "fsdp2"
+    """Selects this schema (set by the option file)."""
     mp_policy: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
     """FSDP2 mixed precision; null dtypes derive from the ``precision`` group."""
     cpu_offload: bool = False
@@ -189,10 +183,11 @@ class FSDP2Config(ParallelizeSettings, GroupOption):
 
 
 @dataclass
-class FSDPConfig(GroupOption):
+class FSDPConfig:
     """``strategy=fsdp``: Lightning's FSDPStrategy (FSDP1), every documented option."""
 
     name: str = "fsdp"
+    """Selects this schema (set by the option file)."""
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     """What is sharded: FULL_SHARD (parameters, gradients, optimizer state), SHARD_GRAD_OP
     (gradients and optimizer state), NO_SHARD (DDP-like), or the HYBRID_* variants (shard within
@@ -258,11 +253,12 @@ class DDPFullyShardedConfig(FSDPConfig):
 
 
 @dataclass
-class ModelParallelConfig(GroupOption):
+class ModelParallelConfig:
     """``strategy=model_parallel``: Lightning's ModelParallelStrategy for a LightningModule that
     implements ``configure_model`` itself. Sizes come from the top-level ``dp`` and ``tp``."""
 
     name: str = "model_parallel"
+    """Selects this schema (set by the option file)."""
     save_distributed_checkpoint: bool | None = None
     """true: sharded (DCP) checkpoints, false: one full file; null: from the ``checkpoint`` group."""
     process_group_backend: str | None = None
@@ -307,11 +303,12 @@ class CheckpointConfig:
 
 
 @dataclass
-class LlamaConfig(LlamaArgs, GroupOption):
+class LlamaConfig(LlamaArgs):
     """``model=llama``: the built-in Llama-style decoder (:class:`fsdp_cli.models.args.LlamaArgs`):
     RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
 
     name: str = "llama"
+    """Selects this schema (set by the option file)."""
 
 
 @dataclass
@@ -333,7 +330,7 @@ class CustomModelConfig:
 
 
 @dataclass
-class HFModelConfig(HFModelArgs, GroupOption):
+class HFModelConfig(HFModelArgs):
     """``model=hf``: a Hugging Face causal LM (``AutoModelForCausalLM``) from a local folder
     (:class:`fsdp_cli.models.args.HFModelArgs`).
 
@@ -343,15 +340,18 @@ class HFModelConfig(HFModelArgs, GroupOption):
     """
 
     name: str = "hf"
+    """Selects this schema (set by the option file)."""
 
 
 # --------------------------------------------------------------------------- data group
 
 
 @dataclass
-class DataConfig(GroupOption):
+class DataConfig:
     """What every ``data`` option has: the batch, the sequence, the vocabulary, the workers."""
 
+    name: str = ""
+    """Selects this schema (set by the option file)."""
     global_batch_size: int = field(default=8, metadata=at_least(1))
     """Sequences per optimizer step across all data-parallel ranks."""
     seq_len: int = field(default=128, metadata=at_least(1))
