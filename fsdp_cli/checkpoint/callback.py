@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fsdp_cli.callbacks.metrics import planned_steps
 from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
 from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
@@ -87,6 +88,7 @@ class CheckpointCallback(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen_step = trainer.global_step
+        self.max_steps = planned_steps(trainer) or self.max_steps  # max_epochs may end the run first
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -98,7 +100,8 @@ class CheckpointCallback(L.Callback):
             trainer.should_stop = True
             return
         every = self.config.every_n_steps
-        if every and step % every == 0 and step < self.max_steps:  # the last step is saved by the worker
+        last = 0 < self.max_steps <= step  # the last step is saved by the worker
+        if every and step % every == 0 and not last:
             self.save(trainer)
 
     def save(self, trainer: L.Trainer) -> Path:

@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.cli.callback_classes import check_callback_classes
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
@@ -50,7 +51,7 @@ def memory_plan_check(cfg: TrainConfig) -> None:
     print(f"fsdp-train: warning: {problem}", file=sys.stderr, flush=True)
 
 
-PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check,)
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check, check_callback_classes)
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
 The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in

@@ -7,6 +7,7 @@ second.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import math
 import os
@@ -80,6 +81,12 @@ def advisories(cfg: TrainConfig) -> list[str]:
         )
     if isinstance(cfg.strategy, FSDP2Config) and cfg.strategy.sequence_parallel and cfg.tp == 1:
         notes.append("note: strategy.sequence_parallel has no effect with tp=1")
+    t = cfg.trainer
+    if t.max_epochs is not None and t.max_steps != -1:
+        notes.append(
+            f"note: trainer.max_steps={t.max_steps} and trainer.max_epochs={t.max_epochs} both limit this run: "
+            "it stops at whichever comes first (trainer.max_steps=-1 trains for the epochs alone)"
+        )
     return notes
 
 
@@ -440,10 +447,9 @@ def check_fault_handling(cfg: TrainConfig) -> None:
 
 def check_trainer(cfg: TrainConfig) -> None:
     trainer = cfg.trainer
-    for key in ("max_steps", "log_every_n_steps"):
-        value = getattr(trainer, key)
-        if value < 1:
-            raise ConfigError(f"trainer.{key}", value, "must be at least 1")
+    _check_training_length(trainer.max_steps, trainer.max_epochs)
+    if trainer.log_every_n_steps < 1:
+        raise ConfigError("trainer.log_every_n_steps", trainer.log_every_n_steps, "must be at least 1")
     if trainer.gradient_clip_val is not None and trainer.gradient_clip_val <= 0:
         raise ConfigError(
             "trainer.gradient_clip_val",
@@ -461,7 +467,7 @@ def check_trainer(cfg: TrainConfig) -> None:
         )
     if trainer.profile_steps < 1:
         raise ConfigError("trainer.profile_steps", trainer.profile_steps, "must be at least 1")
-    if trainer.profiler is Profiler.torch and trainer.max_steps < trainer.profile_steps + 2:
+    if trainer.profiler is Profiler.torch and -1 < trainer.max_steps < trainer.profile_steps + 2:
         raise ConfigError(
             "trainer.max_steps",
             trainer.max_steps,
@@ -476,6 +482,59 @@ def check_trainer(cfg: TrainConfig) -> None:
     if trainer.val_check_interval is not None and trainer.val_check_interval < 1:
         raise ConfigError(
             "trainer.val_check_interval", trainer.val_check_interval, "must be at least 1 or null"
+        )
+
+
+def _check_training_length(max_steps: int, max_epochs: int | None) -> None:
+    """Lightning's rule: either limit ends the run; -1 steps means none, which needs epochs."""
+    if max_epochs is not None and max_epochs < 1:
+        raise ConfigError(
+            "trainer.max_epochs", max_epochs, "must be at least 1 or null", allowed="1, 2, ... or null"
+        )
+    if max_steps == -1 and max_epochs is None:
+        raise ConfigError(
+            "trainer.max_steps",
+            -1,
+            "no step limit and no epoch limit: the run would never end",
+            allowed="a positive number of steps, or -1 with trainer.max_epochs=N",
+            hint="set trainer.max_epochs=N, or trainer.max_steps=N",
+        )
+    if max_steps < 1 and max_steps != -1:
+        raise ConfigError(
+            "trainer.max_steps",
+            max_steps,
+            "must be at least 1, or -1 (no step limit) with trainer.max_epochs",
+            allowed="1, 2, ... or -1",
+        )
+
+
+def check_epoch_data(cfg: TrainConfig) -> None:
+    """Epochs of the ``data`` group are whole global batches of a finite dataset."""
+    data = cfg.data
+    if data.name != "synthetic":
+        return
+    size = data.num_sequences
+    if size is not None and size < 1:
+        raise ConfigError(
+            "data.num_sequences", size, "must be at least 1 or null", allowed="1, 2, ... or null"
+        )
+    if cfg.trainer.max_epochs is None:
+        return
+    if size is None:
+        raise ConfigError(
+            "data.num_sequences",
+            None,
+            f"trainer.max_epochs={cfg.trainer.max_epochs} needs epochs, and data=synthetic is an endless stream",
+            allowed="a number of sequences (an epoch visits each once)",
+            hint=f"data.num_sequences={data.global_batch_size * 100} (100 steps per epoch), or trainer.max_steps=N without max_epochs",
+        )
+    if size < data.global_batch_size:
+        raise ConfigError(
+            "data.num_sequences",
+            size,
+            f"an epoch must hold at least one global batch (data.global_batch_size={data.global_batch_size})",
+            allowed=f"{data.global_batch_size} or more",
+            hint="an epoch is floor(num_sequences / global_batch_size) optimizer steps",
         )
 
 
@@ -520,21 +579,74 @@ def check_wrap_and_logger(cfg: TrainConfig) -> None:
         )
 
 
+LOGGER_PACKAGES = {
+    LoggerName.mlflow: ("mlflow", "mlflow"),
+    LoggerName.wandb: ("wandb", "wandb"),
+}
+"""logger option -> (the module Lightning's logger imports, the fsdp-cli extra that installs it)."""
+
+
+def check_experiment_logger(cfg: TrainConfig) -> None:
+    """``logger=mlflow``/``wandb``: the package is installed (and, for MLflow's default SQLite store,
+    SQLAlchemy and Alembic, which the full ``mlflow`` brings and ``mlflow-skinny`` does not)."""
+    if cfg.logger.name not in LOGGER_PACKAGES:
+        return
+    module, extra = LOGGER_PACKAGES[cfg.logger.name]
+    needed = [module]
+    uri = cfg.logger.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+    if cfg.logger.name is LoggerName.mlflow and uri.startswith("sqlite:"):
+        needed += ["sqlalchemy", "alembic"]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(
+            "logger",
+            cfg.logger.name.value,
+            f"the {' and '.join(missing)} package{'s are' if len(missing) > 1 else ' is'} not installed",
+            allowed="none, csv",
+            hint=f'pip install "fsdp-cli[{extra}]"',
+        )
+
+
+def check_callbacks(cfg: TrainConfig) -> None:
+    """Each ``callbacks`` entry names a module that can be imported (found without importing it:
+    whether it holds a Lightning Callback taking those arguments is asked on the resolve path,
+    :mod:`fsdp_cli.cli.callback_classes`, where importing it is allowed)."""
+    for name, entry in cfg.callbacks.items():
+        if entry is not None:
+            _check_dotted(f"callbacks.{name}._target_", str(entry["_target_"]))
+
+
 def _check_dotted(key: str, path: str) -> None:
     module, _, attr = path.rpartition(".")
     if not module or not attr:
         raise ConfigError(key, path, "not a dotted path", allowed="package.module.Name")
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
+    if find_module(module) is None:
         raise ConfigError(
             key,
             path,
             f"module {module!r} cannot be imported",
             hint="run from the folder that holds it, or add that folder to PYTHONPATH",
         )
+
+
+def find_module(dotted: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of module ``dotted``, found without importing it or its parent packages where the
+    files tell (``importlib.util.find_spec`` imports the parents: ``lightning.pytorch.callbacks``
+    would import torch); a package that builds its ``__path__`` at import time is imported."""
+    parts = dotted.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+        for depth in range(2, len(parts) + 1):
+            if spec is None or spec.submodule_search_locations is None:
+                break
+            spec = importlib.machinery.PathFinder.find_spec(
+                ".".join(parts[:depth]), list(spec.submodule_search_locations)
+            )
+        else:
+            return spec
+        return importlib.util.find_spec(dotted)
+    except (ImportError, ValueError):
+        return None
 
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
@@ -549,6 +661,8 @@ CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_wrap_and_logger,
     check_optim,
     check_fault_handling,
+    check_experiment_logger,
+    check_callbacks,
 )
 DATA_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_batch,
@@ -556,4 +670,5 @@ DATA_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_sequence,
     check_validation_data,
     check_data_path,
+    check_epoch_data,
 )
