@@ -8,7 +8,10 @@ Lightning logger does. Their packages are optional extras (``pip install "fsdp-c
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,12 @@ MLFLOW_DB = "mlflow.db"
 def build_experiment_logger(config: LoggerConfig, run_dir: Path) -> Logger:
     run_name = config.run_name or Path(run_dir).resolve().name
     if config.name is LoggerName.mlflow:
-        return MLFlowLogger(
-            experiment_name=config.project,
-            run_name=run_name,
-            tracking_uri=mlflow_tracking_uri(config, run_dir),
-        )
+        uri = mlflow_tracking_uri(config, run_dir)
+        # Every rank builds the logger, and MLflow's client opens its store when it is made: a
+        # new SQLite store is created and migrated by whichever rank gets there first, and two
+        # at once collide ("duplicate column"). One at a time, the others find it ready.
+        with _one_rank_at_a_time(uri):
+            return MLFlowLogger(experiment_name=config.project, run_name=run_name, tracking_uri=uri)
     return FinishingWandbLogger(
         project=config.project,
         name=run_name,
@@ -44,6 +48,19 @@ def mlflow_tracking_uri(config: LoggerConfig, run_dir: Path) -> str:
         or os.environ.get("MLFLOW_TRACKING_URI")
         or f"sqlite:///{Path(run_dir).resolve() / MLFLOW_DB}"
     )
+
+
+@contextlib.contextmanager
+def _one_rank_at_a_time(uri: str) -> Iterator[None]:
+    """An exclusive lock beside a local SQLite store (nothing for other stores)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    lock = Path(uri.removeprefix("sqlite:///").split("?")[0] + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 def wandb_offline(config: LoggerConfig) -> bool:

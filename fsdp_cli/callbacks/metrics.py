@@ -148,7 +148,10 @@ class MetricsCallback(L.Callback):
             if key == "step" or value is None or (key in present and key not in self._shared):
                 continue
             self._shared.add(key)
-            pl_module.log(key, float(value), on_step=True, on_epoch=False, logger=False, batch_size=1)
+            # float64, as in metrics.jsonl: a monitored value (and a file name that shows it) is
+            # exactly the row's; a plain float would become float32.
+            exact = torch.tensor(float(value), dtype=torch.float64)
+            pl_module.log(key, exact, on_step=True, on_epoch=False, logger=False, batch_size=1)
 
     def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
         if self.tokens_per_step is not None:
