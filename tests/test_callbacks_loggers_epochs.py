@@ -470,3 +470,33 @@ def test_callbacks_monitor_the_metrics_rows_in_process(tmp_path: Path) -> None:
     assert float(stop.best_score) == rows[4]["loss"]  # epoch 0's last logged loss
     assert float(best.best_model_score) == min(r["grad_norm"] for r in rows.values())
     assert float(trainer.callback_metrics["step_time_s"]) == -1.0
+
+
+def test_the_ranks_build_entries_with_hydra_and_a_refused_value_is_one_line() -> None:
+    """What the ranks build: keyword arguments, a nested ``_target_`` argument built too, null
+    entries skipped; a value the constructor refuses is a ConfigError naming the entry."""
+    from lightning.pytorch.callbacks import EarlyStopping, RichProgressBar
+
+    from fsdp_cli.builders.callbacks import build_user_callbacks
+
+    cfg = composed(
+        f"+callbacks.stop._target_={CB}.EarlyStopping",
+        "+callbacks.stop.monitor=loss",
+        "+callbacks.stop.patience=7",
+        f"+callbacks.bar._target_={CB}.RichProgressBar",
+        f"+callbacks.bar.theme._target_={CB}.progress.rich_progress.RichProgressBarTheme",
+        "+callbacks.bar.theme.description=green",
+        "+callbacks.off=null",
+    )
+    stop, bar = build_user_callbacks(cfg)
+    assert isinstance(stop, EarlyStopping) and (stop.monitor, stop.patience) == ("loss", 7)
+    assert isinstance(bar, RichProgressBar) and bar.theme.description == "green"
+    bad = composed(
+        f"+callbacks.stop._target_={CB}.EarlyStopping",
+        "+callbacks.stop.monitor=loss",
+        "+callbacks.stop.mode=sideways",
+    )
+    with pytest.raises(ConfigError) as info:
+        build_user_callbacks(bad)
+    line = info.value.one_line()
+    assert line.startswith(f"callbacks.stop={CB}.EarlyStopping: ") and "sideways" in line and "\n" not in line

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from fsdp_cli.builders.precision import fsdp2_precision_plugin
@@ -89,9 +89,10 @@ def build_trainer(
         callbacks=callbacks,
         deterministic=t.deterministic,
         # Our checkpoints are a callback of ours; Lightning's ModelCheckpoint, when the config's
-        # callbacks hold one, saves through the same strategy (the same format, resumable).
+        # callbacks hold one, saves through the same strategy (the same format, resumable). A
+        # progress bar among them is wanted too (Lightning refuses one with the flag off).
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
-        enable_progress_bar=t.enable_progress_bar,
+        enable_progress_bar=t.enable_progress_bar or any(isinstance(c, ProgressBar) for c in callbacks),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=module_loaders,
