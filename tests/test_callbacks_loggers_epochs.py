@@ -499,4 +499,5 @@ def test_the_ranks_build_entries_with_hydra_and_a_refused_value_is_one_line() ->
     with pytest.raises(ConfigError) as info:
         build_user_callbacks(bad)
     line = info.value.one_line()
-    assert line.startswith(f"callbacks.stop={CB}.EarlyStopping: ") and "sideways" in line and "\n" not in line
+    assert line.startswith(f"callbacks.stop={CB}.EarlyStopping: MisconfigurationException: ")
+    assert "sideways" in line and "\n" not in line

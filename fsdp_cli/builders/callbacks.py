@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 
+from fsdp_cli.builders.imports import instantiate
 from fsdp_cli.callbacks.clipping import GradientClipping
 from fsdp_cli.callbacks.heartbeat import HeartbeatCallback
 from fsdp_cli.callbacks.metrics import MetricsCallback
@@ -111,22 +112,15 @@ def build_callbacks(
 
 
 def build_user_callbacks(cfg: TrainConfig) -> list[L.Callback]:
-    """The ``callbacks`` entries, built by Hydra's ``instantiate`` as the lightning-hydra-template
-    convention has it (an argument that is itself a ``_target_`` node is built too). The parent
-    checked that each class exists and takes its arguments; what a constructor still refuses
-    (a value out of range) is the same one-line error, from the rank."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
+    """The ``callbacks`` entries, built as the lightning-hydra-template convention has it (an
+    argument that is itself a ``_target_`` node is built too). The parent checked that each class
+    exists and takes its arguments; what a constructor still refuses (a value out of range) is the
+    same one-line error, from the rank."""
     built = []
     for name, entry in cfg.callbacks.items():
         if entry is None:
             continue
-        try:
-            # Plain lists and dicts for the arguments, as a Python caller would pass them.
-            callback = instantiate({"_convert_": "all", **entry})
-        except InstantiationException as err:
-            raise ConfigError(f"callbacks.{name}", entry["_target_"], " ".join(str(err).split())) from None
+        callback = instantiate(entry, f"callbacks.{name}")
         if not isinstance(callback, L.Callback):
             raise ConfigError(
                 f"callbacks.{name}",

@@ -1,8 +1,9 @@
-"""Dotted paths from the config (``model._target_``, ``strategy.parallelize_fn``) to objects."""
+"""Dotted paths from the config (``model._target_``, ``strategy.parallelize_fn``, ``callbacks``) to objects."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from fsdp_cli.errors import ConfigError
@@ -20,3 +21,36 @@ def import_object(path: str, key: str) -> Any:
             f"cannot be imported ({err})",
             hint="run from the folder that holds the module, or add it to PYTHONPATH",
         ) from None
+
+
+def instantiate(node: Mapping[str, Any], key: str) -> Any:
+    """A ``{_target_: dotted.Path, arg: value, ...}`` node -> ``Path(**args)``, the convention of
+    Hydra's ``instantiate`` (Hydra itself stays in the entry point): an argument that is such a
+    node is built first, ``_args_`` are positional arguments, other ``_name_`` keys (Hydra's
+    options) are ignored. A constructor that refuses its arguments is a one-line ConfigError on
+    ``key``."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    target = import_object(str(node["_target_"]), f"{key}._target_")
+    args = [_built(value, f"{key}._args_.{i}") for i, value in enumerate(node.get("_args_") or [])]
+    kwargs = {
+        name: _built(value, f"{key}.{name}")
+        for name, value in node.items()
+        if not (name.startswith("_") and name.endswith("_"))
+    }
+    try:
+        return target(*args, **kwargs)
+    except (TypeError, ValueError, MisconfigurationException) as err:
+        raise ConfigError(
+            key, node["_target_"], f"{type(err).__name__}: {' '.join(str(err).split())}"
+        ) from None
+
+
+def _built(value: Any, key: str) -> Any:
+    if isinstance(value, Mapping) and "_target_" in value:
+        return instantiate(value, key)
+    if isinstance(value, Mapping):
+        return {name: _built(item, f"{key}.{name}") for name, item in value.items()}
+    if isinstance(value, list):
+        return [_built(item, f"{key}.{i}") for i, item in enumerate(value)]
+    return value
