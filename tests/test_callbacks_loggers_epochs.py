@@ -9,6 +9,8 @@ run resumed mid-epoch repeats the uninterrupted one's losses exactly."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
 from pathlib import Path
 from typing import Any
@@ -55,11 +57,11 @@ def callback_run_args(run_dir: Path) -> list[str]:
     ]
 
 
-# Our data with epochs: 24 sequences / 8 per step = 3 steps an epoch, 3 epochs, no step limit.
+# Our data with epochs: 80 sequences / 8 per step = 10 steps an epoch, 2 epochs, no step limit.
 EPOCH_RUN = [
     *TWO_CPU,
-    "data.num_sequences=24",
-    "trainer.max_epochs=3",
+    "data.num_sequences=80",
+    "trainer.max_epochs=2",
     "trainer.max_steps=-1",
     "checkpoint.every_n_steps=2",
     "checkpoint.keep_last=5",
@@ -100,7 +102,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             return [*callback_run_args(run_dir), f"resume='{saved}'"]
         if name == "epochs":
             return EPOCH_RUN
-        if name == "epochs_resumed":  # mid-epoch: step 4 is the first of epoch 1's three
+        if name == "epochs_resumed":  # from step 4, mid-epoch 0
             return [*EPOCH_RUN, f"resume={get('epochs')[0] / 'checkpoints' / 'step_00000004'}"]
         if name == "own_epochs":
             return OWN_EPOCH_RUN
@@ -186,11 +188,11 @@ def test_model_checkpoint_monitors_loss_and_its_files_resume_exactly(runs: Any, 
 
 @pytest.mark.distributed
 def test_epochs_of_our_data_end_the_run_and_wandb_offline_gets_every_row(runs: Any) -> None:
-    """3 epochs of 3 steps with trainer.max_steps=-1: 9 steps; the cosine schedule reaches its
+    """2 epochs of 10 steps with trainer.max_steps=-1: 20 steps; the cosine schedule reaches its
     floor exactly where the epochs end; W&B, offline, holds every metrics.jsonl row."""
     run_dir, _ = runs("epochs")
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
-    assert [r["step"] for r in rows] == list(range(1, 10))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     assert rows[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # lr * min_lr_ratio at the horizon
     assert rows[-2]["lr"] > rows[-1]["lr"] * 1.01
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
@@ -206,8 +208,31 @@ def test_our_data_resumed_mid_epoch_repeats_the_uninterrupted_losses(runs: Any) 
     resumed, stderr = runs("epochs_resumed")
     assert "resuming from" in stderr and "not resumable" not in stderr
     expected = train_losses(straight)
-    # Steps 5-6 finish epoch 1, 7-9 are epoch 2: bitwise equal (the same layout).
-    assert train_losses(resumed) == {s: expected[s] for s in range(5, 10)}
+    # Steps 5-10 finish epoch 0, 11-20 are epoch 1: bitwise equal (the same layout).
+    assert train_losses(resumed) == {s: expected[s] for s in range(5, 21)}
+
+
+@pytest.mark.distributed
+def test_preempted_mid_epoch_then_resumed_ends_like_the_uninterrupted_run(runs: Any, tmp_path: Path) -> None:
+    """A stop signal in epoch 0 (SIGUSR1 to rank 1, as a scheduler sends before a time limit):
+    the run saves and exits as preempted; ``resume=auto`` continues to the same end, step 20,
+    with every step's loss the uninterrupted run's (the epoch it was stopped in is not counted
+    as finished)."""
+    from conftest import complete_lines, start_cli, wait_for
+
+    from fsdp_cli.rundir.heartbeat import read_heartbeats
+
+    straight, _ = runs("epochs")
+    run_dir = tmp_path / "preempted"
+    proc = start_cli(EPOCH_RUN, run_dir, env=CPU)
+    wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) >= 3, proc)
+    os.kill(read_heartbeats(run_dir)[1].pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    stopped = json.loads((run_dir / "summary.json").read_text())["steps"]
+    assert 3 <= stopped < 10, stopped  # mid-epoch 0
+    assert_ok(run_cli([*EPOCH_RUN, "resume=auto"], run_dir, env=CPU), run_dir)
+    assert train_losses(run_dir) == train_losses(straight)
 
 
 @pytest.mark.distributed
