@@ -9,7 +9,8 @@
   without waiting, through a non-blocking exchange on a gloo group of its own, every step or,
   when steps are short, about every quarter second (:mod:`fsdp_cli.checkpoint.stop_flag`). All
   ranks therefore stop after the same step (within about half a second of the signal, or two
-  steps when steps are longer), and the worker saves before exiting with status ``preempted``.
+  steps when steps are longer), save there (inside that step, so a resume continues its epoch
+  mid-way), and the worker exits with status ``preempted``.
 * Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
   dropout resumes exactly too.
 """
@@ -97,6 +98,9 @@ class CheckpointCallback(L.Callback):
         self._seen_step = step
         if self.config.save_on_sigterm and self._any_rank_signalled(step):
             self.preempted = True
+            # Saved here, inside the step as a periodic save is, so that a resume continues the
+            # epoch where it stopped; saved after fit, Lightning would count the epoch as done.
+            self.save(trainer)
             trainer.should_stop = True
             return
         every = self.config.every_n_steps
