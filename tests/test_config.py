@@ -145,7 +145,7 @@ def test_unknown_group_option_is_refused_while_composing() -> None:
 
 
 def _flat_keys(node: object, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
+    if isinstance(node, dict) and node:  # an empty mapping (callbacks: {}) is a key of its own
         out: list[str] = []
         for key, value in node.items():
             out.extend(_flat_keys(value, f"{prefix}{key}."))

@@ -39,7 +39,11 @@ ALLOWED: dict[str, set[str]] = {
     },
     "callbacks": {"launch", "models", "parallel", *LEAVES},
     "strategies": {"checkpoint", "parallel", *LEAVES},
-    "checkpoint": {"config", *LEAVES},
+    "checkpoint": {
+        "callbacks",
+        "config",
+        *LEAVES,
+    },  # (the checkpoint callback asks how many steps a fit plans)
     "launch": {"config", "parallel", *LEAVES},
     "config": {"models", "data", "parallel", *LEAVES},
     "models": {"parallel", *LEAVES},

@@ -107,6 +107,7 @@ def test_progress_is_a_live_rich_line_on_a_terminal(capsys: Any) -> None:
     class FakeTrainer:  # just what the display reads
         is_global_zero = True
         global_step = 0
+        estimated_stepping_batches = 10  # the run's planned steps (max_steps, or where epochs end it)
         strategy = type("S", (), {"root_device": torch.device("cpu")})()
 
     display = ProgressDisplay(Rows(), max_steps=10, interactive=True)  # type: ignore[arg-type]

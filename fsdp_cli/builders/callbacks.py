@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,9 @@ from fsdp_cli.callbacks.throughput import (
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.config.schema import LlamaConfig, TrainConfig
+from fsdp_cli.dotted import instantiate
+from fsdp_cli.errors import ConfigError
 
 if TYPE_CHECKING:  # (type-only: the rank's monitor is handed in by the worker)
     from fsdp_cli.worker.monitor import RankMonitor
@@ -38,15 +40,20 @@ class RunCallbacks:
     nonfinite: NonFiniteGuard
     progress: ProgressDisplay | None = None
     heartbeat: HeartbeatCallback | None = None
+    user: list[L.Callback] = field(default_factory=list)
+    """The config's ``callbacks`` entries."""
 
     def as_list(self) -> list[L.Callback]:
         # Clipping first: the metrics row of a step reports the norm clipping computed, and the
         # non-finite guard checks it. The progress display after the metrics, whose rows it
-        # shows; the heartbeat last: a step has finished when it beats.
+        # shows; the heartbeat last: a step has finished when it beats. The user's callbacks
+        # after ours: in each hook they see the step's metrics row (Lightning moves checkpoint
+        # callbacks, ModelCheckpoint, to the very end by itself).
         first = [self.clipping] if self.clipping is not None else []
         progress = [self.progress] if self.progress is not None else []
         last = [self.heartbeat] if self.heartbeat is not None else []
-        return [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
+        ours = [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
+        return [*ours, *self.user]
 
 
 def build_throughput(run: ResolvedRun, module: Any, device_name: str | None = None) -> Throughput:
@@ -115,4 +122,26 @@ def build_callbacks(
         progress=ProgressDisplay(metrics, t.max_steps),
         nonfinite=nonfinite,
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
+        user=build_user_callbacks(cfg),
     )
+
+
+def build_user_callbacks(cfg: TrainConfig) -> list[L.Callback]:
+    """The ``callbacks`` entries, built as the lightning-hydra-template convention has it (an
+    argument that is itself a ``_target_`` node is built too). The parent checked that each class
+    exists and takes its arguments; what a constructor still refuses (a value out of range) is the
+    same one-line error, from the rank."""
+    built = []
+    for name, entry in cfg.callbacks.items():
+        if entry is None:
+            continue
+        callback = instantiate(entry, f"callbacks.{name}")
+        if not isinstance(callback, L.Callback):
+            raise ConfigError(
+                f"callbacks.{name}",
+                entry["_target_"],
+                f"built a {type(callback).__name__}, not a Lightning Callback",
+                allowed="a subclass of lightning.pytorch.Callback, or a factory returning one",
+            )
+        built.append(callback)
+    return built

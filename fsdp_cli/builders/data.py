@@ -34,7 +34,7 @@ def build_datamodule(run: ResolvedRun, module: L.LightningModule) -> TokenDataMo
     if data_checks_deferred(cfg):
         validate_data(cfg)  # the parent could not know this module trains on the data group
     data_cls = TokenDataModule if cfg.trainer.val_check_interval is None else ValidatedTokenDataModule
-    return data_cls(cfg.data, seed=cfg.seed, dp_size=run.layout.dp)
+    return data_cls(cfg.data, seed=cfg.seed, dp_size=run.layout.dp, epochs=cfg.trainer.max_epochs is not None)
 
 
 def _data_group_unused(cfg: TrainConfig, module: L.LightningModule) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from fsdp_cli.builders.precision import precision_plugin
@@ -20,6 +21,10 @@ def build_logger(cfg: TrainConfig) -> Logger | None:
         return CSVLogger(save_dir=run_dir, name="csv", version="")
     if cfg.logger.name is LoggerName.tensorboard:
         return TensorBoardLogger(save_dir=run_dir, name="tensorboard", version="")
+    if cfg.logger.name in (LoggerName.mlflow, LoggerName.wandb):
+        from fsdp_cli.builders.loggers import build_experiment_logger
+
+        return build_experiment_logger(cfg.logger, run_dir)
     return None
 
 
@@ -79,14 +84,17 @@ def build_trainer(
         num_nodes=run.layout.num_nodes,
         strategy=strategy,
         max_steps=t.max_steps,
-        max_epochs=-1,
+        max_epochs=t.max_epochs if t.max_epochs is not None else -1,
         accumulate_grad_batches=accumulation,
         log_every_n_steps=t.log_every_n_steps,
         logger=build_logger(cfg) or False,
         callbacks=callbacks,
         deterministic=t.deterministic,
-        enable_checkpointing=False,
-        enable_progress_bar=t.enable_progress_bar,
+        # Our checkpoints are a callback of ours; Lightning's ModelCheckpoint, when the config's
+        # callbacks hold one, saves through the same strategy (the same format, resumable). A
+        # progress bar among them is wanted too (Lightning refuses one with the flag off).
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
+        enable_progress_bar=t.enable_progress_bar or any(isinstance(c, ProgressBar) for c in callbacks),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=module_loaders,

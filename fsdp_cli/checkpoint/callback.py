@@ -9,7 +9,8 @@
   without waiting, through a non-blocking exchange on a gloo group of its own, every step or,
   when steps are short, about every quarter second (:mod:`fsdp_cli.checkpoint.stop_flag`). All
   ranks therefore stop after the same step (within about half a second of the signal, or two
-  steps when steps are longer), and the worker saves before exiting with status ``preempted``.
+  steps when steps are longer), save there (inside that step, so a resume continues its epoch
+  mid-way), and the worker exits with status ``preempted``.
 * Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
   dropout resumes exactly too.
 """
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fsdp_cli.callbacks.metrics import planned_steps
 from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
 from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
@@ -96,6 +98,7 @@ class CheckpointCallback(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen_step = trainer.global_step
+        self.max_steps = planned_steps(trainer) or self.max_steps  # max_epochs may end the run first
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -104,10 +107,14 @@ class CheckpointCallback(L.Callback):
         self._seen_step = step
         if self.config.save_on_sigterm and self._any_rank_signalled(step):
             self.preempted = True
+            # Saved here, inside the step as a periodic save is, so that a resume continues the
+            # epoch where it stopped; saved after fit, Lightning would count the epoch as done.
+            self.save(trainer)
             trainer.should_stop = True
             return
         every = self.config.every_n_steps
-        if every and step % every == 0 and step < self.max_steps:  # the last step is saved by the worker
+        last = 0 < self.max_steps <= step  # the last step is saved by the worker
+        if every and step % every == 0 and not last:
             self.save(trainer)
 
     def save(self, trainer: L.Trainer) -> Path:

@@ -75,6 +75,10 @@ class LoggerName(Enum):
     none = "none"
     csv = "csv"
     tensorboard = "tensorboard"
+    mlflow = "mlflow"
+    """Lightning's MLFlowLogger (``pip install "fsdp-cli[mlflow]"``)."""
+    wandb = "wandb"
+    """Lightning's WandbLogger (``pip install "fsdp-cli[wandb]"``); offline without ``WANDB_API_KEY``."""
 
 
 class Profiler(Enum):
@@ -376,6 +380,10 @@ class SyntheticDataConfig(DataConfig):
     name: str = "synthetic"
     seq_len: int = field(default=64, metadata=at_least(1))
     """Tokens per sequence."""
+    num_sequences: int | None = field(default=None, metadata=at_least(1))
+    """A dataset of this many sequences, each epoch visiting every one once in an order fixed by
+    ``seed`` and the epoch; null = an endless stream of new sequences, which has no epochs
+    (``trainer.max_epochs`` needs a number here)."""
 
 
 @dataclass
@@ -445,8 +453,9 @@ OptimConfig = OptimizerArgs
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = field(default=30, metadata=at_least(1))
-    """Optimizer steps to train for."""
+    max_steps: int = field(default=30, metadata=at_least(1, also=(-1,)))
+    """Optimizer steps to train for; -1 = no step limit (only with ``max_epochs``). With both set,
+    training stops at whichever is reached first (Lightning's rule)."""
     log_every_n_steps: int = field(default=1, metadata=at_least(1))
     """Write a metrics.jsonl row (and print a line) every N optimizer steps."""
     gradient_clip_val: float | None = field(
@@ -476,12 +485,27 @@ class TrainerConfig:
     """Skip (zero the update of) up to this many optimizer steps whose gradient norm is not
     finite, then fail; 0 = fail at the first non-finite loss or gradient norm. Skipping checks
     every step on the host (one device sync per step); failing alone rides on the logging step."""
+    max_epochs: int | None = field(default=None, metadata=at_least(1))
+    """Passes over the training data; null = no epoch limit (``max_steps`` ends the run). An epoch
+    of the ``data`` group is ``floor(items / data.global_batch_size)`` optimizer steps (items:
+    windows of ``text``/``tokens``/``jsonl``, ``num_sequences`` of ``synthetic``); a module's own
+    DataLoaders define their own."""
 
 
 @dataclass
 class LoggerConfig:
     name: LoggerName = LoggerName.none
-    """Lightning logger in addition to metrics.jsonl: none, csv or tensorboard."""
+    """Lightning logger in addition to metrics.jsonl: none, csv, tensorboard, mlflow or wandb."""
+    project: str = "fsdp-train"
+    """mlflow: the experiment name; wandb: the project."""
+    run_name: str | None = None
+    """mlflow and wandb: the run's name; null = the name of the run directory."""
+    tracking_uri: str | None = None
+    """mlflow: where runs are recorded; null = ``$MLFLOW_TRACKING_URI`` if set, else
+    ``sqlite:///<run dir>/mlflow.db`` (``mlflow ui --backend-store-uri`` that URI shows it)."""
+    offline: bool | None = None
+    """wandb: write the run to ``<run dir>/wandb/`` only (``wandb sync`` uploads it later); null =
+    offline unless ``WANDB_API_KEY`` is set."""
 
 
 @dataclass
@@ -560,3 +584,8 @@ class TrainConfig:
     """Set by the entry point: true when the command line chose the ``data`` group or a ``data.*``
     key. A LightningModule with its own ``train_dataloader`` then refuses those settings instead
     of ignoring the data group with a notice."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Lightning callbacks added beside fsdp-train's own, on every rank: ``NAME: {_target_:
+    dotted.Class, ARG: VALUE, ...}`` (``+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor``);
+    a null entry is skipped. They see metrics.jsonl's values (``loss``, ``lr``, ...) in
+    ``trainer.callback_metrics``."""

@@ -82,6 +82,12 @@ def advisories(cfg: TrainConfig) -> list[str]:
     settings = entry.parallelize(cfg.strategy)
     if settings is not None and settings.sequence_parallel and cfg.tp == 1:
         notes.append("note: strategy.sequence_parallel has no effect with tp=1")
+    t = cfg.trainer
+    if t.max_epochs is not None and t.max_steps != -1:
+        notes.append(
+            f"note: trainer.max_steps={t.max_steps} and trainer.max_epochs={t.max_epochs} both limit this run: "
+            "it stops at whichever comes first (trainer.max_steps=-1 trains for the epochs alone)"
+        )
     return notes
 
 
@@ -355,6 +361,14 @@ def check_async_save(run: ResolvedRun) -> None:
 def check_trainer(run: ResolvedRun) -> None:
     cfg = run.cfg
     trainer = cfg.trainer
+    if trainer.max_steps == -1 and trainer.max_epochs is None:
+        raise ConfigError(
+            "trainer.max_steps",
+            -1,
+            "no step limit and no epoch limit: the run would never end",
+            allowed="a positive number of steps, or -1 with trainer.max_epochs=N",
+            hint="set trainer.max_epochs=N, or trainer.max_steps=N",
+        )
     if trainer.gradient_clip_algorithm not in ("norm", "value"):
         raise ConfigError(
             "trainer.gradient_clip_algorithm",
@@ -362,7 +376,7 @@ def check_trainer(run: ResolvedRun) -> None:
             "unknown",
             allowed="norm, value",
         )
-    if trainer.profiler is Profiler.torch and trainer.max_steps < trainer.profile_steps + 2:
+    if trainer.profiler is Profiler.torch and -1 < trainer.max_steps < trainer.profile_steps + 2:
         raise ConfigError(
             "trainer.max_steps",
             trainer.max_steps,
@@ -405,6 +419,69 @@ def check_wrap_and_logger(run: ResolvedRun) -> None:
         )
 
 
+def check_epoch_data(run: ResolvedRun) -> None:
+    """Epochs of the ``data`` group are whole global batches of a finite dataset."""
+    cfg = run.cfg
+    data = cfg.data
+    if data.name != "synthetic" or cfg.trainer.max_epochs is None:
+        return
+    size = data.num_sequences
+    if size is None:
+        raise ConfigError(
+            "data.num_sequences",
+            None,
+            f"trainer.max_epochs={cfg.trainer.max_epochs} needs epochs, and data=synthetic is an endless stream",
+            allowed="a number of sequences (an epoch visits each once)",
+            hint=f"data.num_sequences={data.global_batch_size * 100} (100 steps per epoch), or trainer.max_steps=N without max_epochs",
+        )
+    if size < data.global_batch_size:
+        raise ConfigError(
+            "data.num_sequences",
+            size,
+            f"an epoch must hold at least one global batch (data.global_batch_size={data.global_batch_size})",
+            allowed=f"{data.global_batch_size} or more",
+            hint="an epoch is floor(num_sequences / global_batch_size) optimizer steps",
+        )
+
+
+LOGGER_PACKAGES = {
+    LoggerName.mlflow: ("mlflow", "mlflow"),
+    LoggerName.wandb: ("wandb", "wandb"),
+}
+"""logger option -> (the module Lightning's logger imports, the fsdp-cli extra that installs it)."""
+
+
+def check_experiment_logger(run: ResolvedRun) -> None:
+    """``logger=mlflow``/``wandb``: the package is installed (and, for MLflow's default SQLite store,
+    SQLAlchemy and Alembic, which the full ``mlflow`` brings and ``mlflow-skinny`` does not)."""
+    cfg = run.cfg
+    if cfg.logger.name not in LOGGER_PACKAGES:
+        return
+    module, extra = LOGGER_PACKAGES[cfg.logger.name]
+    needed = [module]
+    uri = cfg.logger.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+    if cfg.logger.name is LoggerName.mlflow and uri.startswith("sqlite:"):
+        needed += ["sqlalchemy", "alembic"]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(
+            "logger",
+            cfg.logger.name.value,
+            f"the {' and '.join(missing)} package{'s are' if len(missing) > 1 else ' is'} not installed",
+            allowed="none, csv",
+            hint=f'pip install "fsdp-cli[{extra}]"',
+        )
+
+
+def check_callbacks(run: ResolvedRun) -> None:
+    """Each ``callbacks`` entry names a module that can be imported (found without importing it:
+    whether it holds a Lightning Callback taking those arguments is asked on the resolve path,
+    :mod:`fsdp_cli.config.callback_classes`, where importing it is allowed)."""
+    for name, entry in run.cfg.callbacks.items():
+        if entry is not None:
+            check_dotted(f"callbacks.{name}._target_", str(entry["_target_"]))
+
+
 CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
     check_custom_model,
@@ -416,6 +493,8 @@ CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_wrap_and_logger,
     check_optim,
     check_async_save,
+    check_experiment_logger,
+    check_callbacks,
 )
 """Cross-field checks, in order, after :func:`check_ranges` (each field's own range) and
 :func:`check_precision` (the precision table must know the name before a run can be resolved)."""
@@ -425,4 +504,5 @@ DATA_CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_sequence,
     check_validation_data,
     check_data_path,
+    check_epoch_data,
 )
