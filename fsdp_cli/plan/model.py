@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_cli.config.schema import LlamaConfig, WrapConfig, WrapPolicy
+from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.llama_shapes import llama_block_names, llama_params
+from fsdp_cli.parallel.options import WrapOptions, WrapPolicy
 from fsdp_cli.parallel.shapes import ParamShape
 
 FP32 = 4
@@ -68,7 +69,7 @@ class ModelSpec:
 # --------------------------------------------------------------------------- built-in Llama
 
 
-def llama_spec(cfg: LlamaConfig, wrap: WrapConfig) -> ModelSpec | None:
+def llama_spec(cfg: LlamaArgs, wrap: WrapOptions) -> ModelSpec | None:
     """The built-in model from its config; None for wrap policies only a built model can answer
     (``size``, or classes other than its block)."""
     blocks = llama_block_names(cfg)
@@ -90,12 +91,14 @@ def llama_spec(cfg: LlamaConfig, wrap: WrapConfig) -> ModelSpec | None:
 
 
 def _rms_norm(dim: int, act: int) -> int:
-    """RMSNorm saves its input in fp32, the per-token rsqrt, the fp32 normalised value, its output,
-    and in a 16-bit run also the normalised value cast back."""
-    return FP32 * dim + FP32 + FP32 * dim + act * dim + (act * dim if act != FP32 else 0)
+    """RMSNorm saves its input widened to fp32 at least (once: the square and the scaling share
+    it), the per-token rsqrt, the normalised value in the activation dtype (the weight's multiply
+    reads it) and its output."""
+    wide = max(act, FP32)
+    return wide * dim + wide + 2 * act * dim
 
 
-def llama_activations(cfg: LlamaConfig, seq: int, act: int) -> Activations:
+def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:
     """Saved bytes per sequence of :class:`fsdp_cli.models.llama.Llama` as its code runs (a closed
     form of what :func:`probe_activations` measures; a test holds the two within 5%)."""
     d, f, v = cfg.dim, cfg.feed_forward_dim(), cfg.vocab_size
@@ -116,7 +119,7 @@ def llama_activations(cfg: LlamaConfig, seq: int, act: int) -> Activations:
 
 
 def module_spec(
-    model: Any, wrap: WrapConfig, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
+    model: Any, wrap: WrapOptions, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
 ) -> ModelSpec:
     """Describe a model built on the meta device (see the module docstring)."""
     from fsdp_cli.parallel.wrap import repeated_block_class, wrap_units
