@@ -42,6 +42,13 @@ def build_profiler(cfg: TrainConfig, accumulation: int) -> Any:
     return PyTorchProfiler(dirpath=profiler_dir(cfg.run_dir), filename="trace", schedule=schedule)
 
 
+def precision_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """The Trainer's ``precision=`` (Lightning picks the plugin), or under FSDP2 ``plugins=`` a
+    plugin that only names it (FSDP2's policy does the casting)."""
+    plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
+    return {"plugins": [plugin]} if plugin is not None else {"precision": cfg.precision.name}
+
+
 def build_trainer(
     cfg: TrainConfig,
     strategy: Any,
@@ -59,12 +66,7 @@ def build_trainer(
     same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
     """
     t = cfg.trainer
-    kwargs: dict[str, Any] = {}
-    plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
-    if plugin is not None:
-        kwargs["plugins"] = [plugin]
-    else:
-        kwargs["precision"] = cfg.precision.name
+    kwargs = precision_arguments(cfg)
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)

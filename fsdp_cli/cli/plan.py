@@ -57,10 +57,12 @@ def compose(overrides: list[str]) -> Any:
 
     from fsdp_cli.cli.configs import config_path
     from fsdp_cli.cli.hydra_errors import CONFIG_ERRORS, one_line, quote_numeric_group_options
+    from fsdp_cli.cli.main import register_sweep_launcher
     from fsdp_cli.config.convert import to_train_config
     from fsdp_cli.config.store import register_schemas
 
     register_schemas()
+    register_sweep_launcher()  # train.yaml selects it; some editable installs hide it from Hydra's scan
     path = config_path()
     init = (
         initialize_config_module(config_module=path.removeprefix("pkg://"), version_base="1.3")
@@ -78,6 +80,7 @@ def compose(overrides: list[str]) -> Any:
 
 def resolved(overrides: list[str], gpus: int | None) -> Any:
     from fsdp_cli.config.migrate import migrate
+    from fsdp_cli.config.model_folder import resolve_model_folder
     from fsdp_cli.config.validate import validate
     from fsdp_cli.launch.layout import resolve_layout
 
@@ -88,7 +91,7 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     env = dict(os.environ)
     if gpus is not None:
         env.pop("CUDA_VISIBLE_DEVICES", None)
-    cfg = resolve_layout(cfg, env, gpus=gpus)
+    cfg = resolve_model_folder(resolve_layout(cfg, env, gpus=gpus))  # as fsdp-train resolves it
     validate(cfg)
     return cfg
 

@@ -16,6 +16,7 @@ from fsdp_cli.config.schema import (
     DDPConfig,
     FSDP2Config,
     FSDPConfig,
+    HFModelConfig,
     LlamaConfig,
     TrainConfig,
 )
@@ -51,6 +52,10 @@ def _meta_spec(cfg: TrainConfig) -> ModelSpec | None:
             model = target(**cfg.model.kwargs)
         if not isinstance(model, nn.Module) or hasattr(model, "training_step"):
             return None  # a LightningModule: its layers appear only in its configure_model
+    elif isinstance(cfg.model, HFModelConfig):
+        from fsdp_cli.models.hf import build_hf_model
+
+        model = build_hf_model(cfg.model, seed=cfg.seed)  # on the meta device, from config.json
     else:
         from fsdp_cli.models.llama import Llama
 
