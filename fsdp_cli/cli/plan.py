@@ -1,4 +1,4 @@
-"""``fsdp-plan [fsdp-train overrides] [--json] [--gpus N] [--device-memory SIZE] [--search]``
+"""``fsdp-plan [fsdp-train overrides] [--json] [--gpus N] [--device-memory SIZE] [--search | --rehearse [--rank R]]``
 
 Per-rank memory of the run ``fsdp-train`` would start with the same overrides, without starting
 it: parameters, gradients, optimizer state, activations (with and without activation
@@ -6,8 +6,12 @@ checkpointing), FSDP buffers, the total, and whether it fits the device memory (
 from this machine's GPUs). ``--gpus N`` plans for N GPUs per node on any machine; ``--search``
 lists the layouts of those devices with their memory, those that fit first. The built-in models
 are planned from their config alone (no torch import); others from a meta-device build.
+``--rehearse`` also builds rank R (default 0) in this process, on a fake process group of the
+layout's world size, with the code a real rank runs, and compares the bytes it holds with the
+plan's (more than 1% apart: exit 1); a layout the model cannot take is one line (exit 2).
 
     fsdp-plan recipe=llama_8b_hsdp num_nodes=1 --gpus 8 --device-memory 80GB --search
+    fsdp-plan recipe=llama_70b_hsdp num_nodes=64 data.global_batch_size=512 --gpus 8 --rehearse
 """
 
 from __future__ import annotations
@@ -109,12 +113,30 @@ def main(argv: list[str] | None = None) -> None:
         "--device-memory", default=None, help="memory per device, e.g. 80GB (default: detected)"
     )
     parser.add_argument("--search", action="store_true", help="list candidate layouts of the same devices")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="build one rank on a fake process group of the layout's size and check the plan against it",
+    )
+    parser.add_argument("--rank", type=int, default=0, help="the rank --rehearse builds (default 0)")
+    parser.add_argument(
+        "--no-step", action="store_true", help="--rehearse without the fake training step (faster)"
+    )
+    args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
+    if args.search and args.rehearse:
+        fail("--search and --rehearse cannot be combined; hint: rehearse the layout --search chose")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # model._target_ may live in the working directory
     try:
         cfg = resolved(args.overrides, args.gpus)
         memory = parse_size(args.device_memory) if args.device_memory else None
+        if args.rehearse:
+            from fsdp_cli.cli.rehearse import rehearse_and_report
+
+            code = rehearse_and_report(
+                cfg, rank=args.rank, memory=memory, as_json=args.json, step=not args.no_step, prog=PROG
+            )
+            sys.exit(code)
         run(cfg, memory, as_json=args.json, search_layouts=args.search)
     except ConfigError as err:
         fail(err.one_line())

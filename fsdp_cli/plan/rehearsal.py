@@ -67,6 +67,8 @@ class BuiltRank:
     strategy: Any
     trainer: Any
     module: Any
+    blocks: int = 0
+    """The model's repeated blocks, as built (before any were dropped)."""
 
     @property
     def target(self) -> Any:
@@ -83,7 +85,7 @@ def rehearse(cfg: TrainConfig, rank: int = 0, *, step: bool = True) -> Rehearsal
         raise ConfigError(
             "--rank",
             rank,
-            f"not a rank of this layout's {world.world_size}",
+            f"not one of this layout's {world.world_size} ranks",
             allowed=f"0..{world.world_size - 1}",
         )
     cfg = rehearsal_config(cfg)
@@ -97,10 +99,11 @@ def rehearse(cfg: TrainConfig, rank: int = 0, *, step: bool = True) -> Rehearsal
                 held_bytes=held_bytes(built),
                 fsdp_units=fsdp_units(built),
             )
+            depth = built.blocks
         if step:
             from fsdp_cli.plan.fake_step import measure_step
 
-            result.step = measure_step(cfg, world)
+            result.step = measure_step(cfg, world, depth)
     result.seconds = round(time.perf_counter() - started, 2)
     return result
 
@@ -142,9 +145,10 @@ def built_rank(cfg: TrainConfig, world: FakeWorld, *, blocks: int | None = None)
         with torch.device("meta"), strategy.model_sharded_context():
             with trainer.precision_plugin.module_init_context():
                 module.configure_model()
-        if blocks is not None:
-            from fsdp_cli.plan.fake_step import keep_first_blocks
+        from fsdp_cli.plan.fake_step import block_count, keep_first_blocks
 
+        built.blocks = block_count(built.target)
+        if blocks is not None:
             keep_first_blocks(built.target, blocks)
         if isinstance(strategy, FSDP2Strategy):
             strategy.parallelize()  # on the meta model, as FSDP2Strategy.setup does first
@@ -249,7 +253,7 @@ def refused(cfg: TrainConfig, world: FakeWorld, err: BaseException, what: str) -
         layout += f" replicate={replicate}"
     return ConfigError(
         "layout",
-        f"{layout} x {world.world_size} ranks",
+        f"{layout} ({world.world_size} ranks)",
         f"the model {what} on it (rank {world.rank}): {type(err).__name__}: {text}",
         hint="every rank of the real run would stop there; change the layout (tp, wrap) or the model",
     )
