@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # runs, and a config mistake stops inside `resolve`, so neither pays for the rest.
 
 PROG = "fsdp-train"
+DRY_RUN_FLAG = "--dry-run"
+"""Resolve and check the run, rehearse rank 0 (:mod:`fsdp_cli.cli.rehearse`), start nothing."""
 MULTIRUN_FLAGS = ("-m", "--multirun")
 MODE_FLAGS = {
     **dict.fromkeys(MULTIRUN_FLAGS, "--multirun"),
@@ -63,7 +65,27 @@ def train(cfg: DictConfig) -> Any:
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
     typed = resolve(cfg, run_dir)
+    if _dry_run:
+        return dry_run(typed)
     return _launch(typed, run_dir=run_dir, job=job, multirun=False)[1]
+
+
+_dry_run = False
+
+
+def dry_run(cfg: TrainConfig) -> None:
+    """``--dry-run``: the plan and a rehearsal of rank 0 instead of the run; exits 1 when they
+    disagree, 2 (one line) when the model cannot take the layout."""
+    from fsdp_cli.cli.rehearse import rehearse_and_report
+    from fsdp_cli.plan.check import detected_device_memory
+
+    try:
+        memory = detected_device_memory(cfg, os.environ)
+        code = rehearse_and_report(cfg, rank=0, memory=memory, as_json=False, step=True, prog=PROG)
+    except ConfigError as err:
+        fail(err.one_line())
+    if code:
+        sys.exit(code)
 
 
 def _launch(
@@ -210,6 +232,20 @@ def check_modes(argv: list[str]) -> None:
         )
 
 
+def take_dry_run_flag() -> None:
+    """``--dry-run`` is ours, not Hydra's: taken out of argv before Hydra parses it."""
+    global _dry_run
+    if DRY_RUN_FLAG not in sys.argv[1:]:
+        return
+    sys.argv[1:] = [a for a in sys.argv[1:] if a != DRY_RUN_FLAG]
+    if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
+        fail(
+            f"{DRY_RUN_FLAG} and --multirun cannot be combined; hint: a sweep rehearses the jobs this "
+            f"machine cannot try itself; to see one job, drop -m: {PROG} tp=2 {DRY_RUN_FLAG}"
+        )
+    _dry_run = True
+
+
 def register_sweep_launcher() -> None:
     """Make ``hydra/launcher=fsdp_cli`` available however the package was installed.
 
@@ -241,6 +277,7 @@ def main() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)
     check_modes(sys.argv[1:])
+    take_dry_run_flag()
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
     train()
     if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):

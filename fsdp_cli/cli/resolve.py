@@ -10,6 +10,7 @@ No torch here: the checks answer in well under a second.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,12 +46,39 @@ def memory_plan_check(cfg: TrainConfig) -> None:
         return
     if problem is None:
         return
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if _in_sweep():
         raise ConfigError("memory plan", "does not fit", problem.removeprefix("memory plan: "))
     print(f"fsdp-train: warning: {problem}", file=sys.stderr, flush=True)
 
 
-PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check,)
+def rehearsal_check(cfg: TrainConfig) -> None:
+    """In a sweep, a job whose layout exceeds this machine (more than one node, or more GPUs than
+    are here) is rehearsed before any job starts: rank 0 built on a fake process group with the
+    code a real rank runs (:func:`fsdp_cli.plan.rehearsal.refusal`). A job its model cannot take
+    is skipped with the rehearsal's line. A single run is not rehearsed (docs/memory.md: why)."""
+    if not _in_sweep() or not exceeds_this_machine(cfg, os.environ):
+        return
+    from fsdp_cli.plan.rehearsal import refusal
+
+    problem = refusal(cfg)
+    if problem is not None:
+        raise problem
+
+
+def exceeds_this_machine(cfg: TrainConfig, env: Mapping[str, str]) -> bool:
+    """The layout needs other nodes, or more GPUs than this one has: it cannot be tried here."""
+    from fsdp_cli.launch.environment import visible_gpu_count
+
+    if cfg.num_nodes > 1:
+        return True
+    return cfg.accelerator.value == "gpu" and int(cfg.devices) > visible_gpu_count(env)
+
+
+def _in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check, rehearsal_check)
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
 The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in

@@ -108,6 +108,22 @@ def rehearse(cfg: TrainConfig, rank: int = 0, *, step: bool = True) -> Rehearsal
     return result
 
 
+_REFUSALS: dict[str, ConfigError | None] = {}
+
+
+def refusal(cfg: TrainConfig) -> ConfigError | None:
+    """Why rank 0 of ``cfg`` cannot be built (no fake step), or None. Remembered per config: a
+    sweep asks before any job starts and again as each job starts."""
+    key = repr(cfg)
+    if key not in _REFUSALS:
+        try:
+            rehearse(cfg, 0, step=False)
+            _REFUSALS[key] = None
+        except ConfigError as err:
+            _REFUSALS[key] = err
+    return _REFUSALS[key]
+
+
 def rehearsal_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` as rehearsed: a Hugging Face model's weights are never read (their values do not
     matter, only the shapes its config.json gives)."""
