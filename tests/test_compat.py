@@ -159,3 +159,15 @@ def test_is_compiled_in_place_sees_module_compile() -> None:
     assert not torch_internals.is_compiled_in_place(block)
     block.compile()  # replaces the forward lazily: nothing is compiled until the first call
     assert torch_internals.is_compiled_in_place(block)
+
+
+def test_fake_tensors_and_the_memory_trackers_a_rehearsal_uses() -> None:
+    import torch
+
+    fsdp2_tracker, tracker = torch_internals.memory_trackers()
+    assert fsdp2_tracker.__name__ == "FSDPMemTracker" and tracker.__name__ == "MemTracker"
+    with torch_internals.FakeTensorMode():
+        x = torch.randint(0, 5, (4,))
+        assert x.untyped_storage().nbytes() == 32  # shapes and sizes, no memory
+        with pytest.raises(torch_internals.NOT_FAKEABLE):
+            x.max().item()  # a value a fake tensor does not have

@@ -352,11 +352,12 @@ def fsdp_units(built: BuiltRank) -> list[str]:
 
     from fsdp_cli.parallel.names import canonical_name
 
-    return [
+    names = [
         canonical_name(name) or "<root>"
         for name, m in built.target.named_modules()
         if isinstance(m, (FSDPModule, FullyShardedDataParallel))
     ]
+    return sorted(names, key=lambda name: name == "<root>")  # the root last, as the setup report has it
 
 
 # --------------------------------------------------------------------------- against the plan

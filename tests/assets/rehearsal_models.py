@@ -56,3 +56,12 @@ class MisnamedPlanLM(HeadsLM):
         plan = super().tp_plan(sequence_parallel=sequence_parallel)
         plan["blocks.1.proj_inn"] = plan.pop("blocks.1.proj_in")
         return plan
+
+
+class ValueDependentLM(HeadsLM):
+    """Its forward reads a tensor's value (``.item()``): fake tensors have none."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.max().item() >= self.embed.num_embeddings:
+            raise ValueError("token id outside the vocabulary")
+        return super().forward(input_ids)
