@@ -201,15 +201,15 @@ def test_the_fake_step_extended_from_4_and_5_blocks_equals_the_whole_model(
 ) -> None:
     overrides = [
         "model=tiny",
-        "model.n_layers=9",
+        "model.n_layers=7",
         "strategy.activation_checkpointing=full",
         "data.seq_len=64",
     ]
     cfg, extended = rehearsed(*overrides, gpus=4, rank=3, step=True)
     assert extended.step is not None and extended.step["measured_blocks"] == [4, 5]
-    monkeypatch.setattr(fake_step, "STABLE_DEPTH", 100)  # measure all 9 blocks
+    monkeypatch.setattr(fake_step, "STABLE_DEPTH", 100)  # measure all 7 blocks
     _, whole = rehearsed(*overrides, gpus=4, rank=3, step=True)
-    assert whole.step is not None and whole.step["measured_blocks"] == [9]
+    assert whole.step is not None and whole.step["measured_blocks"] == [7]
     for phase in fake_step.PHASES:
         a, b = extended.step["phases"][phase], whole.step["phases"][phase]
         assert abs(a - b) <= 0.01 * b, (phase, a, b)
