@@ -229,6 +229,8 @@ def print_plan(cfg: Any, plan: Any) -> None:
         table.add_row(ranks, *cells)
     console = _console()
     console.print(table)
+    for note in plan.notes:
+        console.print(f"note: {note}")
     if any(r.offloaded for r in plan.ranks):
         console.print(f"offloaded to host memory: {_gib(max(r.offloaded for r in plan.ranks))} GiB per rank")
     if plan.device_memory is None:

@@ -52,9 +52,11 @@ def print_rehearsal(cfg: Any, result: Any, plan: Any) -> None:
     if not console.is_terminal:
         console = Console(width=140)
     coordinates = " ".join(f"{k}={v}" for k, v in result.mesh_coordinates.items())
-    console.print(
+    # Plain prints for the lines: they stay whole (rich wraps at the console's width), for grep and logs.
+    print(
         f"rehearsal: rank {result.rank} of {result.world_size} ({coordinates}), "
-        f"{len(result.fsdp_units)} FSDP units, {result.seconds:.1f} s"
+        f"{len(result.fsdp_units)} FSDP units, {result.seconds:.1f} s",
+        flush=True,
     )
     planned = plan.ranks[result.rank] if plan is not None else None
     held = [getattr(result.held_bytes, kind) for kind in HELD]
@@ -67,10 +69,8 @@ def print_rehearsal(cfg: Any, result: Any, plan: Any) -> None:
         table.add_row(kind, f"{nbytes / scale:,.2f}", expected)
     console.print(table)
     if planned is None:
-        console.print(
-            f"no formula plan for strategy={cfg.strategy.name} with this model: the rehearsal alone"
-        )
-    console.print(step_line(result.step, planned))
+        print(f"no formula plan for strategy={cfg.strategy.name} with this model: the rehearsal alone")
+    print(step_line(result.step, planned), flush=True)
 
 
 def step_line(step: dict[str, Any] | None, planned: Any) -> str:
