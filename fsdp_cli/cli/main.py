@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fsdp_cli.cli.configs import config_path
+from fsdp_cli.cli.configs import config_path, register_sweep_launcher
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
@@ -244,23 +244,6 @@ def take_dry_run_flag() -> None:
             f"machine cannot try itself; to see one job, drop -m: {PROG} tp=2 {DRY_RUN_FLAG}"
         )
     _dry_run = True
-
-
-def register_sweep_launcher() -> None:
-    """Make ``hydra/launcher=fsdp_cli`` available however the package was installed.
-
-    Hydra finds the plugin by scanning the ``hydra_plugins`` namespace package. Some editable
-    installs (setuptools' import-hook mode) serve it to ``import`` but not to that scan; then it
-    is registered here explicitly, through Hydra's documented ``Plugins.register``."""
-    from hydra.core.plugins import Plugins
-    from hydra.plugins.launcher import Launcher
-
-    plugins = Plugins.instance()  # scans
-    name = "hydra_plugins.fsdp_cli_sweep.launcher.SweepLauncher"
-    if not any(f"{c.__module__}.{c.__name__}" == name for c in plugins.discover(Launcher)):
-        from hydra_plugins.fsdp_cli_sweep.launcher import SweepLauncher
-
-        plugins.register(SweepLauncher)
 
 
 def main() -> None:

@@ -59,9 +59,8 @@ def compose(overrides: list[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
 
-    from fsdp_cli.cli.configs import config_path
+    from fsdp_cli.cli.configs import config_path, register_sweep_launcher
     from fsdp_cli.cli.hydra_errors import CONFIG_ERRORS, one_line, quote_numeric_group_options
-    from fsdp_cli.cli.main import register_sweep_launcher
     from fsdp_cli.config.convert import to_train_config
     from fsdp_cli.config.store import register_schemas
 
