@@ -2,22 +2,22 @@
 process group with the code a real rank runs; what it holds equals the formula plan, a layout
 the model cannot take is one line, the fake step's peak is measured.
 
-In-process tests start no process (the fast tier); the command-line ones are marked distributed.
+Everything here runs in this process (the fast tier): a rehearsal starts no rank, and the
+commands run through their console scripts' functions (``cli_in_process``).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, entry_point, read_summary
-from process_group import run
+from conftest import cli_in_process, read_summary
 
 from fsdp_cli.cli.plan import resolved
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.plan import fake_step
 from fsdp_cli.plan.check import plan_for
@@ -88,25 +88,6 @@ def test_held_bytes_equal_the_plan_on_the_first_and_last_rank(name: str) -> None
         with torch.device("meta"):
             numel = sum(p.numel() for p in Llama(cfg.model).parameters())
         assert result.held_bytes.params == 4 * numel and result.fsdp_units == []
-
-
-def test_a_512_rank_layout_of_the_70b_model_is_rehearsed_as_its_last_rank() -> None:
-    started = time.perf_counter()
-    cfg, result = rehearsed(
-        "recipe=llama_70b_hsdp", "num_nodes=64", "data.global_batch_size=512", gpus=8, rank=511
-    )
-    assert result.world_size == 512
-    # HSDP: 2 replicas of 256-rank shard groups; rank 511 is the last of the second replica.
-    assert result.mesh_coordinates == {
-        "data_parallel_replicate": 1,
-        "data_parallel_shard": 255,
-        "tensor_parallel": 0,
-    }
-    assert len(result.fsdp_units) == 81 and result.fsdp_units[-1] == "<root>"  # 80 blocks and the root
-    assert_equals_the_plan(cfg, result)
-    # 70.6B fp32 parameters over 256 shards: about 1.1 GB, padding included.
-    assert 1.0e9 < result.held_bytes.params < 1.2e9
-    print(f"512-rank rehearsal of llama_70b: {time.perf_counter() - started:.1f} s")
 
 
 def test_a_layout_the_model_cannot_take_is_refused_in_one_line() -> None:
@@ -251,81 +232,84 @@ def test_a_rank_outside_the_layout_is_one_line() -> None:
 
 
 def test_a_layout_beyond_this_machine_is_what_a_sweep_rehearses() -> None:
-    from fsdp_cli.cli.resolve import exceeds_this_machine
+    from fsdp_cli.resolve import exceeds_this_machine
+
+    def layout(*overrides: str, gpus: int | None) -> Any:
+        return ResolvedRun.of(resolved(list(overrides), gpus)).layout
 
     no_gpus = {"CUDA_VISIBLE_DEVICES": ""}
-    assert exceeds_this_machine(resolved(["recipe=llama_8b_hsdp"], 8), no_gpus)  # two nodes
-    assert exceeds_this_machine(resolved(["model=tiny"], 8), no_gpus)  # 8 GPUs, none here
-    assert not exceeds_this_machine(resolved(["model=tiny", "accelerator=cpu"], None), no_gpus)
+    assert exceeds_this_machine(layout("recipe=llama_8b_hsdp", gpus=8), no_gpus)  # two nodes
+    assert exceeds_this_machine(layout("model=tiny", gpus=8), no_gpus)  # 8 GPUs, none here
+    assert not exceeds_this_machine(layout("model=tiny", "accelerator=cpu", gpus=None), no_gpus)
 
 
 # --------------------------------------------------------------------------- the commands
 
 
-def _cli(prog: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*entry_point(prog), *args], capture_output=True, text=True, timeout=300, cwd=cwd)
-
-
-@pytest.mark.distributed  # starts a process (no ranks)
-def test_fsdp_plan_rehearses_512_ranks_with_a_fake_step_in_well_under_a_minute() -> None:
+def test_fsdp_plan_rehearses_the_last_of_512_ranks_with_a_fake_step() -> None:
     started = time.perf_counter()
-    r = _cli(
-        "fsdp-plan",
-        "--rehearse",
-        "recipe=llama_70b_hsdp",
-        "num_nodes=64",
-        "data.global_batch_size=512",
-        "--gpus",
-        "8",
-        "--json",
-    )
+    args = ["--rehearse", "recipe=llama_70b_hsdp", "num_nodes=64", "data.global_batch_size=512"]
+    r = cli_in_process([*args, "--gpus", "8", "--rank", "511", "--json"], prog="fsdp-plan")
     elapsed = time.perf_counter() - started
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r
     out = json.loads(r.stdout)
     rehearsal = out["rehearsal"]
-    assert (rehearsal["world_size"], rehearsal["rank"], len(rehearsal["fsdp_units"])) == (512, 0, 81)
+    assert (rehearsal["world_size"], rehearsal["rank"]) == (512, 511)
+    # HSDP: 2 replicas of 256-rank shard groups; rank 511 is the last of the second replica.
+    assert rehearsal["mesh_coordinates"] == {
+        "data_parallel_replicate": 1,
+        "data_parallel_shard": 255,
+        "tensor_parallel": 0,
+    }
+    units = rehearsal["fsdp_units"]
+    assert len(units) == 81 and units[-1] == "<root>"  # 80 blocks and the root
     assert rehearsal["disagreements"] == []
-    assert rehearsal["held_bytes"] == {k: out["ranks"][0][k] for k in HELD}
+    assert rehearsal["held_bytes"] == {k: out["ranks"][511][k] for k in HELD}
+    # 70.6B fp32 parameters over 256 shards: about 1.1 GB, padding included.
+    assert 1.0e9 < rehearsal["held_bytes"]["params"] < 1.2e9
     step = rehearsal["step"]
     assert step["blocks"] == 80 and step["measured_blocks"] == [4, 5]
     assert step["peak_bytes"] > sum(rehearsal["held_bytes"].values()) - rehearsal["held_bytes"]["grads"]
-    print(
-        f"fsdp-plan --rehearse, 512 ranks of llama_70b with the fake step: {elapsed:.1f} s (process start included)"
-    )
+    print(f"fsdp-plan --rehearse, rank 511 of llama_70b with the fake step: {elapsed:.1f} s (in process)")
 
 
-@pytest.mark.distributed  # starts a process (no ranks)
 def test_fsdp_plan_refuses_a_layout_in_one_line_and_exit_2() -> None:
-    r = _cli(
-        "fsdp-plan",
-        "model=custom",
-        "model._target_=tests.assets.rehearsal_models.HeadsLM",
-        "data.vocab_size=256",
-        "tp=2",
-        "--gpus",
-        "2",
-        "--rehearse",
+    r = cli_in_process(
+        [
+            "model=custom",
+            "model._target_=tests.assets.rehearsal_models.HeadsLM",
+            "data.vocab_size=256",
+            "tp=2",
+            "--gpus",
+            "2",
+            "--rehearse",
+        ],
+        prog="fsdp-plan",
     )
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("fsdp-plan: error: layout=fsdp2 dp=1 tp=2"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("fsdp-plan: error: layout=fsdp2 dp=1 tp=2"), r
 
 
-@pytest.mark.distributed  # starts a process (no ranks)
 def test_fsdp_train_dry_run_rehearses_and_starts_nothing(tmp_path: Path) -> None:
-    r = run(["accelerator=cpu", "tp=2", "--dry-run", f"hydra.run.dir={tmp_path}"], timeout=120)
+    cpu = {"CUDA_VISIBLE_DEVICES": ""}
+    r = cli_in_process(["accelerator=cpu", "tp=2", "--dry-run"], tmp_path, env=cpu)
     assert r.returncode == 0, r
     assert (
         "rehearsal: rank 0 of 2 (data_parallel_replicate=0 data_parallel_shard=0 tensor_parallel=0)" in r.out
     )
     assert "fake step: peak" in r.out
     assert not (tmp_path / "config.yaml").exists() and not (tmp_path / ".heartbeat").exists()
-    r = run(["-m", "tp=1,2", "--dry-run"], timeout=60)
+    r = cli_in_process(["-m", "tp=1,2", "--dry-run"], env=cpu)
     assert r.returncode == 2
     assert r.out.startswith("fsdp-train: error: --dry-run and --multirun cannot be combined"), r
+    # The flag is the command's, not the process's: the next command in this process would train.
+    from fsdp_cli.cli import main as train_main
+
+    cli_in_process(["accelerator=cpu", "tp=3"], tmp_path / "next", env=cpu)  # (a config error: exit 2)
+    assert train_main._dry_run is False
 
 
-@pytest.mark.distributed  # starts a process (every job is skipped: no rank starts)
 def test_a_sweep_skips_a_job_its_rehearsal_refuses_before_any_job_starts(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = [
@@ -342,8 +326,8 @@ def test_a_sweep_skips_a_job_its_rehearsal_refuses_before_any_job_starts(tmp_pat
         "seed=1,2",
         f"hydra.sweep.dir={sweep}",
     ]
-    # (Were a job launched, it would wait for a second node: the timeout kills its process group.)
-    r = run(args, timeout=120)
+    # (Were a job launched, it would start a process: the fast tier refuses that.)
+    r = cli_in_process(args, env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r  # skipped jobs are no failure
     for job in ("0", "1"):
         summary = read_summary(sweep / job)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fsdp_cli.checkpoint import phases
 from fsdp_cli.checkpoint.atomic import replace_atomically
 from fsdp_cli.checkpoint.format import (
     MANIFEST_KEY,
@@ -42,7 +43,6 @@ from fsdp_cli.checkpoint.sharded_save import (
     disk_full_note,
     save_sharded,
 )
-from fsdp_cli.checkpoint.test_hooks import pause_for_test
 from fsdp_cli.errors import RunFailure
 
 
@@ -62,6 +62,22 @@ class DistributedCheckpointing:
     _async_saves: AsyncSaves | None = None
     run_mesh: Any = None
     """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_format: str | None = None,
+        checkpoint_manifest: dict[str, Any] | None = None,
+        async_checkpointing: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """The strategy's own arguments pass through; ``checkpoint_format`` None keeps the
+        strategy's own choice (``save_distributed_checkpoint``, ``state_dict_type``)."""
+        super().__init__(*args, **kwargs)
+        if checkpoint_format is not None:
+            self.checkpoint_format = checkpoint_format
+        self.checkpoint_manifest = checkpoint_manifest
+        self.async_checkpointing = async_checkpointing
 
     def mesh_sizes(self) -> dict[str, int]:
         """The run's mesh as ``{dimension name: size}``, for the manifest and the setup report."""
@@ -192,7 +208,7 @@ class DistributedCheckpointing:
         error = self.broadcast(error)
         if error is not None:
             raise RunFailure(error)
-        pause_for_test("after_rename", target.step)
+        phases.reached("after_rename", target.step)
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
@@ -236,7 +252,7 @@ def _write_full(io: Any, checkpoint: dict[str, Any], target: SaveTarget, storage
     try:
         target.partial.parent.mkdir(parents=True, exist_ok=True)
         io.save_checkpoint(checkpoint, target.partial, storage_options=storage_options)
-        pause_for_test("before_rename", target.step)
+        phases.reached("before_rename", target.step)
         fsync_tree(target.partial)
         replace_atomically(target.partial, target.final)
     except Exception as err:  # noqa: BLE001 - every rank must learn it (see _save_full)

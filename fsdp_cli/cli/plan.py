@@ -161,101 +161,17 @@ def run(cfg: Any, memory: int | None, *, as_json: bool, search_layouts: bool) ->
         if as_json:
             print(json.dumps([c.row for c in found], indent=2))
         else:
+            from fsdp_cli.cli.plan_tables import print_search
+
             print_search(found, memory)
         return
     plan = plan_memory(cfg, spec, memory)
     if as_json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
+        from fsdp_cli.cli.plan_tables import print_plan
+
         print_plan(cfg, plan)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f}"
-
-
-def _rank_groups(plan: Any) -> list[tuple[str, list[str]]]:
-    """Ranks whose figures print the same, shown as one row (``0-3``)."""
-    groups: list[tuple[list[int], list[str]]] = []
-    for rank in plan.ranks:
-        cells = [
-            _gib(rank.params),
-            _gib(rank.grads),
-            _gib(rank.optimizer),
-            _gib(rank.activations),
-            f"{_gib(rank.activations_no_ac)} / {_gib(rank.activations_full_ac)}",
-            _gib(rank.buffers),
-            _gib(rank.total),
-        ]
-        if groups and groups[-1][1] == cells:
-            groups[-1][0].append(rank.rank)
-        else:
-            groups.append(([rank.rank], cells))
-    return [(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]), cells) for r, cells in groups]
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=140)
-
-
-def print_plan(cfg: Any, plan: Any) -> None:
-    from rich.table import Table
-
-    from fsdp_cli.plan.check import hint
-    from fsdp_cli.plan.memory import FIT_FRACTION
-
-    layout = " x ".join(f"{k}={v}" for k, v in plan.layout.items())
-    table = Table(
-        title=f"fsdp-plan: {plan.strategy} {layout}, {plan.precision}, micro-batch {plan.micro_batch_size} x {plan.seq_len}, "
-        f"activation checkpointing {plan.activation_checkpointing} (GiB per rank)",
-        title_justify="left",
-    )
-    for column in (
-        "rank",
-        "params",
-        "grads",
-        "optimizer",
-        "activations",
-        "no AC / full AC",
-        "buffers",
-        "total",
-    ):
-        table.add_column(column, justify="right")
-    for ranks, cells in _rank_groups(plan):
-        table.add_row(ranks, *cells)
-    console = _console()
-    console.print(table)
-    for note in plan.notes:
-        console.print(f"note: {note}")
-    if any(r.offloaded for r in plan.ranks):
-        console.print(f"offloaded to host memory: {_gib(max(r.offloaded for r in plan.ranks))} GiB per rank")
-    if plan.device_memory is None:
-        console.print("fits: unknown (no GPU detected; give --device-memory SIZE)")
-    elif plan.fits:
-        console.print(f"fits: yes ({_gib(plan.peak.total)} of {_gib(plan.device_memory)} GiB per device)")
-    else:
-        console.print(
-            f"fits: no ({_gib(plan.peak.total)} GiB needed, {_gib(FIT_FRACTION * plan.device_memory)} usable of "
-            f"{_gib(plan.device_memory)}); hint: {hint(cfg, plan)}"
-        )
-
-
-def print_search(found: list[Any], memory: int | None) -> None:
-    from rich.table import Table
-
-    table = Table(
-        title=f"fsdp-plan --search (GiB per rank{'' if memory is None else f', {_gib(memory)} GiB per device'})",
-        title_justify="left",
-    )
-    for column in ("fits", "total", "activations", "overrides"):
-        table.add_column(column)
-    for c in found:
-        fits = "?" if c.plan.fits is None else ("yes" if c.plan.fits else "no")
-        table.add_row(fits, _gib(c.plan.peak.total), _gib(c.plan.peak.activations), c.overrides)
-    _console().print(table)
 
 
 if __name__ == "__main__":

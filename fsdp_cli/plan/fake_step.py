@@ -1,7 +1,7 @@
 """One fake training step of the rehearsed rank: its measured peak memory, activations and FSDP's
 all-gather and reduce-scatter buffers included.
 
-The rank is built as the rehearsal builds it (:func:`fsdp_cli.plan.rehearsal.built_rank`), with
+The rank is built as the rehearsal builds it (:func:`fsdp_cli.plan.fake_rank.built_rank`), with
 fake tensors, and runs Lightning's ``training_step`` (through the strategy: forward redirection to
 the FSDP root, the precision plugin's context), ``backward`` and the optimizer step while torch's
 memory tracker (``FSDPMemTracker`` for FSDP2, ``MemTracker`` otherwise) follows every tensor
@@ -23,8 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_cli.config.schema import ActivationCheckpointing, FSDP2Config, FSDPConfig, TrainConfig
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import CustomModelConfig, DDPConfig, FSDPConfig
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.plan.fake_world import FakeWorld
 
 PHASES = ("forward/backward", "optimizer step")
@@ -40,18 +42,18 @@ class PhasePeaks:
     phases: dict[str, dict[str, int]]
 
 
-def measure_step(cfg: TrainConfig, world: FakeWorld, depth: int) -> dict[str, Any]:
-    """The step's peak for ``cfg`` at ``depth`` blocks, or ``{"skipped": why}`` where torch cannot
+def measure_step(run: ResolvedRun, world: FakeWorld, depth: int) -> dict[str, Any]:
+    """The step's peak for ``run`` at ``depth`` blocks, or ``{"skipped": why}`` where torch cannot
     fake it. Inside a fake process group of ``world``; a model that fails on this layout raises
     :class:`ConfigError`."""
-    reason = _unsupported(cfg)
+    reason = _unsupported(run)
     if reason is not None:
         return {"skipped": reason}
     from fsdp_cli.compat.torch_internals import NOT_FAKEABLE
 
-    depths = measured_depths(cfg, depth)
+    depths = measured_depths(run, depth)
     try:
-        measured = [_measure(cfg, world, blocks) for blocks in depths]
+        measured = [_measure(run, world, blocks) for blocks in depths]
     except NOT_FAKEABLE as err:
         return {"skipped": f"the model's forward needs tensor values ({_first_line(err)}): no fake step"}
     except _TrackerFailed as err:
@@ -68,21 +70,19 @@ def measure_step(cfg: TrainConfig, world: FakeWorld, depth: int) -> dict[str, An
     }
 
 
-def _unsupported(cfg: TrainConfig) -> str | None:
-    from fsdp_cli.config.schema import CustomModelConfig
-
+def _unsupported(run: ResolvedRun) -> str | None:
+    cfg = run.cfg
     strategy = cfg.strategy
     if isinstance(cfg.model, CustomModelConfig) and _is_lightning_module(cfg.model.target):
+        # (strategy=model_parallel always lands here: it needs such a module.)
         return "a LightningModule's own training_step needs its own batches: no fake step"
     if isinstance(strategy, FSDPConfig) and strategy.use_orig_params:
         return (
             "torch's MemTracker cannot follow FSDP1's use_orig_params views "
             "(strategy.use_orig_params=false is measured): no fake step"
         )
-    if not isinstance(strategy, (FSDP2Config, FSDPConfig)):
-        return (
-            f"strategy={strategy.name}: DistributedDataParallel reads its parameters when built: no fake step"
-        )
+    if isinstance(strategy, DDPConfig):
+        return f"strategy={run.entry.name}: DistributedDataParallel reads its parameters when built: no fake step"
     return None
 
 
@@ -91,22 +91,19 @@ def _is_lightning_module(target: str) -> bool:
 
     import lightning as L
 
-    from fsdp_cli.builders.imports import import_object
+    from fsdp_cli.dotted import import_object
 
     obj = import_object(target, "model._target_")
     return inspect.isclass(obj) and issubclass(obj, L.LightningModule)
 
 
-def measured_depths(cfg: TrainConfig, depth: int) -> list[int]:
+def measured_depths(run: ResolvedRun, depth: int) -> list[int]:
     """Two depths past the first and last blocks' special cases, a checkpointing period apart (or
     the whole model when it is no deeper)."""
-    strategy = cfg.strategy
+    settings = run.entry.parallelize(run.cfg.strategy)
     period = 1
-    if (
-        isinstance(strategy, FSDP2Config)
-        and strategy.activation_checkpointing is ActivationCheckpointing.selective
-    ):
-        period = strategy.ac_every_n_blocks
+    if settings is not None and settings.activation_checkpointing is ActivationCheckpointing.selective:
+        period = settings.ac_every_n_blocks
     first = period * math.ceil(STABLE_DEPTH / period)
     return [depth] if depth <= first + period else [first, first + period]
 
@@ -123,16 +120,17 @@ class _TrackerFailed(RuntimeError):
     pass
 
 
-def _measure(cfg: TrainConfig, world: FakeWorld, blocks: int) -> PhasePeaks:
+def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
     import torch
 
-    from fsdp_cli.plan.rehearsal import built_rank, refused
+    from fsdp_cli.plan.fake_rank import built_rank, refused
 
-    with built_rank(cfg, world, blocks=blocks) as built:
+    data = run.cfg.data
+    with built_rank(run, world, blocks=blocks) as built:
         optimizer = built.strategy.optimizers[0]
-        if cfg.accelerator.value == "gpu":
+        if run.layout.on_gpu:
             _foreach_like_cuda(optimizer)
-        batch = torch.randint(0, cfg.data.vocab_size or 2, (_micro_batch(cfg), cfg.data.seq_len + 1))
+        batch = torch.randint(0, data.vocab_size or 2, (_micro_batch(run), data.seq_len + 1))
         from fsdp_cli.compat.torch_internals import NOT_FAKEABLE
 
         try:
@@ -142,7 +140,7 @@ def _measure(cfg: TrainConfig, world: FakeWorld, blocks: int) -> PhasePeaks:
         except NOT_FAKEABLE:
             raise
         except Exception as err:
-            raise refused(cfg, world, err, "cannot train") from err
+            raise refused(run, world, err, "cannot train") from err
         try:
             tracker = _tracker(built.target, optimizer)
             with tracker:
@@ -176,8 +174,9 @@ def _foreach_like_cuda(optimizer: Any) -> None:
             group["foreach"] = True
 
 
-def _micro_batch(cfg: TrainConfig) -> int:
-    return cfg.data.micro_batch_size or cfg.data.global_batch_size // int(cfg.dp)
+def _micro_batch(run: ResolvedRun) -> int:
+    data = run.cfg.data
+    return data.micro_batch_size or data.global_batch_size // run.layout.dp
 
 
 def _tracker(module: Any, optimizer: Any) -> Any:
@@ -208,41 +207,3 @@ def _first_line(err: BaseException | None) -> str:
     if err is None:
         return ""
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-
-
-# --------------------------------------------------------------------------- fewer blocks
-
-
-def keep_first_blocks(model: Any, blocks: int) -> None:
-    """Drop all but the first ``blocks`` of the model's repeated blocks (its largest
-    ``ModuleList``/``ModuleDict`` of one class), in place, before it is sharded."""
-    from torch import nn
-
-    container = block_container(model)
-    if container is None or len(container) <= blocks:
-        return
-    if isinstance(container, nn.ModuleDict):
-        for key in list(container.keys())[blocks:]:
-            del container[key]
-    else:
-        del container[blocks:]
-
-
-def block_container(model: Any) -> Any:
-    """The ``ModuleList``/``ModuleDict`` holding the repeated blocks (as
-    :func:`fsdp_cli.parallel.wrap.repeated_block_class` finds their class), or None."""
-    from torch import nn
-
-    best: tuple[int, Any] | None = None
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 1:
-            if len({type(c) for c in module.children()}) == 1:
-                size = sum(p.numel() for p in module.parameters())
-                if best is None or size > best[0]:
-                    best = (size, module)
-    return best[1] if best else None
-
-
-def block_count(model: Any) -> int:
-    container = block_container(model)
-    return len(container) if container is not None else 0

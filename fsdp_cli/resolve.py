@@ -1,0 +1,154 @@
+"""From the composed config to the typed, resolved, validated run every rank reads.
+
+:func:`resolve_config` is the one path both a single run (``fsdp_cli.cli.main``) and a sweep's
+jobs (``fsdp_cli.sweep``) take, so the two always agree on what can run: a single run prints a
+failure as one line and exits 2; a sweep records the job as ``skipped`` with that same line and
+goes on. It sits below both and above the layers it draws on (config, launch layout, data
+preparation, resume, the memory plan); the caller says whether it is a sweep job and which
+overrides the command line gave, so nothing here reads Hydra's global state.
+
+No torch here: the checks answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.config.callback_classes import check_callback_classes
+from fsdp_cli.config.convert import to_train_config
+from fsdp_cli.config.migrate import migrate
+from fsdp_cli.config.model_folder import resolve_model_folder
+from fsdp_cli.config.resolved import Layout, ResolvedRun
+from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.data.prepare import prepare_data
+from fsdp_cli.errors import ConfigError
+from fsdp_cli.launch.layout import resolve_layout
+
+PreLaunchCheck = Callable[[TrainConfig], None]
+
+
+class Advisory(ConfigError):
+    """A pre-launch verdict that skips a sweep's job but only warns a single run (an estimate:
+    the user may know better). ``warning``: what a single run prints."""
+
+    def __init__(self, key: str, value: object, problem: str, *, warning: str) -> None:
+        super().__init__(key, value, problem)
+        self.warning = warning
+
+
+def memory_plan_check(cfg: TrainConfig) -> None:
+    """On GPUs, the memory plan (:func:`fsdp_cli.plan.check.plan_problem`) against the detected
+    memory: a sweep skips a job that cannot fit, with the plan's line; a single run still starts,
+    after that line as a warning (the plan is an estimate)."""
+    if cfg.accelerator.value != "gpu":
+        return
+    from fsdp_cli.plan.check import plan_problem
+
+    try:
+        problem = plan_problem(cfg)
+    except Exception:  # noqa: BLE001 - a plan that cannot be made never stops a run
+        return
+    if problem is not None:
+        raise Advisory("memory plan", "does not fit", problem.removeprefix("memory plan: "), warning=problem)
+
+
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check, check_callback_classes)
+"""Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
+
+The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in
+memory, ...): a check raises :class:`fsdp_cli.errors.ConfigError`, and a single run stops with its
+one line (exit 2) while a sweep records the job as ``skipped`` with it, before any job starts.
+An :class:`Advisory` skips a sweep's job too, but a single run only prints it as a warning."""
+
+
+def rehearsal_check(run: ResolvedRun, env: Mapping[str, str]) -> None:
+    """A job whose layout exceeds this machine (more than one node, or more GPUs than are here) is
+    rehearsed: rank 0 built on a fake process group with the code a real rank runs
+    (:func:`fsdp_cli.plan.rehearsal.refusal`); a job its model cannot take is skipped with the
+    rehearsal's line. (A layout this machine holds is tried for real as the job starts.)"""
+    if not exceeds_this_machine(run.layout, env):
+        return
+    from fsdp_cli.plan.rehearsal import refusal
+
+    problem = refusal(run)
+    if problem is not None:
+        raise problem
+
+
+def exceeds_this_machine(layout: Layout, env: Mapping[str, str]) -> bool:
+    """The layout needs other nodes, or more GPUs than this one has: it cannot be tried here."""
+    from fsdp_cli.launch.environment import visible_gpu_count
+
+    if layout.num_nodes > 1:
+        return True
+    return layout.on_gpu and layout.devices > visible_gpu_count(env)
+
+
+SweepCheck = Callable[[ResolvedRun, Mapping[str, str]], None]
+SWEEP_CHECKS: tuple[SweepCheck, ...] = (rehearsal_check,)
+"""Checks a sweep's jobs get after :data:`PRE_LAUNCH_CHECKS` (``multirun=True``), with the job's
+environment: verdicts that cost seconds of torch, worth paying before a sweep's first job starts,
+not before a single run, whose ranks reach the same code within their first minute
+(docs/memory.md, "Rehearsal before real runs")."""
+
+
+def resolve_config(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: Mapping[str, str],
+    *,
+    notify: Callable[[str], None],
+    multirun: bool = False,
+    overrides: Sequence[str] = (),
+) -> TrainConfig:
+    """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> validate ->
+    prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
+    :data:`PRE_LAUNCH_CHECKS` (and for a sweep's job :data:`SWEEP_CHECKS`).
+
+    Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
+    receives the notices worth a line each (old names, settings without effect, what ``resume``
+    found), the migration ones before validation since an error may be about the new name.
+    ``multirun``: a sweep's job (an :class:`Advisory` then skips it); ``overrides``: the job's
+    command-line overrides (whether the user chose the ``data`` group)."""
+    typed, notices = migrate(to_train_config(cfg))
+    for notice in notices:
+        notify(notice)
+    typed = resolve_layout(typed, env)
+    typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
+    typed = resolve_model_folder(typed)
+    validate(typed)
+    prepare_data(typed)
+    typed, resume_notices = resolve_resume(typed)
+    for check in PRE_LAUNCH_CHECKS:
+        try:
+            check(typed)
+        except Advisory as advice:
+            if multirun:
+                raise
+            notify(f"warning: {advice.warning}")
+    if multirun:
+        run = ResolvedRun.of(typed)
+        for sweep_check in SWEEP_CHECKS:
+            sweep_check(run, env)
+    for notice in [*advisories(typed), *resume_notices]:
+        notify(notice)
+    return typed
+
+
+def resolve_run(cfg: DictConfig, run_dir: Path, env: Mapping[str, str], **options: Any) -> ResolvedRun:
+    """:func:`resolve_config` (same arguments), as the frozen
+    :class:`~fsdp_cli.config.resolved.ResolvedRun` the launcher and the report take (every
+    derived value computed once, here)."""
+    return ResolvedRun.of(resolve_config(cfg, run_dir, env, **options))
+
+
+def chooses_data(task_overrides: list[str]) -> bool:
+    """Whether overrides pick the ``data`` option or set a ``data.*`` key."""
+    return any(o.lstrip("+~").startswith(("data=", "data.")) for o in task_overrides)
