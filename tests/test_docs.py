@@ -169,10 +169,15 @@ STEP_KEYS = (
     "trainer.val_check_interval",
     "checkpoint.every_n_steps",
     "optim.warmup_steps",
+    "data.num_sequences",  # an epoch's length
 )
-STEP_FACTOR = 2
+STEP_FACTOR = 10
 """Every step count of a shown run is divided by this (rounded up), one factor for all so that a
-``resume=auto`` after a run still continues it: the longest, tiny_cpu_text's 200 steps, trains 100."""
+``resume=auto`` after a run still continues it: tiny_cpu_text's 200 steps train 20, the two
+epochs of 4096 sequences are two of 410. What a run costs here is mostly its start (processes,
+imports), the same whatever its length."""
+RECIPE_STEP_FACTOR = 2
+"""The CPU recipes' own factor: they must train to a falling loss (tiny_cpu_text 100 steps)."""
 MAX_TRIALS = 1
 """An Optuna sweep runs this many of its trials."""
 RUN_ELSEWHERE = {
@@ -216,7 +221,10 @@ def cpu_commands(cwd: Path) -> list[tuple[str, dict[str, str], list[str]]]:
         key = json.dumps([sorted(env.items()), job, modes])
         if key not in seen:
             seen.add(key)
-            found.append((line, env, shortened(args, job)))
+            factor = (
+                RECIPE_STEP_FACTOR if _bare(line).removeprefix("fsdp-train ") in CPU_RECIPES else STEP_FACTOR
+            )
+            found.append((line, env, shortened(args, job, factor)))
     return found
 
 
@@ -224,15 +232,15 @@ def _bare(line: str) -> str:
     return line.split("#")[0].strip()
 
 
-def shortened(args: list[str], job: dict[str, Any]) -> list[str]:
-    """``args`` with every step count divided by ``STEP_FACTOR`` and an Optuna sweep cut to
+def shortened(args: list[str], job: dict[str, Any], factor: int) -> list[str]:
+    """``args`` with every step count divided by ``factor`` and an Optuna sweep cut to
     ``MAX_TRIALS`` trials."""
     changed = {}
     for key in STEP_KEYS:
         section, name = key.split(".")
         value = job[section].get(name)
         if isinstance(value, int) and value > 1:
-            changed[key] = math.ceil(value / STEP_FACTOR)
+            changed[key] = math.ceil(value / factor)
     if "hydra/sweeper=optuna" in args:
         changed["hydra.sweeper.n_trials"] = MAX_TRIALS
     kept = [a for a in args if a.split("=", 1)[0] not in changed]
