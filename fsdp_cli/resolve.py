@@ -24,7 +24,7 @@ from fsdp_cli.config.callback_classes import check_callback_classes
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
-from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.resolved import Layout, ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
@@ -68,6 +68,37 @@ one line (exit 2) while a sweep records the job as ``skipped`` with it, before a
 An :class:`Advisory` skips a sweep's job too, but a single run only prints it as a warning."""
 
 
+def rehearsal_check(run: ResolvedRun, env: Mapping[str, str]) -> None:
+    """A job whose layout exceeds this machine (more than one node, or more GPUs than are here) is
+    rehearsed: rank 0 built on a fake process group with the code a real rank runs
+    (:func:`fsdp_cli.plan.rehearsal.refusal`); a job its model cannot take is skipped with the
+    rehearsal's line. (A layout this machine holds is tried for real as the job starts.)"""
+    if not exceeds_this_machine(run.layout, env):
+        return
+    from fsdp_cli.plan.rehearsal import refusal
+
+    problem = refusal(run)
+    if problem is not None:
+        raise problem
+
+
+def exceeds_this_machine(layout: Layout, env: Mapping[str, str]) -> bool:
+    """The layout needs other nodes, or more GPUs than this one has: it cannot be tried here."""
+    from fsdp_cli.launch.environment import visible_gpu_count
+
+    if layout.num_nodes > 1:
+        return True
+    return layout.on_gpu and layout.devices > visible_gpu_count(env)
+
+
+SweepCheck = Callable[[ResolvedRun, Mapping[str, str]], None]
+SWEEP_CHECKS: tuple[SweepCheck, ...] = (rehearsal_check,)
+"""Checks a sweep's jobs get after :data:`PRE_LAUNCH_CHECKS` (``multirun=True``), with the job's
+environment: verdicts that cost seconds of torch, worth paying before a sweep's first job starts,
+not before a single run, whose ranks reach the same code within their first minute
+(docs/memory.md, "Rehearsal before real runs")."""
+
+
 def resolve_config(
     cfg: DictConfig,
     run_dir: Path,
@@ -79,7 +110,7 @@ def resolve_config(
 ) -> TrainConfig:
     """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> validate ->
     prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
-    :data:`PRE_LAUNCH_CHECKS`.
+    :data:`PRE_LAUNCH_CHECKS` (and for a sweep's job :data:`SWEEP_CHECKS`).
 
     Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
     receives the notices worth a line each (old names, settings without effect, what ``resume``
@@ -102,6 +133,10 @@ def resolve_config(
             if multirun:
                 raise
             notify(f"warning: {advice.warning}")
+    if multirun:
+        run = ResolvedRun.of(typed)
+        for sweep_check in SWEEP_CHECKS:
+            sweep_check(run, env)
     for notice in [*advisories(typed), *resume_notices]:
         notify(notice)
     return typed

@@ -169,10 +169,15 @@ STEP_KEYS = (
     "trainer.val_check_interval",
     "checkpoint.every_n_steps",
     "optim.warmup_steps",
+    "data.num_sequences",  # an epoch's length
 )
-STEP_FACTOR = 2
+STEP_FACTOR = 10
 """Every step count of a shown run is divided by this (rounded up), one factor for all so that a
-``resume=auto`` after a run still continues it: the longest, tiny_cpu_text's 200 steps, trains 100."""
+``resume=auto`` after a run still continues it: tiny_cpu_text's 200 steps train 20, the two
+epochs of 4096 sequences are two of 410. What a run costs here is mostly its start (processes,
+imports), the same whatever its length."""
+RECIPE_STEP_FACTOR = 2
+"""The CPU recipes' own factor: they must train to a falling loss (tiny_cpu_text 100 steps)."""
 MAX_TRIALS = 1
 """An Optuna sweep runs this many of its trials."""
 RUN_ELSEWHERE = {
@@ -212,10 +217,14 @@ def cpu_commands(cwd: Path) -> list[tuple[str, dict[str, str], list[str]]]:
         paths = [job["model"].get("path"), job["data"].get("path")]
         if any(p and not Path(p).is_absolute() and not (cwd / p).exists() for p in paths):
             continue
-        key = json.dumps([sorted(env.items()), job, [a for a in args if a.startswith(("-m", "hydra"))]])
+        modes = [a for a in args if a.startswith(("-m", "hydra", "--dry-run"))]  # (a dry run trains nothing)
+        key = json.dumps([sorted(env.items()), job, modes])
         if key not in seen:
             seen.add(key)
-            found.append((line, env, shortened(args, job)))
+            factor = (
+                RECIPE_STEP_FACTOR if _bare(line).removeprefix("fsdp-train ") in CPU_RECIPES else STEP_FACTOR
+            )
+            found.append((line, env, shortened(args, job, factor)))
     return found
 
 
@@ -223,15 +232,15 @@ def _bare(line: str) -> str:
     return line.split("#")[0].strip()
 
 
-def shortened(args: list[str], job: dict[str, Any]) -> list[str]:
-    """``args`` with every step count divided by ``STEP_FACTOR`` and an Optuna sweep cut to
+def shortened(args: list[str], job: dict[str, Any], factor: int) -> list[str]:
+    """``args`` with every step count divided by ``factor`` and an Optuna sweep cut to
     ``MAX_TRIALS`` trials."""
     changed = {}
     for key in STEP_KEYS:
         section, name = key.split(".")
         value = job[section].get(name)
         if isinstance(value, int) and value > 1:
-            changed[key] = math.ceil(value / STEP_FACTOR)
+            changed[key] = math.ceil(value / factor)
     if "hydra/sweeper=optuna" in args:
         changed["hydra.sweeper.n_trials"] = MAX_TRIALS
     kept = [a for a in args if a.split("=", 1)[0] not in changed]
@@ -241,8 +250,8 @@ def shortened(args: list[str], job: dict[str, Any]) -> list[str]:
 @pytest.mark.distributed
 def test_the_cpu_commands_shown_in_the_docs_train_for_real(tmp_path: Path) -> None:
     """Each runs in one working directory, in the order shown (a resume finds the run before it),
-    and exits 0 with an ok summary, or with the error line the docs show for it. The CPU recipes
-    train to a falling loss."""
+    and exits 0 with an ok summary (a ``--dry-run``: with its rehearsal and no summary), or with
+    the error line the docs show for it. The CPU recipes train to a falling loss."""
     docs_text = "\n".join(doc.read_text() for doc in DOCS)
     commands = cpu_commands(tmp_path)
     shown = [_bare(line) for line, _, _ in commands]
@@ -259,6 +268,11 @@ def test_the_cpu_commands_shown_in_the_docs_train_for_real(tmp_path: Path) -> No
         errors = [e for e in r.stderr.splitlines() if e.startswith("fsdp-train: error: ")]
         if r.returncode == 2 and errors and errors[0] in docs_text:
             continue  # the mistake the docs show, with the docs' own line
+        if "--dry-run" in args:  # rehearses rank 0 and trains nothing
+            trained = run_dir is not None and (run_dir / "summary.json").exists()
+            if r.returncode != 0 or "rehearsal: rank 0 of" not in r.stdout or trained:
+                failures.append(f"{line}\n  ran as {' '.join(args)}\n  -> {r}")
+            continue
         if r.returncode != 0 or (run_dir is not None and read_summary(run_dir)["status"] != "ok"):
             failures.append(f"{line}\n  ran as {' '.join(args)}\n  -> {r}")
         elif _bare(line).removeprefix("fsdp-train ") in CPU_RECIPES:

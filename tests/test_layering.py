@@ -24,7 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"hydra_plugins", "sweep", "resolve", "plan", "worker", "checkpoint", "launch", "config", *LEAVES},
     "sweep": {"resolve", "launch", "config", *LEAVES},
     "resolve": {"plan", "checkpoint", "launch", "data", "config", *LEAVES},
-    "plan": {"launch", "config", "models", "parallel", *LEAVES},
+    # builders/strategies: a rehearsal (plan/rehearsal.py) builds one rank with the builders and
+    # strategy classes a real rank uses, instead of a second copy of that logic.
+    "plan": {"builders", "strategies", "launch", "config", "models", "parallel", *LEAVES},
     "worker": {"builders", "checkpoint", "launch", "config", *LEAVES},
     "builders": {
         "callbacks",

@@ -110,6 +110,19 @@ def _save_tokenizer(path: Path) -> None:
     tokenizer.save(str(path))
 
 
+def resolve_recipe(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, int, int]:
+    """(the recipe, its config resolved on the hardware its header names, nodes, GPUs per node)."""
+    recipe = recipe_cli.load(REPO / "recipes" / f"{name}.yaml")
+    env, srun, overrides = parse_command(recipe.command)
+    assert f"recipe={name}" in overrides
+    overrides = [fill_placeholders(o, tmp_path) for o in overrides]
+    cluster_env, nodes, gpus_per_node = hardware_env(recipe.hardware, srun)
+    # The GPUs this machine would have: counted through NVML in real life, simulated here.
+    monkeypatch.setattr(layout, "visible_gpu_count", lambda env: gpus_per_node)
+    cfg = resolve_config(compose_dict(*overrides), tmp_path, {**env, **cluster_env}, notify=lambda _: None)
+    return recipe, cfg, nodes, gpus_per_node
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_on_the_hardware_its_header_names(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -117,14 +130,7 @@ def test_recipe_runs_on_the_hardware_its_header_names(
     recipe = recipe_cli.load(REPO / "recipes" / f"{name}.yaml")
     assert recipe.text.startswith("# @package _global_\n# Command:  "), "the header opens with the command"
     assert recipe.hardware and recipe.about, "Hardware: and About: follow the command"
-    env, srun, overrides = parse_command(recipe.command)
-    assert f"recipe={name}" in overrides
-    overrides = [fill_placeholders(o, tmp_path) for o in overrides]
-    cluster_env, nodes, gpus_per_node = hardware_env(recipe.hardware, srun)
-    # The GPUs this machine would have: counted through NVML in real life, simulated here.
-    monkeypatch.setattr(layout, "visible_gpu_count", lambda env: gpus_per_node)
-    notices: list[str] = []
-    cfg = resolve_config(compose_dict(*overrides), tmp_path, {**env, **cluster_env}, notify=notices.append)
+    recipe, cfg, nodes, gpus_per_node = resolve_recipe(name, tmp_path, monkeypatch)
     if gpus_per_node:
         assert (cfg.accelerator, int(cfg.devices), cfg.num_nodes) == (Accelerator.gpu, gpus_per_node, nodes)
         assert cfg.precision.name == "bf16-mixed"
@@ -132,6 +138,27 @@ def test_recipe_runs_on_the_hardware_its_header_names(
         assert cfg.accelerator is Accelerator.cpu
         assert int(cfg.devices) == int(CPUS.search(recipe.hardware).group(1))  # type: ignore[union-attr]
     assert int(cfg.dp) * cfg.tp == int(cfg.devices) * cfg.num_nodes
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_shards_on_its_hardware_as_planned(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 and the last rank of the recipe's layout, rehearsed on a fake process group of its
+    world size with the code a real rank runs: every recipe can be built on its own hardware, and
+    holds the parameter, gradient and optimizer bytes its plan says (fsdp-plan --rehearse)."""
+    from fsdp_cli.plan.check import plan_for
+    from fsdp_cli.plan.rehearsal import HELD, rehearse
+
+    _, cfg, nodes, gpus_per_node = resolve_recipe(name, tmp_path, monkeypatch)
+    world = int(cfg.devices) * cfg.num_nodes
+    plan = plan_for(cfg)
+    assert plan is not None
+    for rank in sorted({0, world - 1}):
+        rehearsal = rehearse(cfg, rank, step=False)  # the fake step is measured in test_rehearsal
+        assert rehearsal.world_size == world
+        held = {k: getattr(rehearsal.held_bytes, k) for k in HELD}
+        assert held == {k: getattr(plan.ranks[rank], k) for k in HELD}, (rank, held)
 
 
 def test_a_recipe_on_the_wrong_allocation_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

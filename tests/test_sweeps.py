@@ -160,7 +160,10 @@ def test_submitit_local_runs_each_job_in_a_process_of_its_own(tmp_path: Path) ->
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=submitit_local", *CPU, "devices=2", "tp=1,3", "trainer.max_steps=3"]
     r = run([*args, f"hydra.sweep.dir={sweep}"])
-    assert r.returncode == 0, r
+    logs = "".join(
+        f"\n--- {p}\n{p.read_text()[-3000:]}" for p in sorted(sweep.glob(".submitit/*/*.[eo][ru][rt]"))
+    )
+    assert r.returncode == 0, f"{r}{logs}"  # submitit names the job's log files; show them
     assert statuses(sweep, 2) == ["ok", "skipped"]
     assert [row["step"] for row in read_metrics(sweep / "0")] == [1, 2, 3]
     assert read_summary(sweep / "1")["reason"].startswith("tp=3: must divide the world size 2")

@@ -156,7 +156,11 @@ def test_fp16_mixed_refused_for_fsdp2_on_gpu() -> None:
 )
 def test_64_true_refused_by_every_sharded_strategy_and_ddp_takes_it(strategy: list[str]) -> None:
     """Lightning's FSDPStrategy and ModelParallelStrategy refuse float64 on every rank."""
-    target = ["model._target_=tests.assets.model_parallel_module.FeedForwardLM"] if "model=custom" in strategy else []
+    target = (
+        ["model._target_=tests.assets.model_parallel_module.FeedForwardLM"]
+        if "model=custom" in strategy
+        else []
+    )
     err = _check(*strategy, *target, "precision=64-true")
     name = strategy[0].split("=")[1]
     assert (err.key, err.value) == ("precision", "64-true"), err

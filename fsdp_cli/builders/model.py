@@ -69,7 +69,8 @@ def _hf_factory(run: ResolvedRun, model: HFModelConfig) -> Callable[[], nn.Modul
         built = build_hf_model(model, seed=cfg.seed)
         if cfg.tp > 1:
             require_tp_plan(built.hf, cfg.tp)
-        if not sharded:
+        # Built under torch.device("meta") (Trainer.init_module(empty_init=True), a rehearsal): stays there.
+        if not sharded and torch.get_default_device().type != "meta":
             built.materialize("cpu")
         return built
 

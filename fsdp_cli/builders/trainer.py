@@ -48,6 +48,14 @@ def build_profiler(cfg: TrainConfig, accumulation: int) -> Any:
     return PyTorchProfiler(dirpath=profiler_dir(cfg.run_dir), filename="trace", schedule=schedule)
 
 
+def precision_arguments(run: ResolvedRun) -> dict[str, Any]:
+    """The Trainer's ``precision=`` (Lightning picks the plugin), or ``plugins=`` a plugin that
+    only names it where the strategy's FSDP policy does the casting. (A rehearsal builds its
+    Trainer with the same.)"""
+    plugin = precision_plugin(run.precision, policy_casts=run.entry.policy_casts)
+    return {"plugins": [plugin]} if plugin is not None else {"precision": run.precision.name}
+
+
 def build_trainer(
     run: ResolvedRun,
     strategy: Any,
@@ -66,12 +74,7 @@ def build_trainer(
     """
     cfg = run.cfg
     t = cfg.trainer
-    kwargs: dict[str, Any] = {}
-    plugin = precision_plugin(run.precision, policy_casts=run.entry.policy_casts)
-    if plugin is not None:
-        kwargs["plugins"] = [plugin]
-    else:
-        kwargs["precision"] = run.precision.name
+    kwargs = precision_arguments(run)
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)

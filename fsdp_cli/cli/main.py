@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fsdp_cli.cli.configs import config_path
+from fsdp_cli.cli.configs import config_path, register_sweep_launcher
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 # runs, and a config mistake stops inside `resolve`, so neither pays for the rest.
 
 PROG = "fsdp-train"
+DRY_RUN_FLAG = "--dry-run"
+"""Resolve and check the run, rehearse rank 0 (:mod:`fsdp_cli.cli.rehearse`), start nothing."""
 MULTIRUN_FLAGS = ("-m", "--multirun")
 MODE_FLAGS = {
     **dict.fromkeys(MULTIRUN_FLAGS, "--multirun"),
@@ -65,7 +67,28 @@ def train(cfg: DictConfig) -> Any:
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
     run = resolve(cfg, run_dir)
+    if _dry_run:
+        return dry_run(run)
     return _launch(run, run_dir=run_dir, job=job, multirun=False)[1]
+
+
+_dry_run = False
+"""This command is ``fsdp-train ... --dry-run`` (set by :func:`main`; Hydra's entry takes no arguments)."""
+
+
+def dry_run(run: ResolvedRun) -> None:
+    """``--dry-run``: the plan and a rehearsal of rank 0 instead of the run; exits 1 when they
+    disagree, 2 (one line) when the model cannot take the layout."""
+    from fsdp_cli.cli.rehearse import rehearse_and_report
+    from fsdp_cli.plan.check import detected_device_memory
+
+    try:
+        memory = detected_device_memory(run.cfg, os.environ)
+        code = rehearse_and_report(run, rank=0, memory=memory, as_json=False, step=True, prog=PROG)
+    except ConfigError as err:
+        fail(err.one_line())
+    if code:
+        sys.exit(code)
 
 
 def _launch(
@@ -206,24 +229,22 @@ def check_modes(argv: list[str]) -> None:
         )
 
 
-def register_sweep_launcher() -> None:
-    """Make ``hydra/launcher=fsdp_cli`` available however the package was installed.
-
-    Hydra finds the plugin by scanning the ``hydra_plugins`` namespace package. Some editable
-    installs (setuptools' import-hook mode) serve it to ``import`` but not to that scan; then it
-    is registered here explicitly, through Hydra's documented ``Plugins.register``."""
-    from hydra.core.plugins import Plugins
-    from hydra.plugins.launcher import Launcher
-
-    plugins = Plugins.instance()  # scans
-    name = "hydra_plugins.fsdp_cli_sweep.launcher.SweepLauncher"
-    if not any(f"{c.__module__}.{c.__name__}" == name for c in plugins.discover(Launcher)):
-        from hydra_plugins.fsdp_cli_sweep.launcher import SweepLauncher
-
-        plugins.register(SweepLauncher)
+def take_dry_run_flag(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for ``--dry-run``, which is ours, not Hydra's: taken out of ``argv``
+    (in place) before Hydra parses it."""
+    if DRY_RUN_FLAG not in argv:
+        return False
+    if any(a in MULTIRUN_FLAGS for a in argv):
+        fail(
+            f"{DRY_RUN_FLAG} and --multirun cannot be combined; hint: a sweep rehearses the jobs this "
+            f"machine cannot try itself; to see one job, drop -m: {PROG} tp=2 {DRY_RUN_FLAG}"
+        )
+    argv[:] = [a for a in argv if a != DRY_RUN_FLAG]
+    return True
 
 
 def main() -> None:
+    global _dry_run
     # `model._target_=pkg.mod.Factory` may name a module in the working directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -237,7 +258,9 @@ def main() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)
     check_modes(sys.argv[1:])
-    sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
+    argv = sys.argv[1:]
+    _dry_run = take_dry_run_flag(argv)  # (set on every call: a test runs commands in one process)
+    sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(argv), os.environ)
     train()
     if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
         from fsdp_cli.sweep.report import exit_status

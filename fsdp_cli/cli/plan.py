@@ -1,4 +1,4 @@
-"""``fsdp-plan [fsdp-train overrides] [--json] [--gpus N] [--device-memory SIZE] [--search]``
+"""``fsdp-plan [fsdp-train overrides] [--json] [--gpus N] [--device-memory SIZE] [--search | --rehearse [--rank R]]``
 
 Per-rank memory of the run ``fsdp-train`` would start with the same overrides, without starting
 it: parameters, gradients, optimizer state, activations (with and without activation
@@ -6,8 +6,12 @@ checkpointing), FSDP buffers, the total, and whether it fits the device memory (
 from this machine's GPUs). ``--gpus N`` plans for N GPUs per node on any machine; ``--search``
 lists the layouts of those devices with their memory, those that fit first. The built-in models
 are planned from their config alone (no torch import); others from a meta-device build.
+``--rehearse`` also builds rank R (default 0) in this process, on a fake process group of the
+layout's world size, with the code a real rank runs, and compares the bytes it holds with the
+plan's (more than 1% apart: exit 1); a layout the model cannot take is one line (exit 2).
 
     fsdp-plan recipe=llama_8b_hsdp num_nodes=1 --gpus 8 --device-memory 80GB --search
+    fsdp-plan recipe=llama_70b_hsdp num_nodes=64 data.global_batch_size=512 --gpus 8 --rehearse
 """
 
 from __future__ import annotations
@@ -55,15 +59,13 @@ def compose(overrides: list[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
 
-    from fsdp_cli.cli.configs import config_path
+    from fsdp_cli.cli.configs import config_path, register_sweep_launcher
     from fsdp_cli.cli.hydra_errors import CONFIG_ERRORS, one_line, quote_numeric_group_options
-    from fsdp_cli.cli.main import register_sweep_launcher
     from fsdp_cli.config.convert import to_train_config
     from fsdp_cli.config.store import register_schemas
 
     register_schemas()
-    # train.yaml selects hydra/launcher=fsdp_cli: found as fsdp-train finds it, whatever the install.
-    register_sweep_launcher()
+    register_sweep_launcher()  # train.yaml selects it; some editable installs hide it from Hydra's scan
     path = config_path()
     init = (
         initialize_config_module(config_module=path.removeprefix("pkg://"), version_base="1.3")
@@ -81,6 +83,7 @@ def compose(overrides: list[str]) -> Any:
 
 def resolved(overrides: list[str], gpus: int | None) -> Any:
     from fsdp_cli.config.migrate import migrate
+    from fsdp_cli.config.model_folder import resolve_model_folder
     from fsdp_cli.config.validate import validate
     from fsdp_cli.launch.layout import resolve_layout
 
@@ -91,7 +94,7 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     env = dict(os.environ)
     if gpus is not None:
         env.pop("CUDA_VISIBLE_DEVICES", None)
-    cfg = resolve_layout(cfg, env, gpus=gpus)
+    cfg = resolve_model_folder(resolve_layout(cfg, env, gpus=gpus))  # as fsdp-train resolves it
     validate(cfg)
     return cfg
 
@@ -109,12 +112,30 @@ def main(argv: list[str] | None = None) -> None:
         "--device-memory", default=None, help="memory per device, e.g. 80GB (default: detected)"
     )
     parser.add_argument("--search", action="store_true", help="list candidate layouts of the same devices")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="build one rank on a fake process group of the layout's size and check the plan against it",
+    )
+    parser.add_argument("--rank", type=int, default=0, help="the rank --rehearse builds (default 0)")
+    parser.add_argument(
+        "--no-step", action="store_true", help="--rehearse without the fake training step (faster)"
+    )
+    args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
+    if args.search and args.rehearse:
+        fail("--search and --rehearse cannot be combined; hint: rehearse the layout --search chose")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # model._target_ may live in the working directory
     try:
         cfg = resolved(args.overrides, args.gpus)
         memory = parse_size(args.device_memory) if args.device_memory else None
+        if args.rehearse:
+            from fsdp_cli.cli.rehearse import rehearse_and_report
+
+            code = rehearse_and_report(
+                cfg, rank=args.rank, memory=memory, as_json=args.json, step=not args.no_step, prog=PROG
+            )
+            sys.exit(code)
         run(cfg, memory, as_json=args.json, search_layouts=args.search)
     except ConfigError as err:
         fail(err.one_line())
@@ -140,99 +161,17 @@ def run(cfg: Any, memory: int | None, *, as_json: bool, search_layouts: bool) ->
         if as_json:
             print(json.dumps([c.row for c in found], indent=2))
         else:
+            from fsdp_cli.cli.plan_tables import print_search
+
             print_search(found, memory)
         return
     plan = plan_memory(cfg, spec, memory)
     if as_json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
+        from fsdp_cli.cli.plan_tables import print_plan
+
         print_plan(cfg, plan)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f}"
-
-
-def _rank_groups(plan: Any) -> list[tuple[str, list[str]]]:
-    """Ranks whose figures print the same, shown as one row (``0-3``)."""
-    groups: list[tuple[list[int], list[str]]] = []
-    for rank in plan.ranks:
-        cells = [
-            _gib(rank.params),
-            _gib(rank.grads),
-            _gib(rank.optimizer),
-            _gib(rank.activations),
-            f"{_gib(rank.activations_no_ac)} / {_gib(rank.activations_full_ac)}",
-            _gib(rank.buffers),
-            _gib(rank.total),
-        ]
-        if groups and groups[-1][1] == cells:
-            groups[-1][0].append(rank.rank)
-        else:
-            groups.append(([rank.rank], cells))
-    return [(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]), cells) for r, cells in groups]
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=140)
-
-
-def print_plan(cfg: Any, plan: Any) -> None:
-    from rich.table import Table
-
-    from fsdp_cli.plan.check import hint
-    from fsdp_cli.plan.memory import FIT_FRACTION
-
-    layout = " x ".join(f"{k}={v}" for k, v in plan.layout.items())
-    table = Table(
-        title=f"fsdp-plan: {plan.strategy} {layout}, {plan.precision}, micro-batch {plan.micro_batch_size} x {plan.seq_len}, "
-        f"activation checkpointing {plan.activation_checkpointing} (GiB per rank)",
-        title_justify="left",
-    )
-    for column in (
-        "rank",
-        "params",
-        "grads",
-        "optimizer",
-        "activations",
-        "no AC / full AC",
-        "buffers",
-        "total",
-    ):
-        table.add_column(column, justify="right")
-    for ranks, cells in _rank_groups(plan):
-        table.add_row(ranks, *cells)
-    console = _console()
-    console.print(table)
-    if any(r.offloaded for r in plan.ranks):
-        console.print(f"offloaded to host memory: {_gib(max(r.offloaded for r in plan.ranks))} GiB per rank")
-    if plan.device_memory is None:
-        console.print("fits: unknown (no GPU detected; give --device-memory SIZE)")
-    elif plan.fits:
-        console.print(f"fits: yes ({_gib(plan.peak.total)} of {_gib(plan.device_memory)} GiB per device)")
-    else:
-        console.print(
-            f"fits: no ({_gib(plan.peak.total)} GiB needed, {_gib(FIT_FRACTION * plan.device_memory)} usable of "
-            f"{_gib(plan.device_memory)}); hint: {hint(cfg, plan)}"
-        )
-
-
-def print_search(found: list[Any], memory: int | None) -> None:
-    from rich.table import Table
-
-    table = Table(
-        title=f"fsdp-plan --search (GiB per rank{'' if memory is None else f', {_gib(memory)} GiB per device'})",
-        title_justify="left",
-    )
-    for column in ("fits", "total", "activations", "overrides"):
-        table.add_column(column)
-    for c in found:
-        fits = "?" if c.plan.fits is None else ("yes" if c.plan.fits else "no")
-        table.add_row(fits, _gib(c.plan.peak.total), _gib(c.plan.peak.activations), c.overrides)
-    _console().print(table)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
-compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), and the
-tensor an asynchronous functional collective returns before it is waited on, and the plain
-tensors inside a wrapper tensor subclass (torchao's float8 weights)."""
+compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
+tensor an asynchronous functional collective returns before it is waited on, the plain
+tensors inside a wrapper tensor subclass (torchao's float8 weights), and what a rehearsal
+(:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+from torch._subclasses import fake_tensor as _fake_tensor
+from torch.distributed import Backend
 from torch.distributed import _functional_collectives as _funcol
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,6 +38,12 @@ ENTRIES: list[tuple[Any, str]] = [
     (_funcol, "AsyncCollectiveTensor"),
     (_funcol, "wait_tensor"),
     (_python_dispatch, "is_traceable_wrapper_subclass"),
+    (_fake_tensor, "FakeTensorMode"),
+    (_fake_tensor, "DataDependentOutputException"),
+    (_fake_tensor, "DynamicOutputShapeException"),
+    (_fake_tensor, "UnsupportedOperatorException"),
+    # Public, but only recent torch has it: init_process_group("fake") without a store.
+    (Backend, "FAKE"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -110,3 +119,28 @@ def plain_tensors(tensor: Any) -> list[Any]:
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]
+
+
+FakeTensorMode = _fake_tensor.FakeTensorMode
+"""Tensors with shapes, dtypes and devices but no memory: a rehearsal's "allocations" (the public
+``torch._subclasses`` name lives in a private module)."""
+
+NOT_FAKEABLE: tuple[type[Exception], ...] = (
+    _fake_tensor.DataDependentOutputException,
+    _fake_tensor.DynamicOutputShapeException,
+    _fake_tensor.UnsupportedOperatorException,
+)
+"""What fake tensors raise for an op whose result depends on values (``.item()``, ``nonzero``) or
+that has no fake implementation: a model doing that cannot be stepped without real data."""
+
+
+def memory_trackers() -> tuple[Any, Any]:
+    """torch's ``(FSDPMemTracker, MemTracker)``: every tensor alive during a step, by kind, and the
+    peak. Imported on first use, not with this module: they cost about a second to import, which
+    every rank would pay. Checked like the entries above when they are imported."""
+    from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
+
+    return (
+        require(fsdp2_mem_tracker, "FSDPMemTracker", "torch"),
+        require(mem_tracker, "MemTracker", "torch"),
+    )

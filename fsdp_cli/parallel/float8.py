@@ -48,6 +48,8 @@ def check_float8_device(device_type: str) -> None:
     """One line for a device that cannot train in float8 (the parent checks first where NVML is)."""
     import torch
 
+    if _rehearsing():
+        return  # this CPU process stands in for a GPU rank, whose GPUs the parent checked
     on_gpu = device_type == "cuda"
     problem = device_problem(
         on_gpu=on_gpu,
@@ -56,6 +58,19 @@ def check_float8_device(device_type: str) -> None:
     )
     if problem is not None:
         raise problem
+
+
+def emulates_float8(device_type: str) -> bool:
+    """Whether the float8 matmuls are emulated: on a CPU rank, but not in a rehearsal, whose CPU
+    process stands in for a GPU rank and builds what that rank would (float8 tensor-core matmuls)."""
+    return device_type == "cpu" and not _rehearsing()
+
+
+def _rehearsing() -> bool:
+    """A rehearsal (``fsdp-plan --rehearse``): one CPU process in a fake process group."""
+    import torch
+
+    return torch.distributed.is_initialized() and torch.distributed.get_backend() == "fake"
 
 
 def float8_candidates(model: nn.Module) -> list[str]:

@@ -110,10 +110,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
 
     if options.float8:
         # Before checkpointing and compile, which must see (and compile) the float8 layers.
-        from fsdp_cli.parallel.float8 import apply_float8, check_float8_device
+        from fsdp_cli.parallel.float8 import apply_float8, check_float8_device, emulates_float8
 
         check_float8_device(dims.mesh.device_type)
-        report.float8_emulated = dims.mesh.device_type == "cpu"
+        report.float8_emulated = emulates_float8(dims.mesh.device_type)
         report.float8_linears = apply_float8(model, emulate=report.float8_emulated)
 
     report.ac_blocks = apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)

@@ -6,12 +6,16 @@ layer never knows a concrete model.
 
 from __future__ import annotations
 
+from difflib import get_close_matches
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from fsdp_cli.errors import ConfigError
 
 
 def model_tp_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
@@ -27,6 +31,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> Non
     ``parallelize_module`` gives each module a parameter of its own, so the tie is restored when
     both ends are sharded alike (a vocabulary-parallel embedding and a column-parallel head).
     """
+    check_plan_names(model, plan)
     aliases = _aliases(model)
     parallelize_module(model, tp_mesh, plan)
     for alias, source in aliases:
@@ -41,6 +46,26 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> Non
             )
         owner, _, name = alias.rpartition(".")
         setattr(model.get_submodule(owner), name, src)
+
+
+def check_plan_names(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Every key of ``plan`` names a module of ``model`` (``*`` matching one name segment, as in
+    ``parallelize_module``, which only warns about such a key and leaves the module whole)."""
+    names = [name.split(".") for name, _ in model.named_modules() if name]
+    for key in plan:
+        pattern = key.split(".")
+        if not any(
+            len(name) == len(pattern) and all(fnmatchcase(n, p) for n, p in zip(name, pattern))
+            for name in names
+        ):
+            close = get_close_matches(key, [".".join(n) for n in names], n=3)
+            raise ConfigError(
+                "tensor-parallel plan",
+                key,
+                f"names no module of {type(model).__name__}",
+                allowed=", ".join(close) if close else None,
+                hint="correct the module names in the model's tp_plan() (or the parallelize_fn's plan)",
+            )
 
 
 def _aliases(model: nn.Module) -> list[tuple[str, str]]:

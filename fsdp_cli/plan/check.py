@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import CustomModelConfig, LlamaConfig, TrainConfig
+from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, TrainConfig
 from fsdp_cli.launch.environment import gpu_memory_bytes
 from fsdp_cli.plan.memory import FIT_FRACTION, MemoryPlan, gib, plan_memory, planner_of, strategy_supported
 from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
@@ -45,6 +45,10 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
             model = target(**cfg.model.kwargs)
         if not isinstance(model, nn.Module) or hasattr(model, "training_step"):
             return None  # a LightningModule: its layers appear only in its configure_model
+    elif isinstance(cfg.model, HFModelConfig):
+        from fsdp_cli.models.hf import build_hf_model
+
+        model = build_hf_model(cfg.model, seed=cfg.seed)  # on the meta device, from config.json
     else:
         from fsdp_cli.models.llama import Llama
 

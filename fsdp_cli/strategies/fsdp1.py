@@ -168,7 +168,8 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             set_fsdp1_activation_checkpointing(self, set(classes) or None)
 
         kwargs = dict(self.kwargs)
-        init_fn = meta_param_init_fn(module, self.root_device)
+        # A param_init_fn given to the strategy (an FSDP keyword Lightning passes through) is kept.
+        init_fn = None if "param_init_fn" in kwargs else meta_param_init_fn(module, self.root_device)
         if init_fn is not None:
             kwargs["param_init_fn"] = init_fn
         if any(isinstance(m, FSDP) for m in model.modules()):
