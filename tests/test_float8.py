@@ -12,7 +12,13 @@ import torch
 from fsdp_cli.config.schema import LlamaConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.llama import Llama
-from fsdp_cli.parallel.float8 import apply_float8, check_float8_device, device_problem, float8_candidates
+from fsdp_cli.parallel.float8 import (
+    apply_float8,
+    check_float8_device,
+    device_problem,
+    emulates_float8,
+    float8_candidates,
+)
 
 pytest.importorskip(
     "torchao", reason="torchao is in the test extra; without it the conversion cannot be checked"
@@ -32,6 +38,7 @@ def test_linear_layers_convert_except_the_head_and_odd_sizes() -> None:
 
 def test_a_cpu_emulates_float8_and_a_gpu_needs_float8_tensor_cores() -> None:
     check_float8_device("cpu")  # no error: emulated
+    assert emulates_float8("cpu") and not emulates_float8("cuda")
     assert device_problem(on_gpu=False, capability=None) is None
     assert device_problem(on_gpu=True, capability=(9, 0)) is None
     assert device_problem(on_gpu=True, capability=None) is None  # unknown: the rank checks its own
@@ -55,3 +62,14 @@ def test_emulated_float8_computes_on_float8_values() -> None:
     assert 0 < error < 0.1, error
     got.sum().backward()
     assert converted[0].weight.grad is not None and converted[0].weight.grad.dtype == torch.float32
+
+
+def test_a_rehearsal_builds_the_gpu_ranks_float8_layers() -> None:
+    """fsdp-plan --rehearse: the CPU process in a fake process group stands in for a GPU rank, so
+    its float8 layers are not the emulated ones (and its device is not checked: the parent's is)."""
+    from fsdp_cli.plan.fake_world import FakeWorld, fake_process_group
+
+    with fake_process_group(FakeWorld(num_nodes=1, per_node=8, rank=7)):
+        assert not emulates_float8("cpu")
+        check_float8_device("cpu")
+    assert emulates_float8("cpu")

@@ -114,31 +114,6 @@ def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
         assert f"CHECK {name} ok" in checks, (name, checks)
 
 
-def test_bf16_mixed_learns_on_text_and_reports_its_dtypes(tmp_path: Path) -> None:
-    run_dir = tmp_path / "bf16"
-    args = [
-        "strategy=fsdp2",
-        "devices=2",
-        "accelerator=cpu",
-        "precision=bf16-mixed",
-        "data=text",
-        "data.seq_len=64",
-        "data.global_batch_size=16",
-        "trainer.max_steps=15",
-    ]
-    result = run_cli(args, run_dir)
-    summary = assert_ok(result, run_dir)
-    assert summary["setup"]["dtypes"] == {
-        "param": "float32",
-        "compute": "bfloat16",
-        "reduce": "float32",
-        "optimizer_state": ["float32"],
-    }
-    assert "dtypes: param float32 | compute bfloat16 | reduce float32" in result.stdout
-    rows = read_metrics(run_dir)
-    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
-
-
 def test_parallelize_fn_from_a_dotted_path(tmp_path: Path) -> None:
     run_dir, marker = tmp_path / "fn", tmp_path / "called"
     args = [

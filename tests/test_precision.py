@@ -107,6 +107,7 @@ def precision_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], t
             run_dir = where / "run"
             result = run_cli([*RUNS[name][0], *COMMON], run_dir, env=probe_env(where))
             done[name] = (where, assert_ok(result, run_dir))
+            (where / "stdout.txt").write_text(result.stdout)
         return done[name]
 
     return get
@@ -141,13 +142,16 @@ def test_dtypes_on_live_tensors(precision_run: Any, name: str) -> None:
     strategy = name.split("-", 1)[0]
     for rank in (0, 1):
         assert observed(read_probe(root, rank), strategy) == expected, (rank, read_probe(root, rank))
-    # What fsdp-train reports at start-up is what the ranks ran with.
+    # What fsdp-train reports at start-up (summary.json and the line it prints) is what the ranks
+    # ran with.
     assert summary["setup"]["dtypes"] == {
         "param": expected.params,
         "compute": expected.compute,
         "reduce": expected.reduce,
         "optimizer_state": [expected.optimizer_state],
     }
+    shown = f"dtypes: param {expected.params} | compute {expected.compute} | reduce {expected.reduce} |"
+    assert shown in (root / "stdout.txt").read_text()
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != REFERENCE])

@@ -166,27 +166,28 @@ class LiveProbe(L.Callback):
             self.info["dynamo"] = {"after_first_step": dynamo_counters()}
         if idx == PROFILED_STEP and self._profiler is not None:
             self._profiler.__exit__(None, None, None)
-            self.info["backward_collectives"] = self._collectives(trainer.global_rank)
+            self.info["backward_collectives"] = self._collectives()
             self._profiler = None
 
-    def _collectives(self, rank: int) -> dict[str, dict[str, list[str]]]:
+    def _collectives(self) -> dict[str, dict[str, list[str]]]:
         """The collectives launched inside the profiled backward (``c10d::*``, with the dtype of
         their tensor inputs where the profile records one) and the transfers gloo ran for them
-        meanwhile (``gloo:*``, on its own threads: the dtype of the buffer it reduced)."""
-        trace = self.out_dir / f"trace-rank{rank}.json"
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._profiler.export_chrome_trace(str(trace))
-        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-        windows = [e for e in events if e["name"] == "live_probe::backward"]
+        meanwhile (``gloo:*``, on its own threads: the dtype of the buffer it reduced).
+
+        Read from the profile's events in memory, not from an exported trace: writing one out
+        with ``record_shapes`` is a known crash (torch issue 72858), and a rank here was once
+        killed by SIGSEGV right after the profiled step, where it exported the trace (one run in
+        about forty; the crash site itself was not recorded)."""
+        events = self._profiler.profiler.kineto_results.events()
+        windows = [e for e in events if e.name() == "live_probe::backward"]
         assert len(windows) == 1, f"{len(windows)} backward windows in the profiled step"
-        start, end = windows[0]["ts"], windows[0]["ts"] + windows[0]["dur"]
+        start, end = windows[0].start_ns(), windows[0].start_ns() + windows[0].duration_ns()
         found: dict[str, dict[str, set[str]]] = {"c10d": {}, "gloo": {}}
         for e in events:
-            kind = e["name"].split(":", 1)[0]
-            if kind in found and start <= e["ts"] <= end:
-                types = e.get("args", {}).get("Input type", [])
-                dtypes = found[kind].setdefault(e["name"], set())
-                dtypes.update(_TRACE_DTYPES[t] for t in types if t in _TRACE_DTYPES)
+            kind = e.name().split(":", 1)[0]
+            if kind in found and start <= e.start_ns() <= end:
+                dtypes = found[kind].setdefault(e.name(), set())
+                dtypes.update(_TRACE_DTYPES[t] for t in e.dtypes() if t in _TRACE_DTYPES)
         return {kind: {n: sorted(d) for n, d in sorted(ops.items())} for kind, ops in found.items()}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
