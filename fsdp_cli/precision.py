@@ -2,7 +2,8 @@
 
 A precision is named as Lightning names it (``bf16-mixed``, ``32-true``, ...). :data:`PRECISIONS`
 says, for each, the dtype parameters are stored in, the dtype matrix multiplies run in, the dtype
-gradients are reduced in, whether it needs a GPU and whether it scales the loss; old names
+gradients are reduced in, whether it needs a GPU, whether it scales the loss and whether the
+sharded strategies take it; old names
 (``16``, ``bf16``, ``32``, ``64``) are aliases of today's. :func:`resolve_precision` turns a name
 plus a strategy's explicit mixed-precision policy (FSDP2's ``mp_policy``, FSDP1's
 ``mixed_precision``) into the dtypes actually in effect, once per run: validation, the builders,
@@ -38,6 +39,9 @@ class PrecisionSpec(NamedTuple):
     """float16 needs a GPU."""
     loss_scaling: bool = False
     """Lightning scales the loss (a GradScaler skips steps whose gradients overflow)."""
+    shardable: bool = True
+    """Lightning's sharded strategies (FSDPStrategy, ModelParallelStrategy, so fsdp2, fsdp and
+    model_parallel) train in it; they refuse float64 on every rank, which leaves 64-true to ddp."""
     aliases: tuple[str, ...] = ()
     """Older names of the same precision (Lightning 1.x: ``16``, ``bf16``, ``32``, ``64``)."""
 
@@ -65,7 +69,7 @@ PRECISIONS: dict[str, PrecisionSpec] = {
             aliases=("16",),
         ),
         PrecisionSpec("16-true", FLOAT16, FLOAT16, FLOAT16, gpu_only=True),
-        PrecisionSpec("64-true", FLOAT64, FLOAT64, FLOAT64, aliases=("64",)),
+        PrecisionSpec("64-true", FLOAT64, FLOAT64, FLOAT64, shardable=False, aliases=("64",)),
     )
 }
 ALIASES: dict[str, str] = {alias: spec.name for spec in PRECISIONS.values() for alias in spec.aliases}

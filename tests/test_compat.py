@@ -205,3 +205,49 @@ def test_fake_tensors_and_the_memory_trackers_a_rehearsal_uses() -> None:
         assert x.untyped_storage().nbytes() == 32  # shapes and sizes, no memory
         with pytest.raises(torch_internals.NOT_FAKEABLE):
             x.max().item()  # a value a fake tensor does not have
+
+
+def test_wait_if_async_collective_returns_a_plain_tensor_gradients_flow_through() -> None:
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    class InFlight(torch.autograd.Function):
+        """Returns its input as an AsyncCollectiveTensor, as a tensor-parallel style's output hook does."""
+
+        @staticmethod
+        def forward(ctx, t):  # type: ignore[no-untyped-def]
+            return AsyncCollectiveTensor(t.detach().clone())
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            return grad
+
+    x = torch.arange(3.0, requires_grad=True)
+    waited = torch_internals.wait_if_async_collective(InFlight.apply(x * 2))
+    assert type(waited) is torch.Tensor and torch.equal(waited, torch.tensor([0.0, 2.0, 4.0]))
+    (waited * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 4.0, 6.0]))
+    plain = torch.ones(2)
+    assert torch_internals.wait_if_async_collective(plain) is plain
+
+
+def test_plain_tensors_opens_wrapper_subclasses() -> None:
+    """torchao's float8 weight is a wrapper subclass without storage of its own: its bytes are
+    those of the tensor it wraps."""
+    import torch
+
+    pytest.importorskip("torchao")
+    from fsdp_cli.callbacks.setup_report import storage_bytes
+    from fsdp_cli.parallel.float8 import apply_float8
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 8, bias=False))
+    apply_float8(model, emulate=True)
+    weight = model[0].weight
+    assert torch.utils._python_dispatch.is_traceable_wrapper_subclass(weight)
+    inner = torch_internals.plain_tensors(weight)
+    # The wrapped tensor is the original parameter: a plain tensor with storage of its own.
+    assert len(inner) == 1 and not torch.utils._python_dispatch.is_traceable_wrapper_subclass(inner[0])
+    assert inner[0].untyped_storage().nbytes() == 32 * 32 * 4 and torch.equal(inner[0], weight)
+    assert storage_bytes([weight]) == 32 * 32 * 4
+    plain = torch.zeros(2)
+    assert torch_internals.plain_tensors(plain) == [plain]

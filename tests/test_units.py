@@ -93,6 +93,22 @@ def test_llama_init_depends_only_on_the_seed() -> None:
             assert not torch.equal(pa, pc), name
 
 
+def test_llama_init_is_the_same_weights_in_every_precision() -> None:
+    """64-true and bf16-true build the model under their default dtype: the draws stay fp32, so
+    each precision starts from the fp32 weights rounded to its dtype."""
+    cfg = composed("model.n_layers=1").model
+    reference = Llama(cfg, seed=3)
+    for dtype in (torch.float64, torch.bfloat16):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            other = Llama(cfg, seed=3)
+        finally:
+            torch.set_default_dtype(previous)
+        for (name, p), q in zip(reference.named_parameters(), other.parameters()):
+            assert q.dtype == dtype and torch.equal(p.to(dtype), q), (dtype, name)
+
+
 def test_meta_then_init_equals_direct_init() -> None:
     cfg = composed().model
     direct = Llama(cfg, seed=4)

@@ -28,6 +28,7 @@ CLI_CASES = [
     ),
     (["strategy=ddp", "tp=2", "devices=2"], "tp=2", ["strategy=ddp has no tensor parallelism", "hint"]),
     (["precision=16-mixed"], "precision=16-mixed", ["float16 needs a GPU", "bf16-mixed"]),
+    (["precision=64-true"], "precision=64-true", ["strategy=fsdp2 cannot train in float64", "strategy=ddp"]),
     (
         ["strategy.replicate_size=3", "devices=2"],
         "strategy.replicate_size=3",
@@ -50,7 +51,11 @@ CLI_CASES = [
     ),
     (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint", ["no such checkpoint"]),
     (["resume=README.md"], "resume=README.md", ["not an fsdp-train checkpoint"]),
-    (["strategy.float8=true"], "strategy.float8=true", ["float8 tensor cores", "on CPU", "hint"]),
+    (
+        ["strategy.float8=true", "tp=2", "devices=2"],
+        "strategy.float8=true",
+        ["not combined with tensor parallel", "tp=1"],
+    ),
     (
         ["trainer.profiler=torch", "trainer.max_steps=3"],
         "trainer.max_steps=3",
@@ -144,6 +149,20 @@ def test_fp16_mixed_refused_for_fsdp2_on_gpu() -> None:
         and "no sharded gradient scaler" in err.problem
         and "bf16-mixed" in (err.hint or "")
     )
+
+
+@pytest.mark.parametrize(
+    "strategy", [["strategy=fsdp2"], ["strategy=fsdp"], ["strategy=model_parallel", "model=custom"]]
+)
+def test_64_true_refused_by_every_sharded_strategy_and_ddp_takes_it(strategy: list[str]) -> None:
+    """Lightning's FSDPStrategy and ModelParallelStrategy refuse float64 on every rank."""
+    target = ["model._target_=tests.assets.model_parallel_module.FeedForwardLM"] if "model=custom" in strategy else []
+    err = _check(*strategy, *target, "precision=64-true")
+    name = strategy[0].split("=")[1]
+    assert (err.key, err.value) == ("precision", "64-true"), err
+    assert f"strategy={name} cannot train in float64" in err.problem and "strategy=ddp" in (err.hint or "")
+    assert "64-true" not in (err.allowed or "") and "bf16-mixed" in (err.allowed or "")
+    validate(resolve_layout(composed("strategy=ddp", "precision=64-true"), {}, gpus=EIGHT_GPUS))
 
 
 def test_devices_beyond_visible_gpus() -> None:

@@ -108,7 +108,7 @@ class MetricsCallback(L.Callback):
             return self.nonfinite.check(step)  # the same single collective, plus the check
         if loss is None:
             loss = torch.tensor(float("nan"), device=trainer.strategy.root_device)
-        return _mean_over_ranks(loss.float()).item()
+        return _mean_over_ranks(loss.double()).item()
 
     def _row(self, trainer: L.Trainer, step: int, mean_loss: float) -> dict[str, Any]:
         now = time.perf_counter()

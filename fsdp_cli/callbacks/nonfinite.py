@@ -56,7 +56,8 @@ class NonFiniteGuard(L.Callback):
         """The step's loss (mean over its micro-batches), from the metrics callback."""
         if loss is not None:
             self._steps.append(step)
-            self._losses.append(loss.detach().float().reshape(()))
+            # float64: a 64-true loss keeps its precision (lower precisions are exact in it).
+            self._losses.append(loss.detach().double().reshape(()))
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any

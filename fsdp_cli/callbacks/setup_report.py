@@ -59,6 +59,7 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "compiled_blocks": _compiled_modules(module),
         "param_device": _param_devices(params),
         "float8_linears": report.float8_linears if report is not None else None,
+        "float8_emulated": report.float8_emulated if report is not None else None,
     }
     # A model filled in place after sharding (model=hf) says what this rank read and held.
     weights = getattr(getattr(module, "model", None), "load_report", None)
@@ -138,7 +139,8 @@ def format_setup(info: dict[str, Any]) -> str:
     if info.get("compiled_blocks"):
         lines.append(f"torch.compile: {info['compiled_blocks']} blocks")
     if info.get("float8_linears"):
-        lines.append(f"float8: {info['float8_linears']} linear layers (torchao, float8 all-gather)")
+        emulated = "; matmuls emulated on CPU" if info.get("float8_emulated") else ""
+        lines.append(f"float8: {info['float8_linears']} linear layers (torchao, float8 all-gather{emulated})")
     weights = info.get("weights")
     if weights is not None and weights["pretrained"]:
         lines.append(
@@ -152,15 +154,18 @@ def format_setup(info: dict[str, Any]) -> str:
 
 
 def storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shard): what
-    they hold in memory, views of one buffer counted once, padding included."""
+    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shard, wrapper
+    subclasses such as float8 weights by the tensors they wrap): what they hold in memory, views
+    of one buffer counted once, padding included."""
+    from fsdp_cli.compat.torch_internals import plain_tensors
+
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        seen[storage.data_ptr() or id(local)] = storage.nbytes()
+        for local in plain_tensors(t.to_local() if hasattr(t, "to_local") else t):
+            storage = local.untyped_storage()
+            seen[storage.data_ptr() or id(local)] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -1,8 +1,10 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
-compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), and
-what a rehearsal (:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
+compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
+tensor an asynchronous functional collective returns before it is waited on, the plain
+tensors inside a wrapper tensor subclass (torchao's float8 weights), and what a rehearsal
+(:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 from torch._subclasses import fake_tensor as _fake_tensor
 from torch.distributed import Backend
+from torch.distributed import _functional_collectives as _funcol
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
@@ -38,6 +41,9 @@ ENTRIES: list[tuple[Any, str]] = [
     (_fake_tensor, "UnsupportedOperatorException"),
     # Public, but only recent torch has it: init_process_group("fake") without a store.
     (Backend, "FAKE"),
+    (_funcol, "AsyncCollectiveTensor"),
+    (_funcol, "wait_tensor"),
+    (_python_dispatch, "is_traceable_wrapper_subclass"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -121,3 +127,20 @@ def memory_trackers() -> tuple[Any, Any]:
         require(fsdp2_mem_tracker, "FSDPMemTracker", "torch"),
         require(mem_tracker, "MemTracker", "torch"),
     )
+
+
+def wait_if_async_collective(tensor: Any) -> Any:
+    """``tensor`` as a plain tensor if it is the in-flight result of an asynchronous collective
+    (an ``AsyncCollectiveTensor``, what tensor-parallel styles return), waiting for it; anything
+    else unchanged. The wait is an autograd op: gradients flow through it (``AsyncCollectiveTensor.wait()``
+    returns the bare result, cut off from the graph)."""
+    return _funcol.wait_tensor(tensor) if isinstance(tensor, _funcol.AsyncCollectiveTensor) else tensor
+
+
+def plain_tensors(tensor: Any) -> list[Any]:
+    """The tensors holding ``tensor``'s memory: itself, or for a wrapper tensor subclass (torchao's
+    float8 weights; it has no storage of its own) the tensors it wraps, recursively."""
+    if not _python_dispatch.is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]

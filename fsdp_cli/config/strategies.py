@@ -123,6 +123,29 @@ def _no_sharded_fp16(run: ResolvedRun) -> None:
         )
 
 
+def _shardable_precision(run: ResolvedRun) -> None:
+    """A precision the sharded strategies train in (the precision table's ``shardable``)."""
+    if run.precision.spec.shardable:
+        return
+    from fsdp_cli.precision import PRECISIONS
+
+    usable = [
+        p.name
+        for p in PRECISIONS.values()
+        if p.shardable
+        and (run.layout.on_gpu or not p.gpu_only)
+        and not (p.loss_scaling and _no_sharded_fp16 in run.entry.checks)
+    ]
+    raise ConfigError(
+        "precision",
+        run.cfg.precision.name,
+        f"strategy={run.entry.name} cannot train in {run.precision.param} "
+        "(Lightning's sharded strategies refuse it on every rank)",
+        allowed=", ".join(usable),
+        hint=f"use strategy=ddp for {run.precision.name}",
+    )
+
+
 def _policy_fits_precision(key: str) -> Check:
     def check(run: ResolvedRun) -> None:
         cfg = run.cfg
@@ -241,7 +264,7 @@ FSDP2 = StrategyEntry(
     builder="fsdp_cli.builders.strategy:build_fsdp2",
     planner="fsdp_cli.plan.memory:FSDP2",
     sharding=lambda s, dp, devices, world: Sharding(replicate=s.replicate_size, shard=dp // s.replicate_size),
-    checks=(_check_fsdp2, _no_sharded_fp16, _policy_fits_precision("mp_policy")),
+    checks=(_check_fsdp2, _shardable_precision, _no_sharded_fp16, _policy_fits_precision("mp_policy")),
     tensor_parallel=True,
     replicate_size=lambda s: s.replicate_size,
     parallelize=lambda s: s,
@@ -257,7 +280,7 @@ FSDP1 = StrategyEntry(
     builder="fsdp_cli.builders.fsdp1:build_fsdp1",
     planner="fsdp_cli.plan.memory:FSDP1",
     sharding=fsdp1_sharding,
-    checks=(_check_fsdp1, _policy_fits_precision("mixed_precision")),
+    checks=(_check_fsdp1, _shardable_precision, _policy_fits_precision("mixed_precision")),
     explicit_policy=lambda s: s.mixed_precision,
     fills_after_sharding=True,
     offloads=lambda s: s.cpu_offload,
@@ -275,7 +298,7 @@ MODEL_PARALLEL = StrategyEntry(
     builder="fsdp_cli.builders.strategy:build_model_parallel",
     planner=None,
     sharding=lambda s, dp, devices, world: Sharding(replicate=1, shard=dp),
-    checks=(_needs_configure_model, _no_sharded_fp16),
+    checks=(_needs_configure_model, _shardable_precision, _no_sharded_fp16),
     tensor_parallel=True,
     user_parallelizes=True,
     checkpoint_format=_model_parallel_format,

@@ -85,7 +85,7 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
 
 
 def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, str]) -> None:
-    """float8 needs torchao and GPUs with float8 tensor cores (compute capability 8.9+)."""
+    """float8 needs torchao, and on GPUs float8 tensor cores (compute capability 8.9+); CPUs emulate it."""
     settings = entry_of(cfg).parallelize(cfg.strategy)
     if settings is None or not settings.float8:
         return

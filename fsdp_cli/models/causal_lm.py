@@ -56,8 +56,10 @@ class CausalLMModule(L.LightningModule):
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = self(inputs)
-        # Cross-entropy in fp32 whatever the compute dtype: bf16 log-softmax over a large vocabulary is lossy.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # Cross-entropy in fp32 at least (fp64 under 64-true): bf16 log-softmax over a large
+        # vocabulary is lossy.
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(wide.flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self._loss(batch)

@@ -38,7 +38,9 @@ def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> 
         start = block * ROWS_PER_BLOCK
         stop = min(start + ROWS_PER_BLOCK, full_rows)
         gen = torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + block) % (2**63))
-        values = torch.randn(stop - start, full_cols, generator=gen) * std
+        # Drawn in fp32 whatever the default dtype (64-true and bf16-true set it while the model is
+        # built): every precision starts from the same weights, rounded to its dtype.
+        values = torch.randn(stop - start, full_cols, generator=gen, dtype=torch.float32) * std
         lo, hi = max(start, row0), min(stop, row0 + rows)
         out[lo - row0 : hi - row0] = values[lo - start : hi - start, col0 : col0 + cols]
     local.copy_(out.view(local.shape).to(local.dtype))

@@ -26,6 +26,11 @@ from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 if it is in a lower precision (bf16, fp16); fp32 and fp64 (64-true) as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -33,8 +38,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 sums of squares lose too much precision.
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32 at least: bf16 sums of squares lose too much precision.
+        wide = at_least_fp32(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
@@ -50,7 +56,7 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device: Any = None
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x [B, T, H, D] by the angles in rope [T, D/2, 2]."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    pairs = at_least_fp32(x).reshape(*x.shape[:-1], -1, 2)
     cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
     real = pairs[..., 0] * cos - pairs[..., 1] * sin
     imag = pairs[..., 0] * sin + pairs[..., 1] * cos

@@ -6,6 +6,12 @@ activation checkpointing, compile and ``fully_shard`` (torchtitan's order). The 
 ``nn.Linear``, whose output feeds a softmax over the vocabulary) and layers whose sizes are not
 multiples of 16 (float8 matmuls need them) keep the training precision. torchao is an optional
 dependency (``pip install "fsdp-cli[float8]"``), imported only here.
+
+On CPU the layers use torchao's emulation (``Float8LinearConfig(emulate=True)``): activations,
+weights and gradients are scaled and cast to float8 exactly as on a GPU, and the weights are
+all-gathered in float8, but the matmuls run in high precision on the float8 values instead of on
+float8 tensor cores: the numerics of float8 training, not its speed. GPUs need float8 tensor
+cores (compute capability 8.9+); older ones are refused.
 """
 
 from __future__ import annotations
@@ -25,16 +31,9 @@ def device_problem(
     *, on_gpu: bool, capability: tuple[int, int] | None, gpu: str = "the GPUs here"
 ) -> ConfigError | None:
     """Why float8 cannot train on this device (None when it can, or when the capability is unknown).
-    Asked by the parent before launch (NVML) and by each rank for its own device."""
-    if not on_gpu:
-        return ConfigError(
-            "strategy.float8",
-            "true",
-            "float8 training needs a GPU with float8 tensor cores; this run is on CPU",
-            allowed="false on CPU",
-            hint="run on Ada/Hopper GPUs (H100, H200, L40S, L4) or set strategy.float8=false",
-        )
-    if capability is not None and tuple(capability) < MIN_CAPABILITY:
+    Asked by the parent before launch (NVML) and by each rank for its own device. A CPU can: its
+    matmuls are emulated (see the module docstring)."""
+    if on_gpu and capability is not None and tuple(capability) < MIN_CAPABILITY:
         return ConfigError(
             "strategy.float8",
             "true",
@@ -72,14 +71,15 @@ def float8_candidates(model: nn.Module) -> list[str]:
     ]
 
 
-def apply_float8(model: nn.Module) -> int:
-    """Swap the chosen ``nn.Linear`` modules for torchao's Float8Linear; returns how many."""
+def apply_float8(model: nn.Module, *, emulate: bool = False) -> int:
+    """Swap the chosen ``nn.Linear`` modules for torchao's Float8Linear; returns how many.
+    ``emulate``: high-precision matmuls on the float8 values (devices without float8 tensor cores)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     chosen = set(float8_candidates(model))
     convert_to_float8_training(
         model,
-        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate),
         module_filter_fn=lambda module, fqn: fqn in chosen,
     )
     return len(chosen)

@@ -70,7 +70,8 @@ class ParallelizeSettings:
     float8: bool = False
     """float8 training through torchao (``pip install "fsdp-cli[float8]"``): linear layers compute
     in float8 with dynamic scaling and FSDP2 all-gathers their weights in float8. Needs GPUs with
-    float8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); the LM head and layers
+    float8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); on CPU the float8 matmuls
+    are emulated in high precision (float8 numerics, not float8 speed). The LM head and layers
     whose sizes are not multiples of 16 stay in the training precision."""
     sequence_parallel: bool = False
     """With tp > 1: shard norms and the residual stream along the sequence dimension too."""

@@ -80,6 +80,8 @@ class ParallelizeReport:
     ac_blocks: int = 0
     compiled_blocks: int = 0
     float8_linears: int = 0
+    float8_emulated: bool = False
+    """float8 matmuls emulated in high precision (a CPU run; see :mod:`fsdp_cli.parallel.float8`)."""
     fsdp_units: list[str] = field(default_factory=list)
 
 
@@ -111,15 +113,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
         from fsdp_cli.parallel.float8 import apply_float8, check_float8_device
 
         check_float8_device(dims.mesh.device_type)
-        report.float8_linears = apply_float8(model)
+        report.float8_emulated = dims.mesh.device_type == "cpu"
+        report.float8_linears = apply_float8(model, emulate=report.float8_emulated)
 
     report.ac_blocks = apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
 
     if options.compile:
-        for block in blocks:
-            # Module.compile() compiles in place: parameter names (and checkpoints) do not change.
-            block.compile()
-        report.compiled_blocks = len(blocks)
+        from fsdp_cli.parallel.compile import compile_blocks
+
+        report.compiled_blocks = compile_blocks(model, blocks, tensor_parallel=dims.tp_enabled)
 
     apply_fsdp(
         model,

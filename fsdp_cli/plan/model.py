@@ -91,9 +91,11 @@ def llama_spec(cfg: LlamaArgs, wrap: WrapOptions) -> ModelSpec | None:
 
 
 def _rms_norm(dim: int, act: int) -> int:
-    """RMSNorm saves its input in fp32, the per-token rsqrt, the fp32 normalised value, its output,
-    and in a 16-bit run also the normalised value cast back."""
-    return FP32 * dim + FP32 + FP32 * dim + act * dim + (act * dim if act != FP32 else 0)
+    """RMSNorm saves its input widened to fp32 at least (once: the square and the scaling share
+    it), the per-token rsqrt, the normalised value in the activation dtype (the weight's multiply
+    reads it) and its output."""
+    wide = max(act, FP32)
+    return wide * dim + wide + 2 * act * dim
 
 
 def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:

@@ -1,0 +1,197 @@
+"""What a rank really ran with, read from its live objects: a Lightning callback that tests add to
+a real ``fsdp-train`` run through Lightning's own entry-point group for external callbacks
+(``lightning.pytorch.callbacks_factory``), so fsdp_cli carries no test hook.
+
+:func:`probe_env` makes a directory holding the entry point (a ``*.dist-info`` that
+``importlib.metadata`` finds on ``PYTHONPATH``) and returns the environment for ``run_cli``; every
+rank then writes ``<probe dir>/rank<R>.json``:
+
+* ``params`` / ``grads`` / ``optimizer_state``: the dtypes of the local tensors (DTensor shards,
+  FSDP1 flat parameters) after the first backward and the first optimizer step;
+* ``compute``: the dtypes of the LM head's input, weight and output during a training forward
+  (outside any compiled block: a hook inside one would change what dynamo compiles); ``loss``:
+  the dtype of the loss backward starts from;
+* ``backward_collectives``: for one profiled step, from a torch profile, the collectives launched
+  inside ``backward`` (``c10d``: the gradient reduce-scatter / all-reduce, with their input
+  dtypes where the profile has them) and the transfers gloo ran for them (``gloo``: the dtype
+  of the buffer actually reduced);
+* ``float8_linears``: how many of the live modules are torchao's Float8Linear;
+* ``dynamo``: torch._dynamo's counters after the first step and at the end (frames compiled,
+  graphs, graph breaks), to show a compiled model compiles once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+PROBE_DIR_ENV = "FSDP_CLI_TEST_PROBE_DIR"
+PROFILED_STEP = 2
+"""The batch whose backward is profiled: after the first steps' lazy initialisation and compile."""
+
+_TRACE_DTYPES = {
+    "float": "float32",
+    "double": "float64",
+    "c10::BFloat16": "bfloat16",
+    "c10::Half": "float16",
+    "c10::Float8_e4m3fn": "float8_e4m3fn",
+    "unsigned char": "uint8",  # FSDP2 all-gathers float8 weights as bytes
+}
+
+
+def probe_env(root: Path) -> dict[str, str]:
+    """The environment that makes every rank of a run load :class:`LiveProbe`, writing under
+    ``root/probe``; the entry point lives in ``root/entry_point``."""
+    dist_info = root / "entry_point" / "fsdp_cli_test_probe-0.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: fsdp-cli-test-probe\nVersion: 0\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[lightning.pytorch.callbacks_factory]\nlive_probe = tests.assets.live_probe:callbacks\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    paths = [str(dist_info.parent), str(repo), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), PROBE_DIR_ENV: str(root / "probe")}
+
+
+def read_probe(root: Path, rank: int = 0) -> dict[str, Any]:
+    return json.loads((root / "probe" / f"rank{rank}.json").read_text())
+
+
+def callbacks() -> list[L.Callback]:
+    """The entry point: a probe when the test asked for one, nothing otherwise."""
+    where = os.environ.get(PROBE_DIR_ENV)
+    return [LiveProbe(Path(where))] if where else []
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def dtypes_of(tensors: Any) -> list[str]:
+    return sorted({dtype_name(local(t).dtype) for t in tensors if t is not None})
+
+
+def head_linear(module: nn.Module) -> nn.Module:
+    """The last linear layer (the LM head of the built-in model), wherever wrappers put it."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    assert linears, "no nn.Linear in the model"
+    return linears[-1]
+
+
+def dynamo_counters() -> dict[str, Any]:
+    from torch._dynamo.utils import counters  # private: fine in a test asset (see the issue brief)
+
+    return {
+        "frames_total": counters["frames"]["total"],
+        "frames_ok": counters["frames"]["ok"],
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graph_break_reasons": sorted(counters["graph_break"]),
+    }
+
+
+class LiveProbe(L.Callback):
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.info: dict[str, Any] = {}
+        self._profiler: Any = None
+        self._backward: Any = None
+        self._hook: Any = None
+
+    # -- compute dtype: the head's forward, once
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._hook = head_linear(pl_module).register_forward_hook(self._record_head)
+        self.info["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in pl_module.modules())
+
+    def _record_head(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        self.info["compute"] = {
+            "input": dtype_name(args[0].dtype),
+            "weight": dtype_name(module.weight.dtype),
+            "output": dtype_name(output.dtype),
+            "autocast": torch.is_autocast_enabled("cpu"),
+        }
+        self._hook.remove()
+
+    # -- gradients and the backward's collectives
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
+        if idx == PROFILED_STEP:
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+            )
+            self._profiler.__enter__()
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self.info.setdefault("loss", dtype_name(loss.dtype))
+        if self._profiler is not None:
+            self._backward = torch.profiler.record_function("live_probe::backward")
+            self._backward.__enter__()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._backward is not None:
+            self._backward.__exit__(None, None, None)
+            self._backward = None
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        if "grads" not in self.info:
+            self.info["params"] = dtypes_of(pl_module.parameters())
+            self.info["grads"] = dtypes_of(p.grad for p in pl_module.parameters())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        idx = args[-1]
+        if idx == 0:
+            self.info["optimizer_state"] = dtypes_of(
+                v
+                for opt in trainer.optimizers
+                for s in opt.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            )
+            self.info["dynamo"] = {"after_first_step": dynamo_counters()}
+        if idx == PROFILED_STEP and self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self.info["backward_collectives"] = self._collectives(trainer.global_rank)
+            self._profiler = None
+
+    def _collectives(self, rank: int) -> dict[str, dict[str, list[str]]]:
+        """The collectives launched inside the profiled backward (``c10d::*``, with the dtype of
+        their tensor inputs where the profile records one) and the transfers gloo ran for them
+        meanwhile (``gloo:*``, on its own threads: the dtype of the buffer it reduced)."""
+        trace = self.out_dir / f"trace-rank{rank}.json"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._profiler.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+        windows = [e for e in events if e["name"] == "live_probe::backward"]
+        assert len(windows) == 1, f"{len(windows)} backward windows in the profiled step"
+        start, end = windows[0]["ts"], windows[0]["ts"] + windows[0]["dur"]
+        found: dict[str, dict[str, set[str]]] = {"c10d": {}, "gloo": {}}
+        for e in events:
+            kind = e["name"].split(":", 1)[0]
+            if kind in found and start <= e["ts"] <= end:
+                types = e.get("args", {}).get("Input type", [])
+                dtypes = found[kind].setdefault(e["name"], set())
+                dtypes.update(_TRACE_DTYPES[t] for t in types if t in _TRACE_DTYPES)
+        return {kind: {n: sorted(d) for n, d in sorted(ops.items())} for kind, ops in found.items()}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.info.setdefault("dynamo", {})["at_end"] = dynamo_counters()
+        self.info["steps"] = trainer.global_step
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.info, indent=1))
+        print(f"live_probe: wrote rank{trainer.global_rank}.json", file=sys.stderr)

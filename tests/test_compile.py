@@ -1,0 +1,57 @@
+"""``strategy.compile=true`` compiled for real on CPU (inductor and the C++ compiler) under FSDP2 and
+FSDP2 x tensor parallel: every transformer block runs one compiled graph, compiled during the
+first step and never again (no graph breaks, no recompiles: torch._dynamo's counters read inside
+each rank by tests/assets/live_probe.py), and the losses are eager's to 1e-5 relative.
+
+The eager references are the shared parity runs of the same layouts (conftest ``layout_run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import LAYOUTS, PARITY, assert_ok, losses, run_cli
+
+from tests.assets.live_probe import probe_env, read_probe
+
+pytestmark = pytest.mark.distributed
+
+BLOCKS = 4  # the tiny model's layers
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, Any]]]:
+    """``compiled_run(layout)`` -> (probe root, summary) of ``LAYOUTS[layout]`` with compile on."""
+    root = tmp_path_factory.mktemp("compile")
+    done: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def get(layout: str) -> tuple[Path, dict[str, Any]]:
+        if layout not in done:
+            where = root / layout
+            run_dir = where / "run"
+            args = [*LAYOUTS[layout], *PARITY, "strategy.compile=true"]
+            done[layout] = (where, assert_ok(run_cli(args, run_dir, env=probe_env(where)), run_dir))
+        return done[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2"])
+def test_blocks_compile_once_and_train_like_eager(layout_run: Any, compiled_run: Any, layout: str) -> None:
+    root, summary = compiled_run(layout)
+    assert summary["setup"]["compiled_blocks"] == BLOCKS
+    for rank in (0, 1):
+        dynamo = read_probe(root, rank)["dynamo"]
+        first, end = dynamo["after_first_step"], dynamo["at_end"]
+        assert first["graph_breaks"] == 0, first["graph_break_reasons"]
+        # The blocks share their code: one graph serves all of them (under tensor parallel the
+        # first block used to get a graph of its own, for its in-flight all-reduce input).
+        assert first["unique_graphs"] == 1, dynamo
+        assert end == first, dynamo  # nothing compiled after the first step: no recompiles
+    eager, compiled = losses(layout_run(layout)), losses(root / "run")
+    assert len(compiled) == len(eager) >= 5
+    worst = max(abs(a - b) / b for a, b in zip(compiled, eager))
+    assert worst <= 1e-5, (worst, compiled, eager)
