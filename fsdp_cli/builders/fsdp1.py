@@ -21,7 +21,7 @@ def build_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> Strategy:
 
     return FSDP1Strategy(
         sharding_strategy=fsdp1_sharding_strategy(strategy.sharding_strategy.value),
-        hybrid_shard_size=strategy.hybrid_shard_size,
+        hybrid_shard_size=_hybrid_shard_size(cfg, strategy),
         # FSDP1 pins offloaded memory, which needs CUDA; on CPU processes offloading is a no-op anyway.
         cpu_offload=CPUOffload(offload_params=True)
         if strategy.cpu_offload and cfg.accelerator.value == "gpu"
@@ -41,6 +41,14 @@ def build_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> Strategy:
         else TorchBackwardPrefetch[strategy.backward_prefetch.value],
         sync_module_states=strategy.sync_module_states,
     )
+
+
+def _hybrid_shard_size(cfg: TrainConfig, strategy: FSDPConfig) -> int | None:
+    """HYBRID_SHARD's shard group, the processes of one node unless set (as validate checks it):
+    given explicitly, so the strategy builds the mesh even with ``wrap=none``."""
+    if "HYBRID" not in strategy.sharding_strategy.value:
+        return strategy.hybrid_shard_size
+    return strategy.hybrid_shard_size or int(cfg.devices)
 
 
 def size_policy(wrap: WrapConfig) -> Any:

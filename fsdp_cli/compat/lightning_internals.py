@@ -13,6 +13,7 @@ import lightning as L
 from lightning.fabric.strategies import fsdp as _fabric_fsdp
 from lightning.fabric.utilities import optimizer as _fabric_optimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.plugins.io import wrapper as _io_wrapper
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
@@ -30,6 +31,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (FSDPStrategy(), "_activation_checkpointing_kwargs"),
     (L.LightningModule(), "_device_mesh"),
     (L.Trainer, "_signal_connector"),
+    (_io_wrapper, "_WrappingCheckpointIO"),
 ]
 for _owner, _name in ENTRIES:
     if _name == "_signal_connector":
@@ -61,6 +63,12 @@ def set_device_mesh(strategy: Strategy, mesh: Any) -> None:
     strategy._device_mesh = mesh
     if strategy.lightning_module is not None:
         strategy.lightning_module._device_mesh = mesh
+
+
+def is_wrapping_checkpoint_io(io: Any) -> bool:
+    """A CheckpointIO plugin around a base one (``AsyncCheckpointIO``), whose base the strategy
+    supplies when the user gave none (Lightning's Strategy.checkpoint_io does the same)."""
+    return isinstance(io, _io_wrapper._WrappingCheckpointIO)
 
 
 def reset_optimizers(strategy: Strategy) -> None:
