@@ -155,6 +155,7 @@ def build(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RankRun:
         callbacks=callbacks.as_list(),
         accumulation=1 if own else datamodule.accumulation,
         module_loaders=own,
+        module_clip_val=callbacks.module_clip_val,
     )
     return RankRun(
         module=module,

@@ -30,6 +30,9 @@ class RunCallbacks:
     nonfinite: NonFiniteGuard
     progress: ProgressDisplay | None = None
     heartbeat: HeartbeatCallback | None = None
+    module_clip_val: float | None = None
+    """For a module with its own ``configure_gradient_clipping``: the value Lightning hands it
+    (``Trainer(gradient_clip_val=...)``); the module clips, not :attr:`clipping`."""
 
     def as_list(self) -> list[L.Callback]:
         # Clipping first: the metrics row of a step reports the norm clipping computed, and the
@@ -39,6 +42,30 @@ class RunCallbacks:
         progress = [self.progress] if self.progress is not None else []
         last = [self.heartbeat] if self.heartbeat is not None else []
         return [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
+
+
+BUILT_IN_CLIP_VAL = 1.0
+"""``trainer.gradient_clip_val=null`` for the modules fsdp-train trains itself (built-in, hf, nn.Module)."""
+
+
+def gradient_clip_val(cfg: TrainConfig, module: Any) -> float | None:
+    """``trainer.gradient_clip_val`` resolved for ``module`` (None: no clipping). Unset, a
+    LightningModule trained as it is gets Lightning's Trainer default (no clipping) and
+    fsdp-train's causal-LM module (the built-in model, ``model=hf``, a plain nn.Module) 1.0; 0
+    turns clipping off, as in Lightning."""
+    from fsdp_cli.models.causal_lm import CausalLMModule
+
+    value = cfg.trainer.gradient_clip_val
+    if value is None and isinstance(module, CausalLMModule):
+        value = BUILT_IN_CLIP_VAL
+    return value or None
+
+
+def clips_itself(module: Any) -> bool:
+    """A module that overrides ``configure_gradient_clipping`` decides (Lightning calls it)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return module is not None and is_overridden("configure_gradient_clipping", module, L.LightningModule)
 
 
 def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
@@ -71,9 +98,11 @@ def build_callbacks(
     tokens is unknown; throughput is then counted in samples (and MFU is not reported);
     ``monitor``: this rank's heartbeat."""
     t = cfg.trainer
+    clip_val = gradient_clip_val(cfg, module)
+    own_clipping = clips_itself(module)
     clipping = (
-        GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
-        if t.gradient_clip_val is not None
+        GradientClipping(clip_val, t.gradient_clip_algorithm)
+        if clip_val is not None and not own_clipping
         else None
     )
     nonfinite = NonFiniteGuard(
@@ -100,4 +129,5 @@ def build_callbacks(
         progress=ProgressDisplay(metrics, t.max_steps),
         nonfinite=nonfinite,
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
+        module_clip_val=clip_val if own_clipping else None,
     )

@@ -49,6 +49,7 @@ def build_trainer(
     callbacks: list[L.Callback],
     accumulation: int,
     module_loaders: bool = False,
+    module_clip_val: float | None = None,
 ) -> L.Trainer:
     """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
     (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes.
@@ -57,10 +58,15 @@ def build_trainer(
     one a DistributedSampler over the strategy's data-parallel ranks (as ``Trainer`` does by
     default), so each data-parallel rank sees different samples and tensor-parallel peers the
     same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
+
+    ``module_clip_val``: for a module with its own ``configure_gradient_clipping``, the
+    ``gradient_clip_val`` Lightning passes to it.
     """
     t = cfg.trainer
     kwargs: dict[str, Any] = {}
     plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
+    if module_clip_val is not None:
+        kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     if plugin is not None:
         kwargs["plugins"] = [plugin]
     else:

@@ -60,13 +60,24 @@ class DistributedCheckpointing:
     ``async_checkpointing``: write sharded saves in the background.
     """
 
-    checkpoint_format: str = "sharded"
+    _checkpoint_format: str = "sharded"
     checkpoint_manifest: dict[str, Any] | None = None
     async_checkpointing: bool = False
     """Sharded saves are written in the background (``checkpoint.async_save``)."""
     _async_saves: AsyncSaves | None = None
     run_mesh: Any = None
     """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self._checkpoint_format
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str) -> None:
+        from fsdp_cli.compat.lightning_internals import set_lightning_checkpoint_format
+
+        self._checkpoint_format = value
+        set_lightning_checkpoint_format(self, value)  # type: ignore[arg-type]
 
     def mesh_sizes(self) -> dict[str, int]:
         """The run's mesh as ``{dimension name: size}``, for the manifest and the setup report."""
@@ -168,10 +179,23 @@ class DistributedCheckpointing:
         return self._load_full(path, weights_only)
 
     def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        # Lightning's own: FSDP reads a full file lazily and restores the model and optimizers
-        # (checking their number); ModelParallel memory-maps it; DDP reads it through the
-        # CheckpointIO and restores through load_model_state_dict / load_optimizer_state_dict.
+        # Lightning's own: DDP reads it through the CheckpointIO and restores through
+        # load_model_state_dict / load_optimizer_state_dict; FSDP reads it lazily and restores the
+        # model and optimizers itself (checking their number). The model-parallel strategies
+        # override this (see load_through_checkpoint_io).
         return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
+
+    def load_through_checkpoint_io(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A full file read by the CheckpointIO (memory-mapped), restored by
+        load_model_state_dict / load_optimizer_state_dict (``lightning_restore_optimizer``).
+
+        For the ModelParallelStrategy-based classes instead of Lightning's loading, which reads
+        the file itself (a CheckpointIO plugin is never asked) and maps numbered optimizer
+        states to the module's parameter order: wrong (a shape error, or states swapped between
+        same-shaped parameters) when the optimizer's param groups list the parameters in
+        another order, as a plain optimizer's state_dict numbers them.
+        """
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # loaded in place already (sharded, or Lightning's loading)
@@ -208,6 +232,20 @@ class DistributedCheckpointing:
                 optim_state_dict=state,
                 options=StateDictOptions(full_state_dict=True),
             )
+
+    def numbered_in_module_order(self, states: list[dict[str, Any]]) -> bool:
+        """Whether the numbered optimizer states among ``states`` number the parameters by the
+        module's order (as this package and Lightning's FSDP / ModelParallel strategies write
+        them), rather than by their position in param groups listed in another order."""
+        index = {name: i for i, name in enumerate(self._parameter_names())}
+        for optimizer, state in zip(map(_unwrap, self.optimizers), states):
+            if not is_numbered(state):
+                continue
+            current = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
+            expected = [[index.get(n) for n in g["params"]] for g in current]
+            if [list(g["params"]) for g in state["param_groups"]] != expected:
+                return False
+        return True
 
     def _manifest(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         from fsdp_cli.checkpoint.manifest import build_manifest

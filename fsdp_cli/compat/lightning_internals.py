@@ -28,7 +28,10 @@ ENTRIES: list[tuple[Any, str]] = [
     (ModelParallelStrategy, "_setup_distributed"),
     (ModelParallelStrategy(), "_device_mesh"),
     (Strategy, "_reset_optimizers_and_schedulers"),
+    (ModelParallelStrategy(), "_forward_redirection"),
     (FSDPStrategy(), "_activation_checkpointing_kwargs"),
+    (FSDPStrategy(), "_state_dict_type"),
+    (ModelParallelStrategy(), "_save_distributed_checkpoint"),
     (L.LightningModule(), "_device_mesh"),
     (L.Trainer, "_signal_connector"),
     (_io_wrapper, "_WrappingCheckpointIO"),
@@ -69,6 +72,21 @@ def is_wrapping_checkpoint_io(io: Any) -> bool:
     """A CheckpointIO plugin around a base one (``AsyncCheckpointIO``), whose base the strategy
     supplies when the user gave none (Lightning's Strategy.checkpoint_io does the same)."""
     return isinstance(io, _io_wrapper._WrappingCheckpointIO)
+
+
+def set_lightning_checkpoint_format(strategy: Strategy, checkpoint_format: str) -> None:
+    """Keep the Lightning strategy's own format setting equal to ours (``sharded``/``full``): its
+    ``save_checkpoint`` (which ours calls for full files) reads it."""
+    if isinstance(strategy, FSDPStrategy):
+        strategy._state_dict_type = checkpoint_format
+    elif isinstance(strategy, ModelParallelStrategy):
+        strategy._save_distributed_checkpoint = checkpoint_format == "sharded"
+
+
+def forward_redirection(strategy: Strategy) -> Any:
+    """Lightning's ``_ForwardRedirection`` of this strategy: calls a LightningModule method (a
+    step) through a module's ``forward``, so that the module's forward hooks run."""
+    return strategy._forward_redirection
 
 
 def reset_optimizers(strategy: Strategy) -> None:

@@ -1,7 +1,8 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
-compiled in place, and DDP's keyword for per-forward buffer syncing (renamed in torch 2.13)."""
+compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), and the
+mixed-precision policy ``fully_shard`` recorded on a module."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -29,6 +31,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_python_dispatch, "TorchDispatchMode"),
     (Module(), "_non_persistent_buffers_set"),
     (Module(), "_compiled_call_impl"),
+    (FSDPModule, "_get_fsdp_state"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -78,6 +81,18 @@ def fsdp1_sharding_strategy(name: str) -> Any:
 def is_compiled_in_place(module: Module) -> bool:
     """Whether ``module.compile()`` replaced its forward (torch keeps it in ``_compiled_call_impl``)."""
     return module._compiled_call_impl is not None
+
+
+def fsdp2_mp_policies(module: FSDPModule) -> list[Any]:
+    """The MixedPrecisionPolicy ``fully_shard`` recorded for this unit's parameters (one per
+    parameter group; none for a unit without parameters of its own). torch >= 2.10 keeps a list
+    of groups (``_fsdp_param_groups``), older releases one (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = require(state, "_fsdp_param_group", "torch")
+        groups = [group] if group is not None else []
+    return [require(group, "mp_policy", "torch") for group in groups]
 
 
 def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:

@@ -542,8 +542,12 @@ class TrainerConfig:
     """Optimizer steps to train for."""
     log_every_n_steps: int = 1
     """Write a metrics.jsonl row (and print a line) every N optimizer steps."""
-    gradient_clip_val: float | None = 1.0
-    """Clip the gradient norm to this value; null = no clipping."""
+    gradient_clip_val: float | None = None
+    """Clip gradients to this value (their global norm; each element with
+    ``gradient_clip_algorithm=value``). null: the model's default, 1.0 for the built-in model,
+    ``model=hf`` and a plain nn.Module, none for a LightningModule trained as it is (Lightning's
+    Trainer default; a module's own ``configure_gradient_clipping`` gets this value, as from
+    ``Trainer(gradient_clip_val=...)``). 0: no clipping."""
     gradient_clip_algorithm: str = "norm"
     """norm: clip the global gradient norm; value: clip each gradient element."""
     deterministic: bool = False

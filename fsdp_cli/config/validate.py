@@ -444,13 +444,13 @@ def check_trainer(cfg: TrainConfig) -> None:
         value = getattr(trainer, key)
         if value < 1:
             raise ConfigError(f"trainer.{key}", value, "must be at least 1")
-    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val <= 0:
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val < 0:
         raise ConfigError(
             "trainer.gradient_clip_val",
             trainer.gradient_clip_val,
-            "must be positive (clipping to 0 zeroes every gradient)",
-            allowed="a positive number, or null for no clipping",
-            hint="trainer.gradient_clip_val=null turns clipping off",
+            "must not be negative",
+            allowed="a positive number, 0 for no clipping, or null for the model's default",
+            hint="trainer.gradient_clip_val=0 turns clipping off",
         )
     if trainer.gradient_clip_algorithm not in ("norm", "value"):
         raise ConfigError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -206,6 +207,24 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         )
         setup_activation_checkpointing(model, fsdp1_activation_checkpointing(self))
         return model
+
+    def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's FSDPStrategy loading (lazy, the model and optimizers restored in place),
+        except for one case it gets wrong: optimizer states numbered by a plain optimizer whose
+        param groups list the parameters in another order than the module (Lightning maps
+        numbers to the module's order); those are restored here by position, as torch does."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # memory-mapped
+        states = checkpoint.get("optimizer_states") or []
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if not (fitting and self.optimizers and states) or self.numbered_in_module_order(states):
+            return super()._load_full(path, weights_only)
+        self.load_model_state_dict(checkpoint, strict=module.strict_loading)
+        checkpoint.pop("state_dict", None)
+        self._restore_optimizer_states(states)
+        return checkpoint
 
     def setup_optimizers(self, trainer: Any) -> None:
         from lightning.pytorch.strategies.strategy import Strategy
