@@ -54,7 +54,7 @@ if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 4 
   sed -i -E \
     -e 's/, *min_cuda_gpus=[0-9]+//; s/min_cuda_gpus=[0-9]+, *//' \
     -e 's/marks=RunIf\(bf16_cuda=True\)/marks=()/' \
-    -e 's/accelerator="(cuda|gpu)"/accelerator="cpu"/' \
+    -e 's/accelerator="(cuda|gpu)"/accelerator="cpu"/; s/"accelerator": "(cuda|gpu)"/"accelerator": "cpu"/' \
     -e 's/torch\.device\("cuda", self\.local_rank\)/torch.device("cpu")/' \
     -e 's/device\.type == "cuda"/device.type == "cpu"/g' \
     "$strategies/test_model_parallel_integration.py"
