@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import ENTRY_MODULES, REPO, Job, Result, entry_point
 
-REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(__file__).resolve().parent / "assets"
 # `tests.assets.*` models are named by dotted path, as a user names theirs. Appended, not
 # prepended: fsdp_cli itself must come from the installed package (whose configs ship inside it).
@@ -25,42 +24,27 @@ if str(REPO) not in sys.path:
 FAST = ["trainer.max_steps=6", "data.global_batch_size=8", "data.seq_len=32"]
 
 
-def entry_point(name: str) -> list[str]:
-    """The installed console script (as a user runs it), or its module when run from a checkout."""
-    script = Path(sys.executable).parent / name
-    if script.is_file():
-        return [str(script)]
-    module = {
-        "fsdp-train": "fsdp_cli.cli.main",
-        "fsdp-ckpt": "fsdp_cli.checkpoint.cli",
-        "fsdp-plan": "fsdp_cli.cli.plan",
-    }[name]
-    return [sys.executable, "-m", module]
+_JOBS: list[Job] = []
+"""Jobs started by the running test: all of them killed when it ends, whatever happens."""
 
 
-def run_cli(
-    args: list[str],
-    run_dir: Path | None = None,
+def start(
+    cmd: list[str],
     *,
+    run_dir: Path | None = None,
     env: dict[str, str] | None = None,
-    timeout: float = 300,
     cwd: Path | None = None,
-    prog: str = "fsdp-train",
-) -> subprocess.CompletedProcess[str]:
-    """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` in a subprocess, exactly as a user types it.
-
-    On a timeout (or any interruption) everything it started is killed, ranks included."""
-    proc = start_cli(args, run_dir, env=env, cwd=cwd, prog=prog)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        kill_job(proc, run_dir)
-        raise
-    _check_marked_distributed(run_dir)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    merge_output: bool = False,
+) -> Job:
+    """Start any command as a job of the running test (see :mod:`harness`)."""
+    job = Job(cmd, run_dir=run_dir, env=env, cwd=cwd, merge_output=merge_output)
+    _JOBS.append(job)
+    return job
 
 
-_STARTED: list[tuple[subprocess.Popen[str], Path | None]] = []
+def run(cmd: list[str], *, timeout: float, **kwargs: Any) -> Result:
+    """Run any command to its end; on a timeout everything it started is killed."""
+    return start(cmd, **kwargs).result(timeout)
 
 
 def start_cli(
@@ -70,81 +54,100 @@ def start_cli(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     prog: str = "fsdp-train",
-) -> subprocess.Popen[str]:
-    """Start ``fsdp-train`` (or ``fsdp-ckpt``) in a session of its own; killed with everything it
-    started when the test ends, whatever happens (see :func:`kill_job`)."""
+    merge_output: bool = False,
+) -> Job:
+    """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` (or another of our commands), as a user types it."""
     cmd = [*entry_point(prog), *args]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
-    full_env = {**os.environ, **(env or {})}
-    full_env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        cwd=cwd or REPO,
-        start_new_session=True,
-    )
-    _STARTED.append((proc, run_dir))
-    return proc
+    return start(cmd, run_dir=run_dir, env=env, cwd=cwd, merge_output=merge_output)
 
 
-def kill_job(proc: subprocess.Popen[str], run_dir: Path | None) -> None:
-    """SIGKILL the command and everything it started: its process group (the CLI and torch's
-    agent) while it runs, and every process whose command line names the run directory (torch
-    starts ranks in sessions of their own; their data-loader workers are forks of them)."""
-    if proc.poll() is None:
+def run_cli(args: list[str], run_dir: Path | None = None, *, timeout: float = 300, **kwargs: Any) -> Result:
+    """``fsdp-train ARGS hydra.run.dir=RUN_DIR`` to its end (see :func:`start_cli`)."""
+    return start_cli(args, run_dir, **kwargs).result(timeout)
+
+
+def cli_in_process(
+    args: list[str],
+    run_dir: Path | None = None,
+    *,
+    prog: str = "fsdp-train",
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Result:
+    """``PROG ARGS`` through its console script's function, in this process: for what starts no
+    rank (config errors, ``--cfg``, ``--help``, fsdp-plan, fsdp-recipe), as the fast tier starts no
+    process. Its exit status and output are what the command would give; what it changes in this
+    process (sys.argv and sys.path, the environment and working directory, Hydra's globals and
+    patches, the logging handlers Hydra installs) is put back."""
+    import contextlib
+    import importlib
+    import io
+    import logging
+
+    from hydra._internal import hydra as hydra_internal
+    from hydra._internal import utils as hydra_utils
+    from hydra.core.global_hydra import GlobalHydra
+
+    argv = [prog, *args, *([f"hydra.run.dir={run_dir}"] if run_dir is not None else [])]
+    entry = importlib.import_module(ENTRY_MODULES[prog]).main
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    code = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", argv)
+        patch.setattr(sys, "path", sys.path[:])
+        patch.setattr(hydra_utils, "run_and_report", hydra_utils.run_and_report)
+        patch.setattr(hydra_internal.Hydra, "get_mode", hydra_internal.Hydra.get_mode)
+        patch.delenv("HYDRA_FULL_ERROR", raising=False)
+        for key, value in (env or {}).items():
+            patch.setenv(key, value)
+        patch.chdir(cwd or REPO)
+        GlobalHydra.instance().clear()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if run_dir is not None:
-        for pid in processes_naming(str(run_dir)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait()
-
-
-def processes_naming(text: str) -> list[int]:
-    """Live processes whose command line contains ``text`` (never a recycled pid of someone else's)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                entry()
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        finally:
+            GlobalHydra.instance().clear()
+            for handler in root.handlers:
+                if handler not in handlers:
+                    handler.close()
+            root.handlers[:], root.level = handlers, level
+    return Result(argv, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(autouse=True)
-def _kill_what_the_test_started(request: pytest.FixtureRequest) -> Any:
-    global _CURRENT_TEST
-    _CURRENT_TEST = request.node
-    first = len(_STARTED)
+def _processes_of_the_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A test not marked distributed starts no process (whichever way it tries); every job a test
+    started is killed, with everything it started, when the test ends."""
+    if request.node.get_closest_marker("distributed") is None:
+        _refuse_processes(request.node.nodeid, monkeypatch)
     yield
-    for proc, run_dir in _STARTED[first:]:
-        kill_job(proc, run_dir)
-    del _STARTED[first:]
+    end_jobs()
 
 
-_CURRENT_TEST: Any = None
+def end_jobs() -> None:
+    """Kill every job the running test started, with everything each started (what happens when
+    a test ends, whatever happened in it)."""
+    jobs, _JOBS[:] = _JOBS[:], []
+    for job in jobs:
+        job.close()
 
 
-def _check_marked_distributed(run_dir: Path | None) -> None:
-    """A test that starts ranks (they leave heartbeat files) must be marked distributed."""
-    if run_dir is None or _CURRENT_TEST is None or _CURRENT_TEST.get_closest_marker("distributed"):
-        return
-    if (run_dir / ".heartbeat").exists():
-        pytest.fail(f"{_CURRENT_TEST.nodeid} started ranks but is not marked distributed")
+def _refuse_processes(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import _posixsubprocess
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        pytest.fail(f"{nodeid} starts a process but is not marked distributed", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+        monkeypatch.setattr(os, name, refuse)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -161,7 +164,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
 
-def wait_for(predicate: Callable[[], Any], proc: subprocess.Popen[str], timeout: float = 120) -> Any:
+def wait_for(predicate: Callable[[], Any], proc: Job, timeout: float = 120) -> Any:
     """Poll ``predicate`` until it returns something truthy (returned); fail if ``proc`` ends first."""
     deadline = time.monotonic() + timeout
     while True:
@@ -169,7 +172,7 @@ def wait_for(predicate: Callable[[], Any], proc: subprocess.Popen[str], timeout:
         if value:
             return value
         if proc.poll() is not None:
-            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+            raise AssertionError(f"run ended early ({proc.returncode}): {''.join(proc.output())[-3000:]}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s")
         time.sleep(0.1)
@@ -210,7 +213,7 @@ def losses(run_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(run_dir)]
 
 
-def assert_ok(result: subprocess.CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
+def assert_ok(result: Result, run_dir: Path) -> dict[str, Any]:
     """The run exited 0 and its summary says ok; returns the summary."""
     tail = result.stdout[-3000:] + "\n" + result.stderr[-3000:]
     assert result.returncode == 0, f"exit {result.returncode}\n{tail}"
@@ -230,6 +233,15 @@ def composed(*overrides: str) -> Any:
     with initialize_config_module(config_module="fsdp_cli.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))
     return to_train_config(cfg)
+
+
+def run_of(cfg: Any, gpus: int = 0) -> Any:
+    """The resolved run (:class:`~fsdp_cli.config.resolved.ResolvedRun`) of a composed config, its
+    layout resolved for a machine with ``gpus`` GPUs (none: CPU processes)."""
+    from fsdp_cli.config.resolved import ResolvedRun
+    from fsdp_cli.launch.layout import resolve_layout
+
+    return ResolvedRun.of(resolve_layout(cfg, {}, gpus=gpus))
 
 
 # The fp32 settings every loss-parity comparison uses; the single-process run is the reference.
@@ -275,13 +287,23 @@ def assert_same_losses(reference: list[float], run_dir: Path, tol: float = 1e-5,
     assert max(diffs) < tol, diffs
 
 
-def gpu_count() -> int:
-    try:
-        import torch
+def gpu_count(env: dict[str, str] | None = None) -> int:
+    """The CUDA devices torch can use here. 0 means "no CUDA device", and only that: the GPU tests
+    then skip. A torch that does not import, or GPUs that NVML lists but torch cannot use (a
+    broken CUDA install, a driver too old for this torch), fail the session loudly instead."""
+    import torch
 
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001
-        return 0
+    from fsdp_cli.launch.environment import visible_gpu_count
+
+    count = torch.cuda.device_count()
+    listed = visible_gpu_count(os.environ if env is None else env)
+    if count == 0 and listed > 0:
+        raise RuntimeError(
+            f"the driver lists {listed} GPU(s) but torch {torch.__version__} (CUDA {torch.version.cuda}) "
+            "can use none: a broken CUDA install (or a CPU build of torch); CUDA_VISIBLE_DEVICES= runs "
+            "the tests without GPUs"
+        )
+    return count
 
 
 requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU; none on this machine")

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,7 @@ from conftest import (
     assert_ok,
     assert_same_losses,
     complete_lines,
-    entry_point,
     losses,
-    processes_naming,
     read_metrics,
     read_pid,
     read_summary,
@@ -29,11 +26,12 @@ from conftest import (
     start_cli,
     wait_for,
 )
+from harness import Job, processes_naming
 
 from fsdp_cli.checkpoint.callback import CheckpointCallback
-from fsdp_cli.checkpoint.cli import main as ckpt_main
 from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.checkpoint.run import newest_verified
+from fsdp_cli.cli.ckpt import main as ckpt_main
 from fsdp_cli.config.schema import CheckpointConfig
 
 STEP3, STEP6 = "step_00000003", "step_00000006"
@@ -106,7 +104,8 @@ def test_resume_at_another_layout_continues_like_the_straight_run(
 ) -> None:
     """Load step 3 of one layout into another, train steps 4-6 there: the same per-step losses as
     the straight run (to the cross-layout tolerance; a wrong restore of weights or Adam moments
-    shows at once), and the restored state itself saved back unchanged."""
+    shows at once), and the state it saves at step 6, in its own layout and format, the straight
+    run's step 6 (weights and Adam moments, to the same relative tolerance)."""
     source, args = CROSS[name]
     straight = layout_run(source)
     run_dir = tmp_path / name
@@ -115,6 +114,20 @@ def test_resume_at_another_layout_continues_like_the_straight_run(
     assert "changed since the checkpoint (compatible, proceeding)" in result.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == [4, 5, 6]
     assert_same_losses(losses(straight)[3:], run_dir, minimum=3)
+    assert_close_state(ckpt(run_dir, STEP6), ckpt(straight, STEP6))
+
+
+def assert_close_state(a: Path, b: Path, rtol: float = 1e-4) -> None:
+    """Same weights and Adam moments up to the reduction order of another layout: each tensor's
+    difference is below ``rtol`` of its norm."""
+    x, y = load(a), load(b)
+    sx, sy = x.optimizer_states[0]["state"], y.optimizer_states[0]["state"]
+    assert x.state_dict.keys() == y.state_dict.keys() and sx.keys() == sy.keys()
+    pairs = [(key, x.state_dict[key], y.state_dict[key]) for key in x.state_dict]
+    pairs += [((k, m), sx[k][m], sy[k][m]) for k in sx for m in ("exp_avg", "exp_avg_sq", "step")]
+    for key, u, v in pairs:
+        u, v = torch.as_tensor(u, dtype=torch.float64), torch.as_tensor(v, dtype=torch.float64)
+        assert u.shape == v.shape and torch.linalg.norm(u - v) <= rtol * torch.linalg.norm(v), key
 
 
 @pytest.mark.distributed
@@ -159,12 +172,8 @@ def test_resume_auto_with_nothing_saved_starts_fresh(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     run_dir = layout_run("fsdp2_tp2")
-    result = subprocess.run(
-        [*entry_point("fsdp-ckpt"), "inspect", str(ckpt(run_dir, STEP6)), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = run_cli(["inspect", str(ckpt(run_dir, STEP6)), "--json"], prog="fsdp-ckpt", timeout=120)
+    assert result.returncode == 0, result
     info = json.loads(result.stdout)
     summary = read_summary(run_dir)
     assert (info["format"], info["step"], info["world_size"]) == ("sharded", 6, 2)
@@ -173,12 +182,8 @@ def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     assert info["dtypes"] == ["float32"] and info["optimizer_state"] is True
     assert set(info["versions"]) == {"torch", "lightning", "fsdp_cli"}
     assert info["config"]["tp"] == 2 and info["config"]["strategy"]["name"] == "fsdp2"
-    table = subprocess.run(
-        [*entry_point("fsdp-ckpt"), "inspect", str(ckpt(run_dir, STEP6))],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    table = run_cli(["inspect", str(ckpt(run_dir, STEP6))], prog="fsdp-ckpt", timeout=120)
+    assert table.returncode == 0, table
     assert "tensor_parallel=2" in table.stdout and "trained with:" in table.stdout
 
 
@@ -367,7 +372,7 @@ def all_or_none(values: list[Any]) -> list[Any] | None:
     return values if all(values) else None
 
 
-def _kill_and_wait(proc: subprocess.Popen[str], pid: int, run_dir: Path) -> int:
+def _kill_and_wait(proc: Job, pid: int, run_dir: Path) -> int:
     os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=120)
     assert processes_naming(str(run_dir)) == []

@@ -65,6 +65,40 @@ def test_pyproject_bounds_are_the_supported_ones_and_hold_for_what_is_installed(
         assert req.specifier.contains(installed_version(package), prereleases=True), package
 
 
+MALICIOUS = {"lightning": ["2.6.2", "2.6.3"]}
+"""Releases that must never be installed: lightning 2.6.2 and 2.6.3 ran credential-stealing code on
+import (GHSA-w37p-236h-pfx3); pulled from PyPI, but mirrors and caches keep them."""
+
+
+def test_malicious_releases_are_excluded_everywhere_a_version_is_chosen() -> None:
+    import re
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    listed = [
+        *project["dependencies"],
+        *(r for extra in project["optional-dependencies"].values() for r in extra),
+    ]
+    dockerfile = (root / "Dockerfile").read_text()
+    for package, versions in MALICIOUS.items():
+        specifiers = [Requirement(r).specifier for r in listed if Requirement(r).name == package]
+        assert specifiers, f"{package} is not a dependency any more: drop it from MALICIOUS"
+        for version in versions:
+            assert all(f"!={version}" in map(str, spec) for spec in specifiers), (
+                package,
+                version,
+                specifiers,
+            )
+            assert Version(version) not in SpecifierSet(SUPPORTED[package]), (package, version)
+        # The image's pin (an ARG default) is none of them, and the install line pins it.
+        (pin,) = re.findall(rf"^ARG {package.upper()}_VERSION=(\S+)$", dockerfile, re.M)
+        assert pin not in versions and Version(pin) in SpecifierSet(SUPPORTED[package]), pin
+        assert f'"{package}==${{{package.upper()}_VERSION}}"' in dockerfile
+
+
 def test_hydra_reporter_is_wrapped() -> None:
     from hydra._internal import utils as hydra_utils
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import composed, run_cli
+from conftest import cli_in_process, composed
 from test_hf import save_word_tokenizer
 
 from fsdp_cli.data.files import check_token_files
@@ -96,8 +96,8 @@ def test_token_file_problems_are_one_config_error_each(tmp_path: Path) -> None:
 
 def test_bad_token_data_stops_the_parent_in_one_line(tmp_path: Path) -> None:
     path = token_file(tmp_path / "t.bin", np.arange(101) % 200)
-    result = run_cli(
-        ["data=tokens", f"data.path={path}", "data.dtype=uint32"], tmp_path / "run", env=CPU, timeout=60
+    result = cli_in_process(
+        ["data=tokens", f"data.path={path}", "data.dtype=uint32"], tmp_path / "run", env=CPU
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
@@ -192,7 +192,7 @@ def test_jsonl_mistakes_are_one_config_error(tmp_path: Path, corpus: Path) -> No
 def test_bad_jsonl_stops_the_parent_in_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
-    result = run_cli(["data=jsonl", f"data.path={bad}"], tmp_path / "run", env=CPU, timeout=60)
+    result = cli_in_process(["data=jsonl", f"data.path={bad}"], tmp_path / "run", env=CPU)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "data.field=text: " in lines[0] and "has no text under that key; allowed: body" in lines[0]

@@ -7,19 +7,20 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 import re
 import shlex
 import stat
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import REPO, entry_point
+from conftest import REPO, cli_in_process, entry_point, read_metrics, read_summary, run, run_cli
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
+from omegaconf import OmegaConf
 
 from fsdp_cli.compat import SUPPORTED
 from fsdp_cli.config import reference, schema
@@ -139,20 +140,14 @@ def single_job(args: list[str]) -> list[str]:
 
 
 def run_shown(line: str, cwd: Path) -> str | None:
-    """Run one shown command (fsdp-train to ``--cfg job``); None when it worked, else why not."""
+    """Run one shown command in this process (fsdp-train to ``--cfg job``); None when it worked,
+    else why not."""
     program, env, args = _program(line)  # type: ignore[misc]
     if program == "fsdp-train":
         args = single_job(args)
         if not {"--cfg", "-c", "--help", "-h", "--info", "-i"} & set(args):
             args = [*args, "--cfg", "job"]
-    r = subprocess.run(
-        [*entry_point(program), *args],
-        cwd=cwd,
-        env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = cli_in_process(args, prog=program, cwd=cwd, env={**env, "CUDA_VISIBLE_DEVICES": ""})
     return None if r.returncode == 0 else f"{line}\n  -> exit {r.returncode}: {r.stderr.strip()[-600:]}"
 
 
@@ -162,16 +157,121 @@ def test_every_command_shown_in_readme_and_docs_runs(tmp_path: Path) -> None:
     train_commands = [c for c in commands if c not in recipe_commands]
     assert len(train_commands) >= 35 and len(recipe_commands) >= 4, commands  # the extraction found them
     # fsdp-recipe first and in order: `fsdp-recipe cp` makes the copies later commands run.
-    failures = [f for f in (run_shown(c, tmp_path) for c in recipe_commands) if f]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        failures += [f for f in pool.map(lambda c: run_shown(c, tmp_path), train_commands) if f]
+    failures = [f for f in (run_shown(c, tmp_path) for c in [*recipe_commands, *train_commands]) if f]
     assert failures == [], "\n".join(failures)
 
 
+# --------------------------------------------------------------------------- ... and the CPU ones for real
+
+STEP_KEYS = (
+    "trainer.max_steps",
+    "trainer.log_every_n_steps",
+    "trainer.val_check_interval",
+    "checkpoint.every_n_steps",
+    "optim.warmup_steps",
+)
+STEP_FACTOR = 2
+"""Every step count of a shown run is divided by this (rounded up), one factor for all so that a
+``resume=auto`` after a run still continues it: the longest, tiny_cpu_text's 200 steps, trains 100."""
+MAX_TRIALS = 1
+"""An Optuna sweep runs this many of its trials."""
+RUN_ELSEWHERE = {
+    "fsdp-train": "tests/test_runs.py::test_default_run_is_fsdp2_over_two_cpu_processes",
+    "fsdp-train -m accelerator=cpu devices=2 tp=1,3,2 trainer.max_steps=3": (
+        "tests/test_sweeps.py::test_the_issue_sweep_skips_the_invalid_job_runs_the_rest_and_compares"
+    ),
+}
+"""Shown commands another test runs exactly as shown (and checks more closely)."""
+CPU_RECIPES = ("recipe=cpu_smoke", "recipe=tiny_cpu_text")
+
+
+def composed_job(args: list[str], cwd: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The job config a shown command composes (a sweep: its first job)."""
+    r = cli_in_process([*single_job(args), "--cfg", "job"], cwd=cwd, env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r
+    return OmegaConf.to_container(OmegaConf.create(r.stdout))  # type: ignore[return-value]
+
+
+def cpu_commands(cwd: Path) -> list[tuple[str, dict[str, str], list[str]]]:
+    """(shown line, environment, arguments to run) of every fsdp-train command the docs give for
+    CPUs: the bare ``fsdp-train`` (2 CPU processes without GPUs) and every one whose config says
+    ``accelerator: cpu`` (on the command line or in its recipe), unless it names files of the
+    user's (``model.path``, ``data.path``), another test runs it, or an earlier one composes the
+    same job (a copied recipe). Shortened by :func:`shortened`."""
+    found, seen = [], set()
+    for line in shown_commands():
+        program, env, args = _program(line)  # type: ignore[misc]
+        if program == "fsdp-recipe":
+            cli_in_process(args, prog=program, cwd=cwd)  # `fsdp-recipe cp` makes the copies run below
+            continue
+        if {"--cfg", "-c", "--help", "-h", "--info", "-i"} & set(args) or _bare(line) in RUN_ELSEWHERE:
+            continue
+        job = composed_job(args, cwd, env)
+        if args and job["accelerator"] != "cpu":
+            continue
+        paths = [job["model"].get("path"), job["data"].get("path")]
+        if any(p and not Path(p).is_absolute() and not (cwd / p).exists() for p in paths):
+            continue
+        key = json.dumps([sorted(env.items()), job, [a for a in args if a.startswith(("-m", "hydra"))]])
+        if key not in seen:
+            seen.add(key)
+            found.append((line, env, shortened(args, job)))
+    return found
+
+
+def _bare(line: str) -> str:
+    return line.split("#")[0].strip()
+
+
+def shortened(args: list[str], job: dict[str, Any]) -> list[str]:
+    """``args`` with every step count divided by ``STEP_FACTOR`` and an Optuna sweep cut to
+    ``MAX_TRIALS`` trials."""
+    changed = {}
+    for key in STEP_KEYS:
+        section, name = key.split(".")
+        value = job[section].get(name)
+        if isinstance(value, int) and value > 1:
+            changed[key] = math.ceil(value / STEP_FACTOR)
+    if "hydra/sweeper=optuna" in args:
+        changed["hydra.sweeper.n_trials"] = MAX_TRIALS
+    kept = [a for a in args if a.split("=", 1)[0] not in changed]
+    return [*kept, *(f"{k}={v}" for k, v in changed.items())]
+
+
+@pytest.mark.distributed
+def test_the_cpu_commands_shown_in_the_docs_train_for_real(tmp_path: Path) -> None:
+    """Each runs in one working directory, in the order shown (a resume finds the run before it),
+    and exits 0 with an ok summary, or with the error line the docs show for it. The CPU recipes
+    train to a falling loss."""
+    docs_text = "\n".join(doc.read_text() for doc in DOCS)
+    commands = cpu_commands(tmp_path)
+    shown = [_bare(line) for line, _, _ in commands]
+    assert all(f"fsdp-train {recipe}" in shown for recipe in CPU_RECIPES), shown
+    assert len(commands) >= 10, shown  # the selection found them
+    for command in RUN_ELSEWHERE:
+        assert any(_bare(line) == command for line in shown_commands()), command
+    failures = []
+    for i, (line, env, args) in enumerate(commands):
+        sweep = "-m" in args
+        named = any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in args)
+        run_dir = None if sweep or named else tmp_path / "runs" / str(i)
+        r = run_cli(args, run_dir, cwd=tmp_path, env={**env, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+        errors = [e for e in r.stderr.splitlines() if e.startswith("fsdp-train: error: ")]
+        if r.returncode == 2 and errors and errors[0] in docs_text:
+            continue  # the mistake the docs show, with the docs' own line
+        if r.returncode != 0 or (run_dir is not None and read_summary(run_dir)["status"] != "ok"):
+            failures.append(f"{line}\n  ran as {' '.join(args)}\n  -> {r}")
+        elif _bare(line).removeprefix("fsdp-train ") in CPU_RECIPES:
+            losses = [row["loss"] for row in read_metrics(run_dir)]  # type: ignore[arg-type]
+            assert len(losses) >= 3 and losses[-1] < losses[0], (line, losses)
+    assert failures == [], "\n".join(failures)
+
+
+@pytest.mark.distributed  # runs bash, and fsdp-train under it
 def test_the_sbatch_template_runs_its_fsdp_train_command(tmp_path: Path) -> None:
     """The template under bash, with an ``srun`` that runs its command to ``--cfg job``."""
     template = REPO / "docs" / "slurm" / "train.sbatch"
-    assert subprocess.run(["bash", "-n", str(template)]).returncode == 0
+    assert run(["bash", "-n", str(template)], timeout=30).returncode == 0
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     srun = fake_bin / "srun"
@@ -181,15 +281,12 @@ def test_the_sbatch_template_runs_its_fsdp_train_command(tmp_path: Path) -> None
     train.write_text(f'#!/bin/sh\nexec {" ".join(map(shlex.quote, entry_point("fsdp-train")))} "$@"\n')
     train.chmod(train.stat().st_mode | stat.S_IEXEC)
     env = {
-        **os.environ,
         "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
         "SLURM_JOB_ID": "77",
         "SLURM_JOB_NAME": "fsdp-train",
         "SRUN_ARGS": str(tmp_path / "srun_args"),
     }
-    r = subprocess.run(
-        ["bash", str(template), "trainer.max_steps=5"], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
+    r = run(["bash", str(template), "trainer.max_steps=5"], cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "max_steps: 5" in r.stdout and "n_layers: 80" in r.stdout, (
         "the 70B recipe, with the extra override"

@@ -259,24 +259,26 @@ def test_resume_auto_falls_back_past_damaged_checkpoints(tmp_path: Path) -> None
     ]
 
 
+@pytest.mark.distributed
 def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path: Path) -> None:
     """Inside torchrun or srun nobody watches the heartbeat: the rank's own faulthandler timer
-    (re-armed by each beat) writes its stack into its log and ends it."""
-    import subprocess
+    (re-armed by each beat) writes its stack into its log and ends it. (A process of its own:
+    the timer ends the process it runs in.)"""
     import sys
+
+    from conftest import run
 
     script = (
         "import time\n"
-        "from fsdp_cli.launch.rank_monitor import RankMonitor\n"
+        "from fsdp_cli.worker.monitor import RankMonitor\n"
         f"monitor = RankMonitor({str(tmp_path)!r}, 1, 1, hang_timeout_s=0.5, startup_timeout_s=0.5)\n"
         "monitor.beat(1, 'train')\n"
         "def stuck_in_a_collective():\n"
         "    time.sleep(30)\n"
         "stuck_in_a_collective()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_CLI_WATCHDOG"}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    result = run([sys.executable, "-c", script], env={"FSDP_CLI_WATCHDOG": ""}, timeout=60)
     assert result.returncode == 1 and time.monotonic() - started < 20
     log = (tmp_path / "logs" / "rank1.log").read_text()
     assert "Timeout (0:00:00.500000)!" in log and "stuck_in_a_collective" in log
@@ -285,7 +287,7 @@ def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path
 def test_fsdp_ckpt_verify_exits_1_naming_each_damaged_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fsdp_cli.checkpoint.cli import main as fsdp_ckpt
+    from fsdp_cli.cli.ckpt import main as fsdp_ckpt
 
     _sharded(tmp_path / "step_00000002", 2)
     _sharded(tmp_path / "step_00000004", 4)

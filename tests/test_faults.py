@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,13 @@ import torch
 from conftest import (
     FAST,
     complete_lines,
-    entry_point,
-    processes_naming,
     read_summary,
+    run,
     run_cli,
     start_cli,
     wait_for,
 )
+from harness import processes_naming
 
 from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.rundir.heartbeat import read_heartbeats
@@ -216,7 +215,7 @@ def test_hung_ranks_are_dumped_named_and_killed(tmp_path: Path) -> None:
     if rank2["dumper"] == "py-spy":
         assert "misbehave" in (logs / "rank2.log").read_text()
     else:
-        assert "install py-spy" in rank2["notes"]
+        assert any("install py-spy" in note for note in rank2["notes"]), rank2  # (a list of notes)
     assert not (run_dir / "checkpoints").exists(), "no SIGTERM, hence no preemption save"
     assert hang_timeout <= ended - last_beat(run_dir, 0) < hang_timeout + 20
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "the tensorboard logger wrote"
@@ -230,7 +229,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True)
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode == 0
+    return run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], timeout=30).returncode == 0
 
 
 def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_checkpoint(
@@ -259,14 +258,10 @@ def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_chec
         rows = strict_json_lines(run_dir / "metrics.jsonl")
         assert [r["step"] for r in rows] == [2, 4]
         assert [r["lr"] for r in rows] == pytest.approx([3e-3 * (0.1 + 0.9 * (1 - s / 6)) for s in (2, 4)])
-        check = subprocess.run(
-            [*entry_point("fsdp-ckpt"), "verify", "--deep", str(disk / "step_00000002")],
-            capture_output=True,
-            text=True,
-        )
-        assert check.returncode == 0, check.stderr
+        check = run_cli(["verify", "--deep", str(disk / "step_00000002")], prog="fsdp-ckpt", timeout=120)
+        assert check.returncode == 0, check
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        run(["umount", "-l", str(disk)], timeout=30)
 
 
 def test_ctrl_c_stops_every_rank_and_is_reported_as_interrupted_not_failed(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from conftest import (
     SINGLE_PROCESS,
     assert_ok,
     assert_same_losses,
+    cli_in_process,
     composed,
     read_metrics,
     read_summary,
@@ -37,6 +38,10 @@ SHARDING = {
         "strategy.sharding_strategy=HYBRID_SHARD",
         "strategy.hybrid_shard_size=2",
     ],
+    # The default size (shard within the node, replicate across nodes): one node is one shard group,
+    # still a 2-D mesh (FSDP1's hybrid strategies refuse a 1-D one). Two nodes: tests/test_clusters.py.
+    "hybrid_shard_one_node": ["devices=2", "strategy.sharding_strategy=HYBRID_SHARD"],
+    "hybrid_shard_zero2_one_node": ["devices=2", "strategy.sharding_strategy=HYBRID_SHARD_ZERO2"],
     "size_wrap_and_activation_checkpointing": [
         "devices=2",
         "wrap=size",
@@ -44,6 +49,20 @@ SHARDING = {
         "strategy.activation_checkpointing_policy=[TransformerBlock]",
     ],
 }
+BLOCK_UNITS = ["<root>", *(f"model.layers.{i}" for i in range(4))]
+# torch's size policy wraps bottom-up each module whose parameters not yet in a unit number at least
+# wrap.min_num_params=20000: each feed-forward projection (45,056), each attention (49,152: its own
+# projections hold 16,384 and 8,192), the embedding and the head (32,768 each); the root takes the rest.
+SIZE_WRAP_UNITS = [
+    "<root>",
+    "model.tok_embeddings",
+    *(
+        f"model.layers.{i}.{m}"
+        for i in range(4)
+        for m in ("attention", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+    ),
+    "model.output",
+]
 MANUAL = ["model=custom", "model._target_=tests.assets.manual_wrap.ManuallyWrappedLM", "data.vocab_size=256"]
 
 
@@ -63,6 +82,8 @@ def test_sharding_option_keeps_single_process_losses(
     setup = summary["setup"]
     if name == "hybrid_shard_2x2":
         assert setup["mesh"] == {"replicate": 2, "shard": 2}
+    if name.endswith("one_node"):
+        assert setup["mesh"] == {"replicate": 1, "shard": 2}
     if name == "size_wrap_and_activation_checkpointing":
         assert setup["activation_checkpointing"] == 4
     if name in ("full_shard", "shard_grad_op", "no_shard"):
@@ -70,8 +91,8 @@ def test_sharding_option_keeps_single_process_losses(
     if name == "shard_grad_op":
         scatters = collectives_per_backward(run_dir, REDUCE_SCATTER)
         assert sorted(scatters) == [0, 0, 5, 5] and scatters[0] != scatters[1], scatters
-    units = setup["fsdp_units"]
-    assert "<root>" in units and (name.startswith("size_wrap") or len(units) == 5), units
+    expected = SIZE_WRAP_UNITS if name.startswith("size_wrap") else BLOCK_UNITS
+    assert setup["fsdp_units"] == expected
     # Clipping by norm ran through the FSDP root (Lightning's FSDP plugin would refuse it).
     assert all(row["grad_norm"] > 0 for row in read_metrics(run_dir))
 
@@ -178,7 +199,9 @@ def test_fsdp_native_and_legacy_precisions() -> None:
 
 
 def test_precision_16_on_cpu_is_refused_under_its_new_name(tmp_path: Path) -> None:
-    result = run_cli(["strategy=ddp_fully_sharded", "precision=16", "accelerator=cpu"], tmp_path / "p16")
+    result = cli_in_process(
+        ["strategy=ddp_fully_sharded", "precision=16", "accelerator=cpu"], tmp_path / "p16"
+    )
     assert result.returncode == 2
     assert "precision=16 is the old name of precision=16-mixed" in result.stderr
     assert "fsdp-train: error: precision=16-mixed: float16 needs a GPU" in result.stderr

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run_cli
+from conftest import PARITY, REPO, assert_ok, assert_same_losses, read_metrics, read_summary, run, run_cli
 from test_plan import assert_plan_matches_the_run
 
-from tests.assets.traces import ALL_REDUCE, REDUCE_SCATTER, collectives_per_backward
+from tests.assets.traces import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collectives_per_backward
 
 pytestmark = pytest.mark.distributed
 
@@ -38,10 +37,13 @@ OPTIONS = {
         "data.micro_batch_size=1",
         "trainer.profiler=torch",
     ],
+    # Profiled: no backward pass all-gathers (the blocks stay gathered from forward to backward).
+    # (What offloading changes shows only on GPUs: tests/test_gpu.py.)
     "zero2_with_cpu_offload": [
         "devices=2",
         "strategy.reshard_after_forward=false",
         "strategy.cpu_offload=true",
+        "trainer.profiler=torch",
     ],
     "activation_checkpointing_full": ["devices=2", "strategy.activation_checkpointing=full"],
     # 8 sequences per step = 2 ranks x 2 micro-batches x 2 sequences: same optimisation as one process.
@@ -52,7 +54,15 @@ OPTIONS = {
         "data.micro_batch_size=2",
     ],
     "compile": ["devices=2", "strategy.compile=true"],
+    # One FSDP unit (the root) instead of one per block; and units of the named classes only.
+    "wrap_none": ["devices=2", "wrap=none"],
+    "wrap_classes": ["devices=2", "wrap=classes", "wrap.classes=[Attention,FeedForward]"],
 }
+UNITS = {
+    "wrap_none": ["<root>"],
+    "wrap_classes": [f"layers.{i}.{m}" for i in range(4) for m in ("attention", "feed_forward")] + ["<root>"],
+}
+"""The FSDP units each run must have (by default one per block, then the root)."""
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -65,6 +75,12 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
         assert setup["mesh"] == {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 1}
         assert_synced_once_per_step(run_dir, units=5)
         assert_plan_matches_the_run(run_dir)
+        # Resharded after forward (the default): units are gathered again for their backward, in
+        # each micro-batch: blocks 0-2 and the root; not the last block (backward starts with it,
+        # parallel/fsdp2.py keeps it gathered).
+        assert collectives_per_backward(run_dir, ALL_GATHER) == [4, 4, 4, 4]
+    if name == "zero2_with_cpu_offload":
+        assert collectives_per_backward(run_dir, ALL_GATHER) == [0, 0]
     if name == "dp2_tp2_sequence_parallel":
         assert setup["mesh"] == {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2}
     if name.startswith("activation_checkpointing"):
@@ -72,33 +88,15 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
     # Counted on the live modules: every block's forward was replaced by its compiled version.
     assert setup["compiled_blocks"] == (4 if name == "compile" else 0)
     assert setup["param_device"] == ["cpu"]
-    assert setup["fsdp_units"] == [f"layers.{i}" for i in range(4)] + ["<root>"]
+    assert setup["fsdp_units"] == UNITS.get(name, [f"layers.{i}" for i in range(4)] + ["<root>"])
 
 
 def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
     """parallelize() placements/bytes/idempotence, tensor_init_context parity, unsharded save, deferred optimizer restore."""
     script = REPO / "tests" / "assets" / "fsdp2_library_checks.py"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(script),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    result = run([*cmd, str(tmp_path)], timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     checks = [line for line in result.stdout.splitlines() if line.startswith("CHECK")]
     for name in (
@@ -112,6 +110,8 @@ def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
         "remove_checkpoint deletes it",
         "reshard_after_forward=True: blocks are resharded after forward",
         "reshard_after_forward=False: blocks are unsharded after forward",
+        "sequence_parallel=True: each block's output holds half of the sequence",
+        "sequence_parallel=False: each block's output holds all of the sequence",
     ):
         assert f"CHECK {name} ok" in checks, (name, checks)
 

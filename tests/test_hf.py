@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_ok, composed, read_metrics, run_cli
+from conftest import assert_ok, cli_in_process, composed, read_metrics, run_cli, run_of
 
 from fsdp_cli.config.schema import HFModelConfig
 from fsdp_cli.errors import ConfigError
@@ -87,12 +87,13 @@ def save_word_tokenizer(path: Path) -> Path:
     return path
 
 
-def write_documents(path: Path, count: int, seed: int) -> Path:
+def write_documents(path: Path, count: int, seed: int, words_each: int | None = None) -> Path:
     rng = np.random.default_rng(seed)
     with open(path, "w") as fh:
         for _ in range(count):
             start = int(rng.integers(len(WORDS)))
-            words = [WORDS[(start + 3 * i) % len(WORDS)] for i in range(int(rng.integers(20, 60)))]
+            length = words_each or int(rng.integers(20, 60))
+            words = [WORDS[(start + 3 * i) % len(WORDS)] for i in range(length)]
             fh.write(json.dumps({"text": " ".join(words), "id": start}) + "\n")
     return path
 
@@ -117,9 +118,11 @@ def hf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "llama": save_llama(root / "llama"),
         "gpt2": save_gpt2(root / "gpt2"),
-        "tokens": write_token_stream(root / "train.bin", 20_000),
+        # Training data of exactly BATCH windows (see reference_batch): 8 x 32 + 1 tokens; 6
+        # documents of 44 words and their end-of-text token, 270 tokens.
+        "tokens": write_token_stream(root / "train.bin", BATCH * SEQ + 1),
         "tokenizer": save_word_tokenizer(root / "tokenizer.json"),
-        "jsonl": write_documents(corpus / "train.jsonl", 300, seed=1),
+        "jsonl": write_documents(corpus / "train.jsonl", 6, seed=1, words_each=44),
         "val_jsonl": write_documents(corpus / "val.jsonl", 40, seed=2),
     }
 
@@ -163,17 +166,14 @@ def hf_run(hf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 # --------------------------------------------------------------------------- the reference
 
 
-def train_in_process(model: Any, dataset: Any, steps: int = STEPS) -> list[float]:
+def train_in_process(model: Any, batch: torch.Tensor, steps: int = STEPS) -> list[float]:
     """The same optimisation as fsdp-train's defaults, written out: AdamW, constant lr, fp32,
-    next-token cross-entropy, the global batch of each step in one piece."""
-    from fsdp_cli.data.sampler import StepBatchSampler
-
+    next-token cross-entropy, the global batch of each step in one piece (every step the same
+    ``batch``: see :func:`reference_batch`)."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    batches = iter(StepBatchSampler(global_batch_size=BATCH, micro_batch_size=BATCH, dp_rank=0, dp_size=1))
     losses = []
     for _ in range(steps):
-        batch = torch.stack([dataset[i] for i in next(batches)])
         logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad()
@@ -183,12 +183,24 @@ def train_in_process(model: Any, dataset: Any, steps: int = STEPS) -> list[float
     return losses
 
 
-def dataset_of(files: dict[str, Path], name: str) -> Any:
-    """The training windows the run read (its data config, in this process)."""
-    from fsdp_cli.data.datamodule import token_windows
+def reference_batch(files: dict[str, Path], name: str) -> torch.Tensor:
+    """Every training window of a run's data, read here without fsdp_cli's data code: the token
+    file's stream (numpy), or each document's ids from the tokenizer itself followed by the
+    end-of-text id; a window of SEQ + 1 tokens every SEQ tokens. The files hold exactly BATCH
+    windows, so every step of the run trains on all of them, in an order of fsdp_cli's own that
+    a mean loss does not see: the reference needs neither its sampler nor its shuffle."""
+    if name.startswith("llama"):
+        stream = np.fromfile(files["tokens"], dtype=np.uint16).tolist()
+    else:
+        from tokenizers import Tokenizer
 
-    cfg = composed(*run_args(files, name), *TRAIN)
-    return token_windows(cfg.data, "path", cfg.seed)
+        tokenizer = Tokenizer.from_file(str(files["tokenizer"]))
+        eot = tokenizer.token_to_id("<|endoftext|>")
+        texts = [json.loads(line)["text"] for line in files["jsonl"].read_text().splitlines()]
+        stream = [i for text in texts for i in [*tokenizer.encode(text, add_special_tokens=False).ids, eot]]
+    windows = [stream[k * SEQ : k * SEQ + SEQ + 1] for k in range((len(stream) - 1) // SEQ)]
+    assert len(windows) == BATCH, len(windows)
+    return torch.tensor(windows, dtype=torch.long)
 
 
 def from_pretrained(path: Path) -> Any:
@@ -216,7 +228,7 @@ distributed = pytest.mark.distributed
 @distributed
 @pytest.mark.parametrize("name", ["llama_fsdp2", "llama_tp2"])
 def test_llama_losses_match_transformers_in_one_process(hf_files: dict, hf_run: Any, name: str) -> None:
-    reference = train_in_process(from_pretrained(hf_files["llama"]), dataset_of(hf_files, name))
+    reference = train_in_process(from_pretrained(hf_files["llama"]), reference_batch(hf_files, name))
     assert_close(reference, hf_run(name))
     assert reference[-1] < reference[0]
     summary = json.loads((hf_run(name) / "summary.json").read_text())
@@ -245,7 +257,7 @@ def test_no_rank_reads_or_holds_the_whole_model(hf_files: dict, hf_run: Any) -> 
 def test_gpt2_without_a_tp_plan_under_fsdp_with_jsonl_and_validation(hf_files: dict, hf_run: Any) -> None:
     run_dir = hf_run("gpt2_fsdp")
     assert_close(
-        train_in_process(from_pretrained(hf_files["gpt2"]), dataset_of(hf_files, "gpt2_fsdp")), run_dir
+        train_in_process(from_pretrained(hf_files["gpt2"]), reference_batch(hf_files, "gpt2_fsdp")), run_dir
     )
     val = [r for r in read_metrics(run_dir) if "val_loss" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -263,7 +275,7 @@ def test_fresh_weights_sharded_before_they_exist_equal_one_process_init(hf_files
 
     fresh = build_hf_model(HFModelConfig(path=str(hf_files["gpt2"]), pretrained=False), seed=SEED)
     fresh.materialize("cpu")
-    reference = train_in_process(fresh.hf, dataset_of(hf_files, "gpt2_fresh_fsdp2"))
+    reference = train_in_process(fresh.hf, reference_batch(hf_files, "gpt2_fresh_fsdp2"))
     assert_close(reference, hf_run("gpt2_fresh_fsdp2"))
     assert not json.loads((hf_run("gpt2_fresh_fsdp2") / "summary.json").read_text())["setup"]["weights"][
         "pretrained"
@@ -272,8 +284,8 @@ def test_fresh_weights_sharded_before_they_exist_equal_one_process_init(hf_files
 
 @distributed
 def test_export_to_hf_reloads_the_trained_weights(hf_files: dict, hf_run: Any, tmp_path: Path) -> None:
-    from fsdp_cli.checkpoint.cli import main as ckpt_main
     from fsdp_cli.checkpoint.convert import load
+    from fsdp_cli.cli.ckpt import main as ckpt_main
 
     checkpoint = hf_run("llama_fsdp2") / "checkpoints" / f"step_{STEPS:08d}"
     out = tmp_path / "exported"
@@ -291,7 +303,7 @@ def test_export_to_hf_reloads_the_trained_weights(hf_files: dict, hf_run: Any, t
 
 @distributed
 def test_export_refuses_a_checkpoint_of_another_model(hf_run: Any, tmp_path: Path, capsys: Any) -> None:
-    from fsdp_cli.checkpoint.cli import main as ckpt_main
+    from fsdp_cli.cli.ckpt import main as ckpt_main
 
     checkpoint = hf_run("llama_fsdp2") / "checkpoints" / f"step_{STEPS:08d}"
     with pytest.raises(SystemExit) as stop:
@@ -437,7 +449,7 @@ def test_model_folder_mistakes_are_found_before_any_rank(
 
 
 def test_a_missing_model_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = run_cli(
+    result = cli_in_process(
         ["model=hf", "model.path=/no/such/folder"], tmp_path / "run", env={"CUDA_VISIBLE_DEVICES": ""}
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -469,7 +481,7 @@ def test_without_transformers_model_hf_names_the_extra(
     with pytest.raises(
         ConfigError, match=r'^model=hf: needs the transformers package; hint: pip install "fsdp-cli\[hf\]"'
     ):
-        model_folder.check_hf_model(cfg)
+        model_folder.check_hf_model(run_of(cfg))
 
 
 def test_vocabulary_comes_from_config_json(hf_files: dict) -> None:

@@ -1,33 +1,107 @@
-"""The package's imports run one way: no module imports itself back through others, and no
-folder (``config``, ``parallel``, ``launch``, ...) depends on one that depends on it."""
+"""The package's rooms and the imports allowed between them, as a table this test enforces.
+
+A room is a folder of ``fsdp_cli`` (``config``, ``parallel``, ...), a top-level module
+(``resolve``, ``precision``, ...), or ``hydra_plugins``. :data:`ALLOWED` lists, for each room,
+the rooms it may import (at module level or inside a function; an import under
+``if TYPE_CHECKING:`` is for annotations only and creates no dependency). The table runs one
+way: argv -> cli -> sweep -> resolve -> plan -> worker -> builders -> callbacks / strategies ->
+checkpoint -> launch -> config -> models / data -> parallel -> the leaves. A new edge is added
+to the table on purpose, and the table itself must stay free of cycles.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_cli"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = (ROOT / "fsdp_cli", ROOT / "hydra_plugins")
+
+LEAVES = {"errors", "dtypes", "precision", "ranges", "dotted", "compat", "rundir", "version"}
+"""Depend on nothing of ours but the error type (``version``: the package's own ``__init__``)."""
+ALLOWED: dict[str, set[str]] = {
+    "hydra_plugins": {"sweep"},
+    "cli": {"hydra_plugins", "sweep", "resolve", "plan", "worker", "checkpoint", "launch", "config", *LEAVES},
+    "sweep": {"resolve", "launch", "config", *LEAVES},
+    "resolve": {"plan", "checkpoint", "launch", "data", "config", *LEAVES},
+    "plan": {"launch", "config", "models", "parallel", *LEAVES},
+    "worker": {"builders", "checkpoint", "launch", "config", *LEAVES},
+    "builders": {
+        "callbacks",
+        "strategies",
+        "checkpoint",
+        "launch",
+        "config",
+        "models",
+        "data",
+        "parallel",
+        *LEAVES,
+    },
+    "callbacks": {"launch", "models", "parallel", *LEAVES},
+    "strategies": {"checkpoint", "parallel", *LEAVES},
+    # (the checkpoint callback asks how many steps a fit plans; full files number the optimizer
+    # state by the model's parameter names as parallel.names reports them)
+    "checkpoint": {"callbacks", "config", "parallel", *LEAVES},
+    "launch": {"config", "parallel", *LEAVES},
+    "config": {"models", "data", "parallel", *LEAVES},
+    "models": {"parallel", *LEAVES},
+    "data": {*LEAVES},
+    "parallel": {*LEAVES},
+    **{leaf: {"errors"} for leaf in LEAVES - {"errors"}},
+    "errors": set(),
+}
+LIBRARY = {"parallel", "models", "strategies"}
+"""Usable from Python without the CLI: nothing they import, however indirectly, is the CLI's."""
+CLI_ROOMS = {"cli", "sweep", "resolve", "config"}
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in package.rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:``."""
+    skipped = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+    return [n for n in ast.walk(tree) if id(n) not in skipped]
 
 
 def _imports() -> dict[str, set[str]]:
-    """Every ``fsdp_cli`` module each module imports, at top level or inside a function."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """Every module of ours each module imports (our modules only), and third-party roots too
+    (as ``ext:<name>``)."""
+    modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_cli"):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
                 continue
-            graph[name].update(t for t in targets if t in modules and t != name)
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+                elif not target.startswith(("fsdp_cli", "hydra_plugins")):
+                    graph[name].add("ext:" + target.split(".")[0])
     return graph
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "hydra_plugins":
+        return "hydra_plugins"
+    return "version" if len(parts) == 1 else parts[1]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -48,28 +122,53 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _folder(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+def test_every_room_is_in_the_table() -> None:
+    rooms = {room(m) for m in _modules()}
+    assert rooms == set(ALLOWED), (sorted(rooms - set(ALLOWED)), sorted(set(ALLOWED) - rooms))
+
+
+def test_the_table_runs_one_way() -> None:
+    assert _cycles(ALLOWED) == []
+
+
+def test_every_import_between_rooms_is_in_the_table() -> None:
+    offending = sorted(
+        f"{module} -> {target}"
+        for module, targets in _imports().items()
+        for target in targets
+        if not target.startswith("ext:")
+        and room(target) != room(module)
+        and room(target) not in ALLOWED[room(module)]
+    )
+    assert offending == []
 
 
 def test_no_module_imports_itself_back() -> None:
-    assert _cycles(_imports()) == []
+    graph = {m: {t for t in ts if not t.startswith("ext:")} for m, ts in _imports().items()}
+    assert _cycles(graph) == []
 
 
-def test_no_two_folders_import_each_other() -> None:
-    folders: dict[str, set[str]] = {}
-    for module, targets in _imports().items():
-        folders.setdefault(_folder(module), set()).update(
-            _folder(t) for t in targets if _folder(t) != _folder(module)
-        )
-    assert _cycles(folders) == []
+def test_the_library_rooms_never_reach_the_cli_or_hydra() -> None:
+    """``fsdp_cli.strategies``, ``.models``, ``.parallel``: everything they import, followed
+    transitively, is neither the CLI's (its schema, resolution, entry points) nor Hydra."""
+    graph = _imports()
+    reached: set[str] = set()
+    todo = [m for m in graph if room(m) in LIBRARY]
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        todo.extend(t for t in graph.get(module, ()) if not t.startswith("ext:"))
+    bad = sorted(m for m in reached if room(m) in CLI_ROOMS)
+    hydra = sorted(m for m in reached if graph[m] & {"ext:hydra", "ext:omegaconf"})
+    assert (bad, hydra) == ([], [])
 
 
 def test_the_parallel_layer_never_imports_a_concrete_model() -> None:
-    graph = _imports()
     offenders = {
         m: sorted(t for t in ts if t.startswith("fsdp_cli.models"))
-        for m, ts in graph.items()
+        for m, ts in _imports().items()
         if m.startswith("fsdp_cli.parallel")
     }
     assert {m: ts for m, ts in offenders.items() if ts} == {}

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, assert_ok, read_metrics, run_cli
+from conftest import REPO, assert_ok, read_metrics, run, run_cli
 from torch import nn
 
 from fsdp_cli.checkpoint.io import FullCheckpointIO
@@ -351,20 +350,23 @@ def test_a_dtensor_loss_is_read_as_the_tensor_it_stands_for(gloo_rank: None) -> 
 
 
 def test_gradient_clipping_defaults_to_the_models_own() -> None:
-    from conftest import composed
+    from conftest import composed, run_of
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from fsdp_cli.builders.callbacks import build_callbacks, gradient_clip_val
     from fsdp_cli.models.causal_lm import CausalLMModule
 
-    cfg = composed("accelerator=cpu")
-    assert cfg.trainer.gradient_clip_val is None
-    ours = CausalLMModule(lambda: nn.Linear(2, 2), optim=cfg.optim, max_steps=3)
-    assert gradient_clip_val(cfg, ours) == 1.0, "the built-in model keeps clipping at 1.0"
-    assert gradient_clip_val(cfg, BoringModel()) is None, "Lightning's Trainer default: no clipping"
-    assert build_callbacks(cfg, BoringModel(), module_loaders=True).clipping is None
-    assert gradient_clip_val(composed("trainer.gradient_clip_val=0.5"), BoringModel()) == 0.5
-    assert gradient_clip_val(composed("trainer.gradient_clip_val=0"), ours) is None, "0 turns it off"
+    def resolved(*overrides: str) -> Any:
+        return run_of(composed("accelerator=cpu", *overrides))
+
+    default = resolved()
+    assert default.cfg.trainer.gradient_clip_val is None
+    ours = CausalLMModule(lambda: nn.Linear(2, 2), optim=default.cfg.optim, max_steps=3)
+    assert gradient_clip_val(default, ours) == 1.0, "the built-in model keeps clipping at 1.0"
+    assert gradient_clip_val(default, BoringModel()) is None, "Lightning's Trainer default: no clipping"
+    assert build_callbacks(default, BoringModel(), module_loaders=True).clipping is None
+    assert gradient_clip_val(resolved("trainer.gradient_clip_val=0.5"), BoringModel()) == 0.5
+    assert gradient_clip_val(resolved("trainer.gradient_clip_val=0"), ours) is None, "0 turns it off"
 
     class ClipsItself(BoringModel):
         def configure_gradient_clipping(
@@ -372,7 +374,7 @@ def test_gradient_clipping_defaults_to_the_models_own() -> None:
         ):
             self.clip_gradients(optimizer, gradient_clip_val, algorithm)
 
-    callbacks = build_callbacks(composed("trainer.gradient_clip_val=0.5"), ClipsItself(), module_loaders=True)
+    callbacks = build_callbacks(resolved("trainer.gradient_clip_val=0.5"), ClipsItself(), module_loaders=True)
     assert callbacks.clipping is None and callbacks.module_clip_val == 0.5  # Lightning hands it the value
 
 
@@ -386,22 +388,10 @@ def interop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """One run of tests/assets/lightning_interop.py on 2 ranks: the plain-Lightning reference losses
     (WORKDIR/reference.json) and its checkpoint checks (CHECK lines)."""
     workdir = tmp_path_factory.mktemp("interop")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     script = REPO / "tests" / "assets" / "lightning_interop.py"
-    result = subprocess.run(
-        [*args, str(script), str(workdir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=workdir,
-        start_new_session=True,
-    )
+    result = run([*args, str(script), str(workdir)], timeout=600, env=env, cwd=workdir)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return workdir, result.stdout
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import assert_ok, read_metrics, run_cli
 
-from fsdp_cli.checkpoint.cli import main as ckpt_main
+from fsdp_cli.cli.ckpt import main as ckpt_main
 
 BORING = "lightning.pytorch.demos.boring_classes.BoringModel"
 ASSETS = "tests.assets.own_loaders"
@@ -152,23 +152,25 @@ def test_data_settings_given_for_such_a_module_are_refused(capsys: Any) -> None:
     since it would do nothing."""
     from dataclasses import replace
 
-    from conftest import composed
+    from conftest import composed, run_of
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from fsdp_cli.builders.data import build_datamodule
     from fsdp_cli.errors import ConfigError
 
     cfg = replace(composed("model=custom", f"model._target_={BORING}"), dp=2)
-    assert build_datamodule(cfg, BoringModel()) is None
+    assert build_datamodule(run_of(cfg), BoringModel()) is None
     assert "BoringModel defines train_dataloader()" in capsys.readouterr().err
     with pytest.raises(
         ConfigError, match=r"^data=text: BoringModel defines train_dataloader\(\).*hint: drop"
     ):
-        build_datamodule(replace(cfg, data=composed("data=text").data, explicit_data=True), BoringModel())
+        build_datamodule(
+            run_of(replace(cfg, data=composed("data=text").data, explicit_data=True)), BoringModel()
+        )
 
 
 def test_only_command_line_data_overrides_count_as_chosen() -> None:
-    from fsdp_cli.cli.resolve import chooses_data
+    from fsdp_cli.resolve import chooses_data
 
     assert chooses_data(["data=text", "strategy=ddp"])
     assert chooses_data(["+data.foo=1"]) and chooses_data(["data.seq_len=8"])

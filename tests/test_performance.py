@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PARITY, assert_ok, assert_same_losses, composed, read_metrics, run_cli
+from conftest import PARITY, assert_ok, assert_same_losses, composed, read_metrics, run_cli, run_of
 
 from fsdp_cli.callbacks.progress import ProgressDisplay, format_eta, plain_line
 from fsdp_cli.callbacks.throughput import (
@@ -107,6 +107,7 @@ def test_progress_is_a_live_rich_line_on_a_terminal(capsys: Any) -> None:
     class FakeTrainer:  # just what the display reads
         is_global_zero = True
         global_step = 0
+        estimated_stepping_batches = 10  # the run's planned steps (max_steps, or where epochs end it)
         strategy = type("S", (), {"root_device": torch.device("cpu")})()
 
     display = ProgressDisplay(Rows(), max_steps=10, interactive=True)  # type: ignore[arg-type]
@@ -134,7 +135,7 @@ def test_ddp_broadcasts_buffers_only_for_models_that_may_need_it() -> None:
     )
     forced = composed("strategy=ddp", "devices=2", "accelerator=cpu", "strategy.broadcast_buffers=true")
     kwargs = {
-        name: build_ddp(cfg, cfg.strategy)._ddp_kwargs[next(iter(ddp_buffer_sync(True)))]
+        name: build_ddp(run_of(cfg))._ddp_kwargs[next(iter(ddp_buffer_sync(True)))]
         for name, cfg in (("builtin", builtin), ("custom", custom), ("forced", forced))
     }
     assert kwargs == {"builtin": False, "custom": True, "forced": True}

@@ -7,20 +7,21 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, entry_point
+from conftest import REPO, cli_in_process
+from harness import Result
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
 from fsdp_cli.cli import recipes as recipe_cli
-from fsdp_cli.cli.resolve import resolve_config
 from fsdp_cli.config.schema import Accelerator
 from fsdp_cli.config.store import register_schemas
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch import layout
+from fsdp_cli.resolve import resolve_config
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 GPUS = re.compile(r"^(\d+) nodes? x (\d+) GPUs? \(")
@@ -136,14 +137,13 @@ def test_recipe_runs_on_the_hardware_its_header_names(
 def test_a_recipe_on_the_wrong_allocation_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(layout, "visible_gpu_count", lambda env: 8)
     two_nodes = {"SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8"}
-    with pytest.raises(Exception, match=r"num_nodes=4: this slurm job spans 2 node\(s\)"):
+    with pytest.raises(ConfigError, match=r"num_nodes=4: this slurm job spans 2 node\(s\)") as err:
         resolve_config(compose_dict("recipe=llama_70b_hsdp"), tmp_path, two_nodes, notify=print)
+    assert err.value.key == "num_nodes" and "\n" not in err.value.one_line()
 
 
-def run_recipe_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*entry_point("fsdp-recipe"), *args], cwd=cwd, capture_output=True, text=True, timeout=60
-    )
+def run_recipe_cli(*args: str, cwd: Path) -> Result:
+    return cli_in_process(list(args), prog="fsdp-recipe", cwd=cwd)
 
 
 def test_ls_lists_every_recipe_with_its_hardware(tmp_path: Path) -> None:
@@ -182,8 +182,6 @@ def test_a_copied_recipe_is_edited_and_runs_with_the_command_cp_prints(tmp_path:
 def _cfg_job(args: list[str], cwd: Path) -> Any:
     from omegaconf import OmegaConf
 
-    r = subprocess.run(
-        [*entry_point("fsdp-train"), *args, "--cfg", "job"], cwd=cwd, capture_output=True, text=True
-    )
+    r = cli_in_process([*args, "--cfg", "job"], cwd=cwd)
     assert r.returncode == 0, r.stderr
     return OmegaConf.to_container(OmegaConf.create(r.stdout))

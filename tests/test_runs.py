@@ -14,6 +14,7 @@ from conftest import (
     losses,
     read_metrics,
     read_summary,
+    run,
     run_cli,
 )
 
@@ -110,8 +111,6 @@ def test_plain_nn_module_from_a_test_file_trains_under_fsdp2(tmp_path: Path) -> 
 
 def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None:
     """Under an existing torchrun (or srun) job fsdp-train launches nothing: every process is a rank."""
-    import os
-    import subprocess
     import sys
 
     run_dir = tmp_path / "torchrun"
@@ -130,9 +129,7 @@ def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None
         "trainer.max_steps=3",
         f"hydra.run.dir={run_dir}",
     ]
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    result = run(cmd, timeout=300, run_dir=run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(run_dir)
     assert (summary["status"], summary["world_size"], summary["dp"]) == ("ok", 2, 2)

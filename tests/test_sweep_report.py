@@ -17,12 +17,14 @@ from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
-from fsdp_cli.cli import resolve, sweep, sweep_job
+from fsdp_cli import resolve
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.rundir import sweep_plot
-from fsdp_cli.rundir.sweep_jobs import COLUMNS, NO_SUMMARY, collect
-from fsdp_cli.rundir.sweep_summary import report
+from fsdp_cli.sweep import job as sweep_job
+from fsdp_cli.sweep import plot as sweep_plot
+from fsdp_cli.sweep import report as sweep
+from fsdp_cli.sweep.jobs import COLUMNS, NO_SUMMARY, collect
+from fsdp_cli.sweep.summary import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

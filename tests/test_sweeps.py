@@ -7,14 +7,22 @@ import csv
 import json
 import re
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, read_metrics, read_summary
+from conftest import (
+    REPO,
+    cli_in_process,
+    complete_lines,
+    read_metrics,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+)
+from harness import Result
 from omegaconf import OmegaConf
-from process_group import run, started
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CPU = ["accelerator=cpu"]
@@ -22,6 +30,11 @@ CPU = ["accelerator=cpu"]
 
 def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return json.loads((sweep_dir / "sweep_summary.json").read_text())
+
+
+def run(args: list[str], timeout: float = 300) -> Result:
+    """``fsdp-train ARGS`` to its end, stdout and stderr as one stream (``.out``) in the order written."""
+    return run_cli(args, timeout=timeout, merge_output=True)
 
 
 def statuses(sweep_dir: Path, n: int) -> list[str]:
@@ -91,14 +104,10 @@ def test_a_preempted_job_stops_the_sweep(tmp_path: Path) -> None:
         "trainer.max_steps=100000,3",
         f"hydra.sweep.dir={sweep}",
     ]
-    with started(args) as proc:
-        metrics = sweep / "0" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+    proc = start_cli(args, merge_output=True)
+    wait_for(lambda: len(complete_lines(sweep / "0" / "metrics.jsonl")) >= 2, proc, timeout=240)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
     assert read_summary(sweep / "0")["status"] == "preempted"
     assert not (sweep / "1").exists(), "the sweep stopped with the preempted job"
@@ -144,12 +153,30 @@ def test_optuna_with_a_failed_and_invalid_trials_maximises_tokens_per_s(tmp_path
     assert "sweep: 4 jobs (1 ok, 2 skipped, 1 failed)" in r.out
 
 
+@pytest.mark.distributed
+def test_submitit_local_runs_each_job_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """Hydra's submitit launcher (no pre-pass: each job checks itself) really running a sweep."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=submitit_local", *CPU, "devices=2", "tp=1,3", "trainer.max_steps=3"]
+    r = run([*args, f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r
+    assert statuses(sweep, 2) == ["ok", "skipped"]
+    assert [row["step"] for row in read_metrics(sweep / "0")] == [1, 2, 3]
+    assert read_summary(sweep / "1")["reason"].startswith("tp=3: must divide the world size 2")
+    # Each job ran in a process submitit started, not in the sweep's own.
+    assert sorted(p.name for p in (sweep / ".submitit").iterdir()), "submitit's job folders"
+    assert [row["status"] for row in sweep_rows(sweep)] == ["ok", "skipped"]
+
+
 # --------------------------------------------------------------------------- no ranks started
 
 
 def test_under_hydras_basic_launcher_each_job_checks_itself(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    r = run(["-m", "hydra/launcher=basic", *CPU, "devices=2", "tp=3,5", f"hydra.sweep.dir={sweep}"])
+    r = cli_in_process(
+        ["-m", "hydra/launcher=basic", *CPU, "devices=2", "tp=3,5", f"hydra.sweep.dir={sweep}"]
+    )
     assert r.returncode == 0, r  # every job skipped as invalid: nothing failed
     assert "skipped as invalid" not in r.out  # no pre-pass: the guard in each job decided
     assert statuses(sweep, 2) == ["skipped", "skipped"]
@@ -161,7 +188,7 @@ def test_optuna_study_of_only_invalid_trials_completes(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", *CPU, "devices=2", "tp=choice(3)"]
-    r = run([*args, f"hydra.sweep.dir={sweep}"])
+    r = cli_in_process([*args, f"hydra.sweep.dir={sweep}"])
     assert r.returncode == 0, r
     assert "Best value: inf" in r.out  # minimising: an invalid trial is worth +inf, never NaN or None
     assert [row["status"] for row in sweep_rows(sweep)] == ["skipped", "skipped"]
@@ -170,14 +197,14 @@ def test_optuna_study_of_only_invalid_trials_completes(tmp_path: Path) -> None:
 def test_optuna_direction_opposite_to_the_objective_gets_a_note(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.direction=maximize"]
-    r = run([*args, *CPU, "tp=choice(3)", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    r = cli_in_process([*args, *CPU, "tp=choice(3)", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
     assert "note: hydra.sweeper.direction=maximize with sweep.objective=final_loss" in r.out, r
 
 
 def test_submitit_slurm_launcher_composes() -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     args = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"]
-    r = run([*args, "--cfg", "hydra", "--package", "hydra.launcher"])
+    r = cli_in_process([*args, "--cfg", "hydra", "--package", "hydra.launcher"])
     assert r.returncode == 0, r
     launcher = OmegaConf.create(r.out.split("\n", 1)[1])  # after the "# @package" line
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -185,9 +212,9 @@ def test_submitit_slurm_launcher_composes() -> None:
 
 
 def test_the_validating_launcher_is_the_default_and_discovered() -> None:
-    r = run(["--cfg", "hydra", "--package", "hydra.launcher"])
+    r = cli_in_process(["--cfg", "hydra", "--package", "hydra.launcher"])
     assert "_target_: hydra_plugins.fsdp_cli_sweep.launcher.SweepLauncher" in r.out, r
-    plugins = run(["--info", "plugins"]).out
+    plugins = cli_in_process(["--info", "plugins"]).out
     launchers = plugins.split("Launcher:")[1].split("Sweeper:")[0]
     assert launchers.count("SweepLauncher") == 1, launchers
 
@@ -201,14 +228,14 @@ def test_hydra_plugins_stays_a_namespace_package() -> None:
 
 def test_a_malformed_sweep_value_stops_before_any_job(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    r = run(["-m", *CPU, "tp=1,abc", f"hydra.sweep.dir={sweep}"])
+    r = cli_in_process(["-m", *CPU, "tp=1,abc", f"hydra.sweep.dir={sweep}"])
     assert r.returncode == 2, r
     assert r.out.strip().splitlines()[-1].startswith("fsdp-train: error: tp=abc"), r
     assert not (sweep / "0").exists()
 
 
 def test_multirun_with_cfg_is_one_line() -> None:
-    r = run(["-m", "tp=1,2", "--cfg", "job"])
+    r = cli_in_process(["-m", "tp=1,2", "--cfg", "job"])
     assert r.returncode == 2, r
     assert r.out.strip().splitlines() == [
         "fsdp-train: error: --cfg and --multirun cannot be combined (one mode at a time); "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import composed
+from conftest import composed, run_of
 from torch import nn
 
 from fsdp_cli.config.schema import WrapConfig, WrapPolicy
@@ -112,7 +112,7 @@ def test_custom_factory_returning_logits_object_is_wrapped() -> None:
     cfg = composed(
         "model=custom", "model._target_=tests.assets.custom_models.make_tiny_lm", "+model.hidden=16"
     )
-    module = build_module(cfg)
+    module = build_module(run_of(cfg))
     assert isinstance(module, CausalLMModule)
     module.configure_model()
     batch = torch.randint(0, 256, (2, 9))
@@ -125,7 +125,7 @@ def test_custom_target_that_is_not_a_model() -> None:
 
     cfg = composed("model=custom", "model._target_=collections.OrderedDict")
     with pytest.raises(ConfigError, match="not an nn.Module"):
-        build_module(cfg)
+        build_module(run_of(cfg))
 
 
 def test_a_logger_gets_the_numbers_of_a_row_and_not_the_unmeasured_fields(tmp_path) -> None:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import composed, run_cli
+from conftest import cli_in_process, composed, run_cli
 
 from fsdp_cli.config.validate import validate
 from fsdp_cli.errors import ConfigError
@@ -56,7 +56,11 @@ CLI_CASES = [
         "trainer.max_steps=3",
         ["profiler=torch", "at least 4"],
     ),
-    (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1", ["must not be negative", "0 for no"]),
+    (
+        ["trainer.gradient_clip_val=-1"],
+        "trainer.gradient_clip_val=-1",
+        ["must be a finite number >= 0", "0 or more, or null", "=0 turns clipping off"],
+    ),
     (["num_nodes=2"], "launcher.rdzv_endpoint=null", ["num_nodes=2", "node0:29500"]),
     (["model.n_heads=0"], "model.n_heads=0", ["at least 1"]),
     (
@@ -91,7 +95,7 @@ def test_cli_rejects_with_one_line_and_exit_2(
     tmp_path: Path, overrides: list[str], key: str, words: list[str]
 ) -> None:
     run_dir = tmp_path / "run"
-    result = run_cli(overrides, run_dir, env=CPU, timeout=60)
+    result = cli_in_process(overrides, run_dir, env=CPU)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
@@ -105,6 +109,7 @@ def test_cli_rejects_with_one_line_and_exit_2(
     assert set(leftovers) <= {".hydra", "train.log"}, leftovers
 
 
+@pytest.mark.distributed  # a process of its own: this one has imported torch
 def test_config_errors_do_not_import_torch(tmp_path: Path) -> None:
     result = run_cli(["tp=3", "devices=4"], tmp_path / "run", env={**CPU, "PYTHONPROFILEIMPORTTIME": "1"})
     assert result.returncode == 2
@@ -112,6 +117,7 @@ def test_config_errors_do_not_import_torch(tmp_path: Path) -> None:
     assert "torch" not in imported and "lightning" not in imported
 
 
+@pytest.mark.distributed  # a process of its own: this one has imported torch
 @pytest.mark.parametrize("args", [["--cfg", "job"], ["--help"], ["--info"]], ids=["cfg", "help", "info"])
 def test_config_only_paths_do_not_import_torch(args: list[str]) -> None:
     result = run_cli(args, env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=60)
@@ -122,7 +128,7 @@ def test_config_only_paths_do_not_import_torch(args: list[str]) -> None:
 
 
 def test_help_lists_groups_and_options() -> None:
-    result = run_cli(["--help"], timeout=60)
+    result = cli_in_process(["--help"])
     assert result.returncode == 0
     for word in ("strategy", "fsdp2", "ddp", "precision", "bf16-mixed", "recipe"):
         assert word in result.stdout, word
@@ -162,27 +168,24 @@ def test_torchrun_layout_wins_over_devices() -> None:
         resolve_layout(composed("devices=8"), env, gpus=EIGHT_GPUS)
 
 
+@pytest.mark.parametrize("sharding", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_hybrid_shard_groups_of_one_process_are_refused(sharding: str) -> None:
+    """torch's FSDP1 would silently train each replica on its own batch (seen in a real two-node
+    run: the losses left the single-process ones after the first step)."""
+    one_per_node = ["strategy=fsdp", f"strategy.sharding_strategy={sharding}", "devices=1", "num_nodes=2"]
+    one_per_node.append("launcher.rdzv_endpoint=node0:29500")
+    err = _check(*one_per_node)
+    assert err.key == "strategy.sharding_strategy" and "never syncs gradients" in err.problem
+    err = _check("strategy=fsdp", f"strategy.sharding_strategy={sharding}", "strategy.hybrid_shard_size=1")
+    assert err.key == "strategy.hybrid_shard_size" and err.value == 1
+    validate(resolve_layout(composed("strategy=fsdp", f"strategy.sharding_strategy={sharding}"), {}, gpus=8))
+
+
 def test_no_gpu_defaults_to_two_cpu_processes() -> None:
     cfg = resolve_layout(
         composed(), {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | CPU
     )
     assert cfg.devices == 2
-
-
-COUNT_COMPOSES = """
-import atexit, sys
-from hydra._internal.hydra import Hydra
-modes = []
-original = Hydra.compose_config
-def counting(self, *args, **kwargs):
-    modes.append(str(kwargs.get("run_mode")))
-    return original(self, *args, **kwargs)
-Hydra.compose_config = counting
-atexit.register(lambda: print("composed:", ",".join(modes), file=sys.stderr))
-from fsdp_cli.cli.main import main
-sys.argv = ["fsdp-train", *sys.argv[1:]]
-main()
-"""
 
 
 @pytest.mark.parametrize(
@@ -191,32 +194,23 @@ main()
     ids=["run", "hydra.mode-on-the-command-line"],
 )
 def test_a_run_composes_once_and_hydra_mode_on_the_command_line_still_decides(
-    tmp_path: Path, extra: list[str], composes: str
+    tmp_path: Path, extra: list[str], composes: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hydra composes a second time only to read ``hydra.mode``: fsdp-train decides by ``-m``
     unless ``hydra.mode`` is on the command line (then Hydra's probe runs and it is a sweep)."""
-    import signal
-    import subprocess
-    import sys
+    from hydra._internal.hydra import Hydra
 
+    modes = []
+    original = Hydra.compose_config
+
+    def counting(self: Hydra, *args: object, **kwargs: object) -> object:
+        modes.append(str(kwargs.get("run_mode")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", counting)
     args = ["tp=3", "devices=4", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep", *extra]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", COUNT_COMPOSES, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, **CPU},
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=60)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # it and anything it started
-        proc.wait()
-        raise
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    assert f"composed: {composes}" in result.stderr, result.stderr[-2000:]
+    result = cli_in_process(args, cwd=tmp_path, env=CPU)
+    assert ",".join(modes) == composes, result.stderr[-2000:]
     if extra:  # the sweep's one job is invalid: skipped with its reason, nothing started
         assert result.returncode == 0 and "skipped" in result.stdout + result.stderr
     else:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
@@ -14,11 +14,21 @@ from fsdp_cli.callbacks.metrics import MetricsCallback
 from fsdp_cli.callbacks.nonfinite import NonFiniteGuard
 from fsdp_cli.callbacks.progress import ProgressDisplay
 from fsdp_cli.callbacks.setup_report import SetupReport
-from fsdp_cli.callbacks.throughput import Throughput, counted_flops_per_token, llama_flops_per_token
+from fsdp_cli.callbacks.throughput import (
+    Throughput,
+    counted_flops_per_token,
+    device_peak_tflops,
+    llama_flops_per_token,
+)
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import LlamaConfig, TrainConfig
-from fsdp_cli.launch.rank_monitor import RankMonitor
+from fsdp_cli.dotted import instantiate
+from fsdp_cli.errors import ConfigError
+
+if TYPE_CHECKING:  # (type-only: the rank's monitor is handed in by the worker)
+    from fsdp_cli.worker.monitor import RankMonitor
 
 
 @dataclass
@@ -30,6 +40,8 @@ class RunCallbacks:
     nonfinite: NonFiniteGuard
     progress: ProgressDisplay | None = None
     heartbeat: HeartbeatCallback | None = None
+    user: list[L.Callback] = field(default_factory=list)
+    """The config's ``callbacks`` entries."""
     module_clip_val: float | None = None
     """For a module with its own ``configure_gradient_clipping``: the value Lightning hands it
     (``Trainer(gradient_clip_val=...)``); the module clips, not :attr:`clipping`."""
@@ -37,25 +49,29 @@ class RunCallbacks:
     def as_list(self) -> list[L.Callback]:
         # Clipping first: the metrics row of a step reports the norm clipping computed, and the
         # non-finite guard checks it. The progress display after the metrics, whose rows it
-        # shows; the heartbeat last: a step has finished when it beats.
+        # shows; the heartbeat last: a step has finished when it beats. The user's callbacks
+        # after ours: in each hook they see the step's metrics row (Lightning moves checkpoint
+        # callbacks, ModelCheckpoint, to the very end by itself).
         first = [self.clipping] if self.clipping is not None else []
         progress = [self.progress] if self.progress is not None else []
         last = [self.heartbeat] if self.heartbeat is not None else []
-        return [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
+        ours = [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
+        return [*ours, *self.user]
 
 
 BUILT_IN_CLIP_VAL = 1.0
 """``trainer.gradient_clip_val=null`` for the modules fsdp-train trains itself (built-in, hf, nn.Module)."""
 
 
-def gradient_clip_val(cfg: TrainConfig, module: Any) -> float | None:
+def gradient_clip_val(run: ResolvedRun, module: Any) -> float | None:
     """``trainer.gradient_clip_val`` resolved for ``module`` (None: no clipping). Unset, a
     LightningModule trained as it is gets Lightning's Trainer default (no clipping) and
     fsdp-train's causal-LM module (the built-in model, ``model=hf``, a plain nn.Module) 1.0; 0
-    turns clipping off, as in Lightning."""
+    turns clipping off, as in Lightning. (Resolved here, once per rank, not in the parent: which
+    one it is is known only once ``model._target_`` is built.)"""
     from fsdp_cli.models.causal_lm import CausalLMModule
 
-    value = cfg.trainer.gradient_clip_val
+    value = run.cfg.trainer.gradient_clip_val
     if value is None and isinstance(module, CausalLMModule):
         value = BUILT_IN_CLIP_VAL
     return value or None
@@ -68,10 +84,11 @@ def clips_itself(module: Any) -> bool:
     return module is not None and is_overridden("configure_gradient_clipping", module, L.LightningModule)
 
 
-def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
-    """FLOPs per token of the model (formula for the built-in one, counted for others) and the peak."""
-    import torch
-
+def build_throughput(run: ResolvedRun, module: Any, device_name: str | None = None) -> Throughput:
+    """FLOPs per token of the model (formula for the built-in one, counted for others) and the
+    device's peak for the compute dtype in effect (``device_name``: the CUDA device's, looked up
+    when None and the run is on a GPU)."""
+    cfg = run.cfg
     seq = getattr(cfg.data, "seq_len", None)
     flops: float | None = None
     if isinstance(cfg.model, LlamaConfig):
@@ -79,15 +96,20 @@ def build_throughput(cfg: TrainConfig, module: Any) -> Throughput:
     elif seq and callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
         flops = counted_flops_per_token(module.model_factory, seq, cfg.data.vocab_size)
     peak = cfg.trainer.peak_tflops
-    if peak is None and cfg.accelerator.value == "gpu" and torch.cuda.is_available():
-        from fsdp_cli.callbacks.throughput import device_peak_tflops
+    if peak is None and run.layout.on_gpu:
+        name = device_name if device_name is not None else _cuda_device_name()
+        peak = device_peak_tflops(name, run.precision.compute) if name else None
+    return Throughput(flops_per_token=flops, world_size=run.layout.world_size, peak_tflops=peak)
 
-        peak = device_peak_tflops(torch.cuda.get_device_name(), cfg.precision.name)
-    return Throughput(flops_per_token=flops, world_size=int(cfg.devices) * cfg.num_nodes, peak_tflops=peak)
+
+def _cuda_device_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def build_callbacks(
-    cfg: TrainConfig,
+    run: ResolvedRun,
     module: Any = None,
     *,
     module_loaders: bool = False,
@@ -97,8 +119,9 @@ def build_callbacks(
     ``module_loaders``: batches come from the LightningModule's own DataLoaders, whose size in
     tokens is unknown; throughput is then counted in samples (and MFU is not reported);
     ``monitor``: this rank's heartbeat."""
+    cfg = run.cfg
     t = cfg.trainer
-    clip_val = gradient_clip_val(cfg, module)
+    clip_val = gradient_clip_val(run, module)
     own_clipping = clips_itself(module)
     clipping = (
         GradientClipping(clip_val, t.gradient_clip_algorithm)
@@ -108,7 +131,7 @@ def build_callbacks(
     nonfinite = NonFiniteGuard(
         skip_budget=t.skip_nonfinite_steps,
         clipping=clipping,
-        check_grad_norm=cfg.precision.name != "16-mixed",  # loss scaling skips overflowing steps itself
+        check_grad_norm=not run.precision.spec.loss_scaling,  # loss scaling skips overflowing steps itself
     )
     metrics = MetricsCallback(
         Path(cfg.run_dir),
@@ -116,10 +139,10 @@ def build_callbacks(
         tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
         max_steps=t.max_steps,
         clipping=clipping,
-        throughput=None if module_loaders else build_throughput(cfg, module),
+        throughput=None if module_loaders else build_throughput(run, module),
         nonfinite=nonfinite,
     )
-    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps)
+    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps, run.checkpoint_format)
     checkpoints.before_save.append(nonfinite.check_before_save)
     return RunCallbacks(
         metrics=metrics,
@@ -129,5 +152,27 @@ def build_callbacks(
         progress=ProgressDisplay(metrics, t.max_steps),
         nonfinite=nonfinite,
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
+        user=build_user_callbacks(cfg),
         module_clip_val=clip_val if own_clipping else None,
     )
+
+
+def build_user_callbacks(cfg: TrainConfig) -> list[L.Callback]:
+    """The ``callbacks`` entries, built as the lightning-hydra-template convention has it (an
+    argument that is itself a ``_target_`` node is built too). The parent checked that each class
+    exists and takes its arguments; what a constructor still refuses (a value out of range) is the
+    same one-line error, from the rank."""
+    built = []
+    for name, entry in cfg.callbacks.items():
+        if entry is None:
+            continue
+        callback = instantiate(entry, f"callbacks.{name}")
+        if not isinstance(callback, L.Callback):
+            raise ConfigError(
+                f"callbacks.{name}",
+                entry["_target_"],
+                f"built a {type(callback).__name__}, not a Lightning Callback",
+                allowed="a subclass of lightning.pytorch.Callback, or a factory returning one",
+            )
+        built.append(callback)
+    return built

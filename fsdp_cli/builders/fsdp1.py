@@ -8,29 +8,33 @@ from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 
-from fsdp_cli.builders.precision import mixed_precision_dtypes
-from fsdp_cli.config.schema import BackwardPrefetch, FSDPConfig, TrainConfig, WrapConfig, WrapPolicy
+from fsdp_cli.builders.strategy import checkpointing
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import BackwardPrefetch, WrapPolicy
+from fsdp_cli.parallel.options import WrapOptions
+from fsdp_cli.precision import ResolvedPrecision
 
 
-def build_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> Strategy:
+def build_fsdp1(run: ResolvedRun) -> Strategy:
     from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
     from torch.distributed.fsdp import CPUOffload
 
     from fsdp_cli.compat.torch_internals import fsdp1_sharding_strategy
     from fsdp_cli.strategies.fsdp1 import FSDP1Strategy
 
+    cfg, strategy = run.cfg, run.cfg.strategy
     return FSDP1Strategy(
         sharding_strategy=fsdp1_sharding_strategy(strategy.sharding_strategy.value),
-        hybrid_shard_size=_hybrid_shard_size(cfg, strategy),
+        # HYBRID_*: the shard group as the run resolved it (the processes of one node unless set),
+        # given explicitly so the strategy builds the mesh even with wrap=none.
+        hybrid_shard_size=run.layout.shard if "HYBRID" in strategy.sharding_strategy.value else None,
         # FSDP1 pins offloaded memory, which needs CUDA; on CPU processes offloading is a no-op anyway.
-        cpu_offload=CPUOffload(offload_params=True)
-        if strategy.cpu_offload and cfg.accelerator.value == "gpu"
-        else None,
-        mixed_precision=fsdp1_mixed_precision(cfg.precision.name, strategy),
+        cpu_offload=CPUOffload(offload_params=True) if strategy.cpu_offload and run.layout.on_gpu else None,
+        mixed_precision=fsdp1_mixed_precision(run.precision),
         auto_wrap_policy=size_policy(cfg.wrap),
         wrap=cfg.wrap if cfg.wrap.policy in (WrapPolicy.block, WrapPolicy.classes) else None,
         activation_checkpointing_policy=list(strategy.activation_checkpointing_policy) or None,
-        checkpoint_format=cfg.checkpoint.format.value,
+        **checkpointing(run),
         process_group_backend=strategy.process_group_backend,
         timeout=timedelta(seconds=strategy.timeout_s),
         use_orig_params=strategy.use_orig_params,
@@ -43,15 +47,7 @@ def build_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> Strategy:
     )
 
 
-def _hybrid_shard_size(cfg: TrainConfig, strategy: FSDPConfig) -> int | None:
-    """HYBRID_SHARD's shard group, the processes of one node unless set (as validate checks it):
-    given explicitly, so the strategy builds the mesh even with ``wrap=none``."""
-    if "HYBRID" not in strategy.sharding_strategy.value:
-        return strategy.hybrid_shard_size
-    return strategy.hybrid_shard_size or int(cfg.devices)
-
-
-def size_policy(wrap: WrapConfig) -> Any:
+def size_policy(wrap: WrapOptions) -> Any:
     """``wrap=size`` as FSDP1's size-based auto-wrap policy; class-based wrapping is resolved by
     the strategy against the built model (``wrap=``), so unknown names can be reported."""
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
@@ -61,14 +57,19 @@ def size_policy(wrap: WrapConfig) -> Any:
     return None
 
 
-def fsdp1_mixed_precision(precision: str, strategy: FSDPConfig) -> Any | None:
-    """FSDP1 MixedPrecision for ``*-mixed``: low-precision compute, fp32 gradient reduction.
+def fsdp1_mixed_precision(precision: ResolvedPrecision) -> Any | None:
+    """FSDP1 MixedPrecision for the policy in effect (``*-mixed``: low-precision compute, fp32
+    gradient reduction; an explicit ``strategy.mixed_precision`` field wins).
 
     (Lightning's own default reduces gradients in bf16/fp16; fp32 keeps large all-reduces exact.)
     """
     from torch.distributed.fsdp import MixedPrecision
 
-    dtypes = mixed_precision_dtypes(precision, strategy.mixed_precision)
-    if dtypes.param is None and dtypes.reduce is None:
+    from fsdp_cli.builders.precision import torch_dtype
+
+    policy = precision.policy
+    if policy.param is None and policy.reduce is None:
         return None
-    return MixedPrecision(param_dtype=dtypes.param, reduce_dtype=dtypes.reduce, buffer_dtype=None)
+    return MixedPrecision(
+        param_dtype=torch_dtype(policy.param), reduce_dtype=torch_dtype(policy.reduce), buffer_dtype=None
+    )

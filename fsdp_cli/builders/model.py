@@ -9,27 +9,22 @@ import lightning as L
 import torch
 from torch import nn
 
-from fsdp_cli.builders.imports import import_object
-from fsdp_cli.config.schema import (
-    CustomModelConfig,
-    FSDP2Config,
-    FSDPConfig,
-    HFModelConfig,
-    LlamaConfig,
-    ModelParallelConfig,
-    TrainConfig,
-)
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, TrainConfig
+from fsdp_cli.dotted import import_object
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.causal_lm import CausalLMModule
 
 
-def build_module(cfg: TrainConfig) -> L.LightningModule:
+def build_module(run: ResolvedRun | TrainConfig) -> L.LightningModule:
     """A LightningModule from ``model._target_`` as is; anything else wrapped in :class:`CausalLMModule`."""
+    run = ResolvedRun.of(run)
+    cfg = run.cfg
     if isinstance(cfg.model, CustomModelConfig):
         built = _build_custom(cfg.model)
         if isinstance(built, L.LightningModule):
             return built
-        if isinstance(cfg.strategy, ModelParallelConfig):
+        if run.entry.user_parallelizes:
             raise ConfigError(
                 "model._target_",
                 cfg.model.target,
@@ -38,18 +33,20 @@ def build_module(cfg: TrainConfig) -> L.LightningModule:
             )
         factory: Callable[[], nn.Module] = built
     elif isinstance(cfg.model, HFModelConfig):
-        factory = _hf_factory(cfg, cfg.model)
+        factory = _hf_factory(run, cfg.model)
     else:
-        factory = _llama_factory(cfg, cfg.model)
+        factory = _llama_factory(run, cfg.model)
     return CausalLMModule(factory, optim=cfg.optim, max_steps=cfg.trainer.max_steps)
 
 
-def _llama_factory(cfg: TrainConfig, model: LlamaConfig) -> Callable[[], nn.Module]:
+def _llama_factory(run: ResolvedRun, model: LlamaConfig) -> Callable[[], nn.Module]:
     from fsdp_cli.models.llama import Llama
 
-    # Under FSDP2 the model is created on the meta device and each rank materialises only its
-    # shard; the initialisation is layout-independent, so the weights equal a normal init.
-    meta = isinstance(cfg.strategy, FSDP2Config) and cfg.strategy.parallelize_fn is None
+    cfg = run.cfg
+    # A strategy that parallelizes the built-in model creates it on the meta device and each rank
+    # materialises only its shard; the initialisation is layout-independent, so the weights equal
+    # a normal init. (FSDP1 wraps a real model; a user's parallelize_fn gets a real one too.)
+    meta = run.entry.builds_on_meta(cfg.strategy)
 
     def factory() -> nn.Module:
         if meta:
@@ -60,12 +57,13 @@ def _llama_factory(cfg: TrainConfig, model: LlamaConfig) -> Callable[[], nn.Modu
     return factory
 
 
-def _hf_factory(cfg: TrainConfig, model: HFModelConfig) -> Callable[[], nn.Module]:
+def _hf_factory(run: ResolvedRun, model: HFModelConfig) -> Callable[[], nn.Module]:
     from fsdp_cli.models.hf import build_hf_model, require_tp_plan
 
+    cfg = run.cfg
     # FSDP2 fills the weights after sharding the meta model, FSDP1 one unit at a time while it
     # wraps; DDP keeps a whole copy on every rank, filled here.
-    sharded = isinstance(cfg.strategy, (FSDP2Config, FSDPConfig))
+    sharded = run.entry.fills_after_sharding
 
     def factory() -> nn.Module:
         built = build_hf_model(model, seed=cfg.seed)

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from fsdp_cli.builders.precision import fsdp2_precision_plugin
-from fsdp_cli.config.schema import FSDP2Config, LoggerName, Profiler, TrainConfig
+from fsdp_cli.builders.precision import precision_plugin
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig
 from fsdp_cli.rundir.files import profiler_dir
 
 
@@ -19,6 +21,10 @@ def build_logger(cfg: TrainConfig) -> Logger | None:
         return CSVLogger(save_dir=run_dir, name="csv", version="")
     if cfg.logger.name is LoggerName.tensorboard:
         return TensorBoardLogger(save_dir=run_dir, name="tensorboard", version="")
+    if cfg.logger.name in (LoggerName.mlflow, LoggerName.wandb):
+        from fsdp_cli.builders.loggers import build_experiment_logger
+
+        return build_experiment_logger(cfg.logger, run_dir)
     return None
 
 
@@ -43,7 +49,7 @@ def build_profiler(cfg: TrainConfig, accumulation: int) -> Any:
 
 
 def build_trainer(
-    cfg: TrainConfig,
+    run: ResolvedRun,
     strategy: Any,
     *,
     callbacks: list[L.Callback],
@@ -62,15 +68,16 @@ def build_trainer(
     ``module_clip_val``: for a module with its own ``configure_gradient_clipping``, the
     ``gradient_clip_val`` Lightning passes to it.
     """
+    cfg = run.cfg
     t = cfg.trainer
     kwargs: dict[str, Any] = {}
-    plugin = fsdp2_precision_plugin(cfg.precision.name) if isinstance(cfg.strategy, FSDP2Config) else None
+    plugin = precision_plugin(run.precision, policy_casts=run.entry.policy_casts)
     if module_clip_val is not None:
         kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     if plugin is not None:
         kwargs["plugins"] = [plugin]
     else:
-        kwargs["precision"] = cfg.precision.name
+        kwargs["precision"] = run.precision.name
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)
@@ -78,19 +85,22 @@ def build_trainer(
     else:
         kwargs["limit_val_batches"] = 0
     return L.Trainer(
-        accelerator=cfg.accelerator.value,
-        devices=int(cfg.devices),
-        num_nodes=cfg.num_nodes,
+        accelerator=run.layout.accelerator,
+        devices=run.layout.devices,
+        num_nodes=run.layout.num_nodes,
         strategy=strategy,
         max_steps=t.max_steps,
-        max_epochs=-1,
+        max_epochs=t.max_epochs if t.max_epochs is not None else -1,
         accumulate_grad_batches=accumulation,
         log_every_n_steps=t.log_every_n_steps,
         logger=build_logger(cfg) or False,
         callbacks=callbacks,
         deterministic=t.deterministic,
-        enable_checkpointing=False,
-        enable_progress_bar=t.enable_progress_bar,
+        # Our checkpoints are a callback of ours; Lightning's ModelCheckpoint, when the config's
+        # callbacks hold one, saves through the same strategy (the same format, resumable). A
+        # progress bar among them is wanted too (Lightning refuses one with the flag off).
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
+        enable_progress_bar=t.enable_progress_bar or any(isinstance(c, ProgressBar) for c in callbacks),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=module_loaders,

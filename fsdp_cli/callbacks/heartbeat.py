@@ -8,12 +8,14 @@ A beat is one ``pwrite`` of a fixed-width record: no sync, no flush.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
-from fsdp_cli.launch.rank_monitor import RankMonitor
 from fsdp_cli.rundir.heartbeat import PHASE_SAVE, PHASE_START, PHASE_TRAIN, PHASE_VAL
+
+if TYPE_CHECKING:  # (type-only: the rank's monitor is handed in by the worker)
+    from fsdp_cli.worker.monitor import RankMonitor
 
 
 class HeartbeatCallback(L.Callback):

@@ -11,11 +11,17 @@ progress display's (:mod:`fsdp_cli.callbacks.progress`); throughput fields come 
 Throughput is ``tokens_per_s`` for token batches of a known size; for a LightningModule's own
 DataLoaders it is ``samples_per_s`` (this rank's samples times the data-parallel ranks). After
 each validation a row ``{"step", "val_loss", ...}`` holds the validation metrics the module logged.
+
+Each row's numbers also go where Lightning callbacks look for metrics, ``trainer.callback_metrics``
+(logged from this callback's hook, as any callback may), so ``EarlyStopping(monitor="loss")`` or
+``ModelCheckpoint(monitor="loss")`` from the config's ``callbacks`` see exactly metrics.jsonl's
+values; ``val_loss`` is there because the module logs it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -60,8 +66,10 @@ class MetricsCallback(L.Callback):
         # The micro-batch losses of the current step, summed on the device (no sync).
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
+        self._shared: set[str] = set()  # the row names this callback put in callback_metrics
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.max_steps = planned_steps(trainer) or self.max_steps  # max_epochs may end the run first
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self._seen_step = self._step_last = trainer.global_step
@@ -85,7 +93,9 @@ class MetricsCallback(L.Callback):
         self._seen_step = step
         mean_loss = self._step_loss(trainer, step, logged)
         if mean_loss is not None:
-            self._write(trainer, self._row(trainer, step, mean_loss))
+            row = self._row(trainer, step, mean_loss)
+            self._write(trainer, row)
+            self._share(trainer, pl_module, row)
 
     def _step_loss(self, trainer: L.Trainer, step: int, logged: bool) -> float | None:
         """The step's loss averaged over the ranks, on a logged step (None on the others)."""
@@ -129,6 +139,19 @@ class MetricsCallback(L.Callback):
             # known peak) is null in metrics.jsonl and left out here.
             numbers = {k: v for k, v in row.items() if k != "step" and v is not None}
             trainer.logger.log_metrics(numbers, step=row["step"])
+
+    def _share(self, trainer: L.Trainer, pl_module: L.LightningModule, row: dict[str, Any]) -> None:
+        """The row's numbers into ``trainer.callback_metrics`` for callbacks that monitor them (not
+        to the loggers again: :meth:`_write` sent them). A name the module logs itself is its own."""
+        present = trainer.callback_metrics
+        for key, value in row.items():
+            if key == "step" or value is None or (key in present and key not in self._shared):
+                continue
+            self._shared.add(key)
+            # float64, as in metrics.jsonl: a monitored value (and a file name that shows it) is
+            # exactly the row's; a plain float would become float32.
+            exact = torch.tensor(float(value), dtype=torch.float64)
+            pl_module.log(key, exact, on_step=True, on_epoch=False, logger=False, batch_size=1)
 
     def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
         if self.tokens_per_step is not None:
@@ -193,6 +216,14 @@ class MetricsCallback(L.Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def planned_steps(trainer: L.Trainer) -> int | None:
+    """The optimizer steps this fit takes at most (call from ``on_train_start`` on): ``max_steps``,
+    or fewer when ``max_epochs`` of a sized loader ends it first (Lightning's own estimate); None
+    when no limit is known (``max_steps=-1`` and a loader without a length)."""
+    total = trainer.estimated_stepping_batches
+    return int(total) if math.isfinite(total) and total > 0 else None
 
 
 def peak_memory_bytes(cuda: bool) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 
-from fsdp_cli.callbacks.metrics import MetricsCallback, peak_memory_bytes
+from fsdp_cli.callbacks.metrics import MetricsCallback, peak_memory_bytes, planned_steps
 
 
 def format_eta(seconds: float | None) -> str:
@@ -33,7 +33,7 @@ def _rate(row: dict[str, Any]) -> str:
 
 def plain_line(row: dict[str, Any], max_steps: int, eta_s: float | None, memory_bytes: int) -> str:
     parts = [
-        f"step {row['step']:>6}/{max_steps}",
+        f"step {row['step']:>6}/{max_steps if max_steps > 0 else '?'}",
         f"loss {row['loss']:8.4f}",
         f"lr {row['lr']:.2e}" if row.get("lr") is not None else "",
         f"{row['step_time_s'] * 1e3:8.1f} ms/step",
@@ -59,6 +59,7 @@ class ProgressDisplay(L.Callback):
         self._task: Any = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.max_steps = planned_steps(trainer) or self.max_steps  # max_epochs may end the run first
         self._shown = len(self.metrics.rows)
         self._started, self._start_step = time.perf_counter(), trainer.global_step
         if trainer.is_global_zero and self.interactive:
@@ -72,7 +73,10 @@ class ProgressDisplay(L.Callback):
                 transient=False,
             )
             self._task = self._live.add_task(
-                "train", total=self.max_steps, completed=trainer.global_step, figures=""
+                "train",
+                total=self.max_steps if self.max_steps > 0 else None,
+                completed=trainer.global_step,
+                figures="",
             )
             self._live.start()
 
@@ -92,7 +96,7 @@ class ProgressDisplay(L.Callback):
 
     def _eta(self, step: int) -> float | None:
         done = step - self._start_step
-        if done <= 0:
+        if done <= 0 or self.max_steps <= 0:
             return None
         return (time.perf_counter() - self._started) / done * (self.max_steps - step)
 

@@ -6,7 +6,8 @@
   backward, counted over the full T x T as PaLM and torchtitan do). For any other ``nn.Module``,
   counted once with ``torch.utils.flop_counter.FlopCounterMode`` on a meta-device copy (forward,
   loss and backward of one sequence), so no memory or compute is spent on it.
-* Peak: dense (no sparsity) tensor-core TFLOP/s of common GPUs by name and precision, or
+* Peak: dense (no sparsity) tensor-core TFLOP/s of common GPUs by name and the compute dtype in
+  effect (a 32-true run with a bf16 ``mp_policy`` computes in bf16: the bf16 peak), or
   ``trainer.peak_tflops``. A CPU has no entry: mfu stays null unless a peak is given.
 * Per rank: ``tflops_per_s = flops_per_token * tokens_per_s / world_size``; ``mfu`` is that over
   the peak. (Tensor-parallel ranks share each sequence's FLOPs, data-parallel ranks the batch:
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.models.args import LlamaArgs
 
 # Dense TFLOP/s per device: (bf16/fp16 tensor cores, fp32 without TF32). Matched by substring of
 # the CUDA device name, most specific first.
@@ -45,16 +46,22 @@ PEAK_TFLOPS: list[tuple[str, float, float]] = [
 ]
 
 
-def device_peak_tflops(device_name: str, precision: str) -> float | None:
-    """The table's dense peak for a device name (``torch.cuda.get_device_name()``) and precision."""
-    half = precision.startswith(("bf16", "16"))
+def device_peak_tflops(device_name: str, compute: str) -> float | None:
+    """The table's dense peak for a device name (``torch.cuda.get_device_name()``) and the dtype
+    matrix multiplies run in (``bfloat16``: what the run resolved, an explicit mixed-precision
+    policy included; a precision name stands for its own compute dtype)."""
+    from fsdp_cli.precision import ALIASES, PRECISIONS, precision_spec
+
+    compute_dtype = (
+        precision_spec(compute).compute if compute in PRECISIONS or compute in ALIASES else compute
+    )
     for key, low, full in PEAK_TFLOPS:
         if key in device_name:
-            return low if half else (full if precision.startswith("32") else None)
+            return {"bfloat16": low, "float16": low, "float32": full}.get(compute_dtype)
     return None
 
 
-def llama_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def llama_flops_per_token(cfg: LlamaArgs, seq_len: int) -> float:
     """``6 * N + 12 * L * d * T`` for the built-in model (see the module docstring)."""
     from fsdp_cli.models.llama_shapes import llama_params
 

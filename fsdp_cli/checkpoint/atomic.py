@@ -19,8 +19,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.checkpoint import phases
 from fsdp_cli.checkpoint.format import DCP_METADATA, MANIFEST_FILE, PARTIAL_SUFFIX, fsync_dir, remove_path
-from fsdp_cli.checkpoint.test_hooks import pause_for_test
 
 OLD_SUFFIX = ".old" + PARTIAL_SUFFIX
 """The previous checkpoint while the two-rename fallback replaces it."""
@@ -30,7 +30,7 @@ _CHUNK = 16 * 2**20
 def replace_atomically(partial: Path, path: Path) -> None:
     """Make ``partial`` visible as ``path``, replacing a checkpoint of that name if there is one."""
     if path.exists() and _exchange(partial, path):
-        pause_for_test("replace")
+        phases.reached("replace")
         remove_path(partial)  # now the previous checkpoint
     elif path.exists():
         old = path.with_name(path.name + OLD_SUFFIX)

@@ -9,7 +9,8 @@
   without waiting, through a non-blocking exchange on a gloo group of its own, every step or,
   when steps are short, about every quarter second (:mod:`fsdp_cli.checkpoint.stop_flag`). All
   ranks therefore stop after the same step (within about half a second of the signal, or two
-  steps when steps are longer), and the worker saves before exiting with status ``preempted``.
+  steps when steps are longer), save there (inside that step, so a resume continues its epoch
+  mid-way), and the worker exits with status ``preempted``.
 * Per-rank RNG states (torch, CUDA, numpy, python) travel in the checkpoint, so a model with
   dropout resumes exactly too.
 """
@@ -27,19 +28,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fsdp_cli.callbacks.metrics import planned_steps
 from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
 from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
 from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
-from fsdp_cli.config.schema import CheckpointConfig
+from fsdp_cli.config.schema import CheckpointConfig, CheckpointFormat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Save, then stop: preemption, or a scheduler's warning before the time limit."""
 
 
 class CheckpointCallback(L.Callback):
-    def __init__(self, config: CheckpointConfig, directory: Path, max_steps: int) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        directory: Path,
+        max_steps: int,
+        checkpoint_format: CheckpointFormat | None = None,
+    ) -> None:
+        """``checkpoint_format``: the format the strategy writes (the run's resolved one);
+        None = ``config.format``."""
         self.config = config
+        self.format = checkpoint_format or config.format
         self.directory = Path(directory)
         self.max_steps = max_steps
         self.preempted = False
@@ -87,6 +98,7 @@ class CheckpointCallback(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen_step = trainer.global_step
+        self.max_steps = planned_steps(trainer) or self.max_steps  # max_epochs may end the run first
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -95,16 +107,20 @@ class CheckpointCallback(L.Callback):
         self._seen_step = step
         if self.config.save_on_sigterm and self._any_rank_signalled(step):
             self.preempted = True
+            # Saved here, inside the step as a periodic save is, so that a resume continues the
+            # epoch where it stopped; saved after fit, Lightning would count the epoch as done.
+            self.save(trainer)
             trainer.should_stop = True
             return
         every = self.config.every_n_steps
-        if every and step % every == 0 and step < self.max_steps:  # the last step is saved by the worker
+        last = 0 < self.max_steps <= step  # the last step is saved by the worker
+        if every and step % every == 0 and not last:
             self.save(trainer)
 
     def save(self, trainer: L.Trainer) -> Path:
         for hook in self.before_save:
             hook(trainer)
-        path = self.directory / checkpoint_name(trainer.global_step, self.config.format)
+        path = self.directory / checkpoint_name(trainer.global_step, self.format)
         trainer.save_checkpoint(path, weights_only=False)
         self.last_saved = path
         if trainer.is_global_zero:

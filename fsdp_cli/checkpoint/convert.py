@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fsdp_cli.checkpoint import phases
 from fsdp_cli.checkpoint.atomic import file_records
 from fsdp_cli.checkpoint.format import (
     MANIFEST_FILE,
@@ -28,7 +29,6 @@ from fsdp_cli.checkpoint.format import (
     remove_path,
     write_json_atomic,
 )
-from fsdp_cli.checkpoint.test_hooks import pause_for_test
 
 MODEL_PREFIX = "model."
 # Offline use is the point here; DCP's note that no process group exists is noise.
@@ -171,7 +171,7 @@ def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> 
 def _publish(partial: Path, dst: Path) -> None:
     """Flushed, then renamed: an interrupted conversion leaves only ``DST.partial``."""
     fsync_tree(partial)
-    pause_for_test("convert")
+    phases.reached("convert")
     os.replace(partial, dst)
 
 

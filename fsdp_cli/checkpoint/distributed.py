@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fsdp_cli.checkpoint import phases
 from fsdp_cli.checkpoint.format import (
     MANIFEST_KEY,
     META_FILE,
@@ -46,7 +47,6 @@ from fsdp_cli.checkpoint.sharded_save import (
     describe_error,
     save_sharded,
 )
-from fsdp_cli.checkpoint.test_hooks import pause_for_test
 from fsdp_cli.errors import RunFailure
 from fsdp_cli.parallel.names import canonical_name
 
@@ -67,6 +67,22 @@ class DistributedCheckpointing:
     _async_saves: AsyncSaves | None = None
     run_mesh: Any = None
     """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_format: str | None = None,
+        checkpoint_manifest: dict[str, Any] | None = None,
+        async_checkpointing: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """The strategy's own arguments pass through; ``checkpoint_format`` None keeps the
+        strategy's own choice (``save_distributed_checkpoint``, ``state_dict_type``)."""
+        super().__init__(*args, **kwargs)
+        if checkpoint_format is not None:
+            self.checkpoint_format = checkpoint_format
+        self.checkpoint_manifest = checkpoint_manifest
+        self.async_checkpointing = async_checkpointing
 
     @property
     def checkpoint_format(self) -> str:
@@ -283,7 +299,7 @@ class DistributedCheckpointing:
             raise failure  # this rank's own error, as Lightning (or the CheckpointIO) raised it
         if any(reports):  # rank 0 failed to write: the others fail with its line instead of waiting
             raise RunFailure(next(r for r in reports if r))
-        pause_for_test("after_rename", int(checkpoint.get("global_step", -1)) if plain else None)
+        phases.reached("after_rename", int(checkpoint.get("global_step", -1)) if plain else None)
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp

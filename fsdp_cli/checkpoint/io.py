@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from fsdp_cli.checkpoint import phases
 from fsdp_cli.checkpoint.atomic import replace_atomically
 from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, fsync_tree, remove_path
 from fsdp_cli.checkpoint.sharded_save import KEPT, describe_error, disk_full_note
-from fsdp_cli.checkpoint.test_hooks import pause_for_test
 from fsdp_cli.errors import RunFailure
 
 
@@ -36,7 +36,7 @@ class FullCheckpointIO(TorchCheckpointIO):
         remove_path(partial)  # left by a save that was interrupted
         try:
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
-            pause_for_test("before_rename", step)
+            phases.reached("before_rename", step)
             # (A subclass that writes elsewhere, a remote store, leaves nothing here to rename.)
             if partial.exists():
                 fsync_tree(partial)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp_cli.checkpoint import phases
 from fsdp_cli.checkpoint.atomic import file_records, publish
 from fsdp_cli.checkpoint.format import (
     DCP_METADATA,
@@ -36,7 +37,6 @@ from fsdp_cli.checkpoint.format import (
     remove_path,
     write_json_atomic,
 )
-from fsdp_cli.checkpoint.test_hooks import pause_for_test
 from fsdp_cli.errors import RunFailure
 
 
@@ -52,7 +52,7 @@ class CheckpointWriter(FileSystemWriter):
         future = super().write_data(plan, planner)
         results = future.wait() if hasattr(future, "wait") else future.result()
         self.written = sorted({r.storage_data.relative_path for r in results})
-        pause_for_test("shards", self.step)
+        phases.reached("shards", self.step)
         return future
 
 
@@ -95,11 +95,11 @@ def finish(written: list[str], target: SaveTarget) -> None:
     if target.is_rank0:
         error = _complete(target, {name: rec for files in everyone for name, rec in files.items()})
     else:
-        pause_for_test("before_rename", target.step)
+        phases.reached("before_rename", target.step)
     error = _broadcast(error, target.group)
     if error is not None:
         raise RunFailure(error)
-    pause_for_test("after_rename", target.step)
+    phases.reached("after_rename", target.step)
 
 
 def _complete(target: SaveTarget, files: dict[str, Any]) -> str | None:
@@ -112,7 +112,7 @@ def _complete(target: SaveTarget, files: dict[str, Any]) -> str | None:
         write_json_atomic(
             target.partial / MANIFEST_FILE, {**target.manifest, "files": dict(sorted(files.items()))}
         )
-        pause_for_test("before_rename", target.step)
+        phases.reached("before_rename", target.step)
         fsync_tree(target.partial)
         publish(target.partial, target.final)
     except Exception as err:  # noqa: BLE001 - every rank must learn it, or they wait for rank 0 forever

@@ -10,8 +10,9 @@ about ``interval_s`` of training. Every rank reads the same result, so every ran
 the answer and the step of the next exchange: all stop after the same step. With steps longer
 than ``interval_s`` that is every step, as before; with 5 ms steps every 50th.
 
-A signal is seen by the second exchange after it: within about ``2 * interval_s``, or two steps
-when steps are longer.
+A signal is seen by the second exchange after it (sent with the first, read at the next): within
+about ``2 * interval_s``, two steps when steps are longer, and at most ``2 * max_steps_between``
+steps when steps are very short.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class StopFlagExchange:
     """Arguments:
     group: a gloo process group used for nothing else.
     interval_s: the training time aimed for between two exchanges.
-    max_steps_between: a cap, so a signal is never left waiting for many steps.
+    max_steps_between: at most this many steps between two exchanges, so a signal is seen within
+        twice as many steps however short the steps are.
     clock: seconds, monotonic (a test passes its own).
     """
 

@@ -2,7 +2,7 @@
 
 Everything on this path before :func:`fsdp_cli.launch.launcher.launch` is free of torch and
 lightning, so ``--help``, ``--cfg job``, ``--info`` and config mistakes answer in well under a
-second. In a sweep (``-m``) each job runs through :func:`fsdp_cli.cli.sweep_job.run_sweep_job`,
+second. In a sweep (``-m``) each job runs through :func:`fsdp_cli.sweep.job.run_sweep_job`,
 so that no job stops the sweep, and the command exits with the status its report decided.
 """
 
@@ -36,7 +36,9 @@ from fsdp_cli.rundir.status import (
 )
 
 if TYPE_CHECKING:
+    from fsdp_cli.config.resolved import ResolvedRun
     from fsdp_cli.config.schema import TrainConfig
+    from fsdp_cli.rundir.summary import RunSummary
 
 # What only a run, a sweep or its report needs (resolution, the launcher, the run directory's
 # readers) is imported where it is used: `--cfg job` prints the composed config before `train`
@@ -57,17 +59,17 @@ def train(cfg: DictConfig) -> Any:
     job = detect_cluster_job(os.environ)
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        from fsdp_cli.cli.sweep_job import run_sweep_job
+        from fsdp_cli.sweep.job import run_sweep_job
 
         # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
-    typed = resolve(cfg, run_dir)
-    return _launch(typed, run_dir=run_dir, job=job, multirun=False)[1]
+    run = resolve(cfg, run_dir)
+    return _launch(run, run_dir=run_dir, job=job, multirun=False)[1]
 
 
 def _launch(
-    cfg: TrainConfig, *, run_dir: Path, job: ClusterJob | None, multirun: bool
+    run: ResolvedRun, *, run_dir: Path, job: ClusterJob | None, multirun: bool
 ) -> tuple[int, dict[str, Any] | None]:
     """Write the resolved config, run the ranks, report: their exit status and the summary."""
     from fsdp_cli.config.convert import to_yaml
@@ -75,31 +77,32 @@ def _launch(
     from fsdp_cli.rundir.files import CONFIG_FILE
 
     if global_rank() == 0:
-        _write_atomically(run_dir / CONFIG_FILE, to_yaml(cfg))
-    code = _run_here(cfg) if job is not None else launch(cfg)
-    return code, finish(code, run_dir, job=job, multirun=multirun, cfg=cfg)
+        _write_atomically(run_dir / CONFIG_FILE, to_yaml(run.cfg))
+    code = _run_here(run.cfg) if job is not None else launch(run)
+    return code, finish(code, run_dir, job=job, multirun=multirun, run=run)
 
 
 def _run_here(cfg: TrainConfig) -> int:
     """Inside torchrun/SLURM this process already is a rank: train in place."""
-    from fsdp_cli.worker import run
+    from fsdp_cli.worker.rank import run
 
     return run(cfg)
 
 
-def resolve(cfg: DictConfig, run_dir: Path) -> TrainConfig:
-    """The composed config as the typed, resolved, validated config every rank reads; a mistake
+def resolve(cfg: DictConfig, run_dir: Path) -> ResolvedRun:
+    """The composed config as the typed, resolved, validated run every rank reads; a mistake
     is one line on stderr and exit status 2."""
-    from fsdp_cli.cli.resolve import resolve_config
+    from fsdp_cli.resolve import resolve_run
 
+    overrides = list(HydraConfig.get().overrides.task)
     try:
-        return resolve_config(cfg, run_dir, os.environ, notify=_notify)
+        return resolve_run(cfg, run_dir, os.environ, notify=_notify, overrides=overrides)
     except ConfigError as err:
         fail(err.one_line())
 
 
 def finish(
-    code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool, cfg: TrainConfig | None = None
+    code: int, run_dir: Path, *, job: ClusterJob | None, multirun: bool, run: ResolvedRun | None = None
 ) -> dict[str, Any] | None:
     """Report the run (the summary table) and turn the ranks' status into ours."""
     from fsdp_cli.rundir.failure import merge_failure, read_failure
@@ -120,7 +123,7 @@ def finish(
     failure = read_failure(run_dir) if code not in (0, EXIT_INTERRUPTED) and job is None else None
     if summary is None or failure is not None:
         # The ranks died before any could write one (killed, segfault): what the parent knows.
-        summary = summary or _parent_summary(cfg, run_dir, code)
+        summary = summary or _parent_summary(run, run_dir, code).as_dict()
         if failure is not None:
             # Which rank failed first and how, or which ranks hung: seen from outside the ranks.
             summary = merge_failure(summary, failure)
@@ -138,34 +141,27 @@ def finish(
     return summary
 
 
-def _parent_summary(cfg: TrainConfig | None, run_dir: Path, code: int) -> dict[str, Any]:
+def _parent_summary(run: ResolvedRun | None, run_dir: Path, code: int) -> RunSummary:
     """``summary.json`` for ranks that died before writing one: the layout, and the last step any
     rank finished (from the heartbeats)."""
     from fsdp_cli.rundir.heartbeat import read_heartbeats
+    from fsdp_cli.rundir.summary import RunSummary
 
-    summary: dict[str, Any] = {
-        "status": STATUS_FAILED,
-        "error": f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
-        "exit_code": code,
-        "run_dir": str(run_dir),
-    }
+    columns = run.summary_columns() if run is not None else {"run_dir": str(run_dir)}
+    summary = RunSummary(
+        status=STATUS_FAILED,
+        error=f"the ranks exited with status {code} before writing a summary; see {run_dir}/logs",
+        exit_code=code,
+        **columns,
+    )
     if code == EXIT_INTERRUPTED:
-        summary.update(
-            status=STATUS_INTERRUPTED,
-            error="interrupted (Ctrl-C); nothing was saved after the last checkpoint: "
-            f"resume=auto hydra.run.dir={run_dir} continues from it",
-        )
-    if cfg is not None:
-        summary.update(
-            strategy=cfg.strategy.name,
-            world_size=int(cfg.devices) * cfg.num_nodes,
-            dp=int(cfg.dp),
-            tp=cfg.tp,
-            precision=cfg.precision.name,
-            model=getattr(cfg.model, "target", None) or cfg.model.name,
+        summary.status = STATUS_INTERRUPTED
+        summary.error = (
+            "interrupted (Ctrl-C); nothing was saved after the last checkpoint: "
+            f"resume=auto hydra.run.dir={run_dir} continues from it"
         )
     beats = read_heartbeats(run_dir)
-    summary["steps"] = max((max(b.step, 0) for b in beats.values()), default=0)
+    summary.steps = max((max(b.step, 0) for b in beats.values()), default=0)
     return summary
 
 
@@ -244,7 +240,7 @@ def main() -> None:
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(sys.argv[1:]), os.environ)
     train()
     if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
-        from fsdp_cli.cli.sweep import exit_status
+        from fsdp_cli.sweep.report import exit_status
 
         # After a sweep: 1 when any job failed (skipped ones do not count), decided by its report.
         code = exit_status()

@@ -57,10 +57,13 @@ def compose(overrides: list[str]) -> Any:
 
     from fsdp_cli.cli.configs import config_path
     from fsdp_cli.cli.hydra_errors import CONFIG_ERRORS, one_line, quote_numeric_group_options
+    from fsdp_cli.cli.main import register_sweep_launcher
     from fsdp_cli.config.convert import to_train_config
     from fsdp_cli.config.store import register_schemas
 
     register_schemas()
+    # train.yaml selects hydra/launcher=fsdp_cli: found as fsdp-train finds it, whatever the install.
+    register_sweep_launcher()
     path = config_path()
     init = (
         initialize_config_module(config_module=path.removeprefix("pkg://"), version_base="1.3")

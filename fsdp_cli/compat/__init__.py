@@ -17,7 +17,7 @@ from typing import Any
 
 SUPPORTED = {
     "torch": ">=2.6,<2.14",
-    "lightning": ">=2.5,<2.7",
+    "lightning": ">=2.5,<2.7,!=2.6.2,!=2.6.3",  # 2.6.2, 2.6.3: malicious (GHSA-w37p-236h-pfx3)
     "hydra-core": ">=1.3.2,<1.4",
     "transformers": ">=5.23,<6",
 }

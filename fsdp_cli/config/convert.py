@@ -19,17 +19,11 @@ from omegaconf.errors import OmegaConfBaseException
 from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
-    DDPConfig,
-    DDPFullyShardedConfig,
-    FSDP2Config,
-    FSDPConfig,
-    FSDPNativeConfig,
     HFModelConfig,
     JsonlDataConfig,
     LauncherConfig,
     LlamaConfig,
     LoggerConfig,
-    ModelParallelConfig,
     OptimConfig,
     PrecisionConfig,
     SweepConfig,
@@ -40,17 +34,10 @@ from fsdp_cli.config.schema import (
     TrainerConfig,
     WrapConfig,
 )
+from fsdp_cli.config.strategies import SCHEMAS as STRATEGY_SCHEMAS
 from fsdp_cli.errors import ConfigError
 
-# The `name` key of each group's node selects its schema.
-STRATEGY_SCHEMAS: dict[str, type] = {
-    "ddp": DDPConfig,
-    "fsdp2": FSDP2Config,
-    "fsdp": FSDPConfig,
-    "model_parallel": ModelParallelConfig,
-    "ddp_fully_sharded": DDPFullyShardedConfig,
-    "fsdp_native": FSDPNativeConfig,
-}
+# The `name` key of each group's node selects its schema (strategies: their registry entries).
 MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "hf": HFModelConfig}
 DATA_SCHEMAS: dict[str, type] = {
     "synthetic": SyntheticDataConfig,
@@ -85,6 +72,8 @@ def to_train_config(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     fields["strategy"] = _by_name("strategy", raw.get("strategy"), STRATEGY_SCHEMAS)
     fields["model"] = _model(raw.get("model"))
     fields["data"] = _by_name("data", raw.get("data"), DATA_SCHEMAS)
+    if "callbacks" in raw:
+        fields["callbacks"] = _callbacks(raw["callbacks"])
     for key, schema in SECTION_SCHEMAS.items():
         node = raw.get(key)
         fields[key] = _typed(key, schema, node if node is not None else {})
@@ -159,6 +148,28 @@ def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
 
 def _plain(node: Any, *, resolve: bool = False) -> Any:
     return OmegaConf.to_container(node, resolve=resolve) if isinstance(node, DictConfig) else node
+
+
+def _callbacks(node: Any) -> dict[str, Any]:
+    """``callbacks``: ``{name: {_target_: ..., arg: value}}`` as plain containers (instantiated in
+    the ranks); null entries stay null (switched off, e.g. one a recipe defines)."""
+    plain = _plain(node, resolve=True)
+    if plain is None:
+        return {}
+    if not isinstance(plain, Mapping):
+        raise ConfigError(
+            "callbacks", plain, "must map names to callbacks", hint="+callbacks.NAME._target_=dotted.Class"
+        )
+    for name, entry in plain.items():
+        if entry is not None and (not isinstance(entry, Mapping) or "_target_" not in entry):
+            raise ConfigError(
+                f"callbacks.{name}",
+                entry,
+                "a callback needs the class to build",
+                allowed="a mapping with _target_ (and the class's keyword arguments), or null",
+                hint=f"+callbacks.{name}._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+            )
+    return dict(plain)
 
 
 def _model(node: Any) -> Any:

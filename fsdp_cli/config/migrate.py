@@ -23,8 +23,7 @@ from fsdp_cli.config.schema import (
     WrapConfig,
     WrapPolicy,
 )
-
-LEGACY_PRECISION = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+from fsdp_cli.precision import ALIASES as LEGACY_PRECISION
 
 
 def migrate(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:

@@ -1,6 +1,6 @@
-"""What ``model.path`` names for ``model=hf``: a Hugging Face model folder, read without torch.
+"""What ``model.path`` names for ``model=hf``: a Hugging Face model folder, checked without torch.
 
-The parent reads ``config.json`` (sizes the cross-field checks need, and the vocabulary that
+The parent reads ``config.json`` (:mod:`fsdp_cli.models.folder`) (sizes the cross-field checks need, and the vocabulary that
 ``data.vocab_size`` defaults to) and lists the safetensors files, so a missing folder, missing
 weights or a size that does not split over ``tp`` is one line before any rank starts. Importing
 transformers would import torch, so it is only checked to be installed here.
@@ -10,104 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fsdp_cli.config.schema import HFModelConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.models.folder import ModelFolder, read_model_folder, weight_files
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
+if TYPE_CHECKING:  # (type-only: validation hands the check the resolved run)
+    from fsdp_cli.config.resolved import ResolvedRun
+
 INSTALL_HINT = 'pip install "fsdp-cli[hf]"'
-# config.json names the same size differently across model families (GPT-2 keeps its own names).
-_ALIASES = {
-    "max_positions": ("max_position_embeddings", "n_positions", "seq_length", "n_ctx"),
-    "heads": ("num_attention_heads", "n_head"),
-    "kv_heads": ("num_key_value_heads",),
-    "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
-}
-
-
-@dataclass(frozen=True)
-class ModelFolder:
-    """A model folder's ``config.json`` (text part, for multimodal configs) and where it lives."""
-
-    path: Path
-    config: dict[str, Any]
-
-    def get(self, name: str) -> Any:
-        for key in _ALIASES.get(name, (name,)):
-            value = self.config.get(key, self.config.get("text_config", {}).get(key))
-            if value is not None:
-                return value
-        return None
-
-    @property
-    def vocab_size(self) -> int | None:
-        return self.get("vocab_size")
-
-    @property
-    def tied_embeddings(self) -> bool:
-        tied = self.get("tie_word_embeddings")
-        return True if tied is None else bool(tied)  # transformers' default is to tie
-
-    def tp_sizes(self) -> dict[str, int]:
-        """Sizes each tensor-parallel rank needs an equal share of (those the config declares)."""
-        heads = self.get("heads")
-        sizes = {"num_attention_heads": heads, "num_key_value_heads": self.get("kv_heads") or heads}
-        sizes["intermediate_size"] = self.get("intermediate")
-        sizes["vocab_size"] = self.vocab_size
-        return {k: int(v) for k, v in sizes.items() if isinstance(v, int)}
-
-
-def read_model_folder(path: str | None) -> ModelFolder:
-    """``model.path`` as a :class:`ModelFolder`; a :class:`ConfigError` if it is not one."""
-    if not path:
-        raise ConfigError(
-            "model.path",
-            None,
-            "model=hf needs the model's folder",
-            hint="model.path=DIR (written by save_pretrained)",
-        )
-    folder = Path(path)
-    file = folder / "config.json"
-    if not file.is_file():
-        raise ConfigError(
-            "model.path",
-            path,
-            "no config.json there" if folder.is_dir() else "no such folder",
-            hint="a folder written by save_pretrained (config.json + model.safetensors); nothing is downloaded",
-        )
-    try:
-        config = json.loads(file.read_text())
-    except ValueError as err:
-        raise ConfigError("model.path", path, f"config.json is not JSON ({err})") from None
-    return ModelFolder(folder, config)
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a model folder in index order; a :class:`ConfigError` if there are none."""
-    index = folder / SAFE_INDEX
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ConfigError(
-                "model.path", str(folder), f"{SAFE_INDEX} lists missing file(s) {', '.join(missing)}"
-            )
-        return files
-    if (folder / SAFE_WEIGHTS).is_file():
-        return [folder / SAFE_WEIGHTS]
-    pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
-    raise ConfigError(
-        "model.path",
-        str(folder),
-        f"no {SAFE_WEIGHTS} or {SAFE_INDEX}" + (f" (only {pickles[0]})" if pickles else ""),
-        hint="save the model with save_pretrained(..., safe_serialization=True), or model.pretrained=false for fresh weights",
-    )
 
 
 def resolve_model_folder(cfg: TrainConfig) -> TrainConfig:
@@ -118,8 +30,9 @@ def resolve_model_folder(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, vocab_size=vocab))
 
 
-def check_hf_model(cfg: TrainConfig) -> None:
+def check_hf_model(run: ResolvedRun) -> None:
     """transformers installed, the folder complete, its sizes fit ``tp`` and ``data.seq_len``."""
+    cfg = run.cfg
     model = cfg.model
     if not isinstance(model, HFModelConfig):
         return
@@ -146,11 +59,13 @@ def check_hf_model(cfg: TrainConfig) -> None:
             allowed=f"1..{limit}",
         )
     if cfg.tp > 1:
-        _check_tensor_parallel(cfg, folder)
+        _check_tensor_parallel(run, folder)
 
 
-def _check_tensor_parallel(cfg: TrainConfig, folder: ModelFolder) -> None:
-    if getattr(cfg.strategy, "sequence_parallel", False):
+def _check_tensor_parallel(run: ResolvedRun, folder: ModelFolder) -> None:
+    cfg = run.cfg
+    settings = run.entry.parallelize(cfg.strategy)
+    if settings is not None and settings.sequence_parallel:
         raise ConfigError(
             "strategy.sequence_parallel",
             True,

@@ -27,6 +27,9 @@ from typing import Any
 from fsdp_cli.config import schema
 from fsdp_cli.config.convert import DATA_SCHEMAS, MODEL_SCHEMAS, STRATEGY_SCHEMAS
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
+from fsdp_cli.models import args
+from fsdp_cli.parallel import options
+from fsdp_cli.ranges import field_range
 
 COMMAND = "python -m fsdp_cli.config.reference > docs/config-reference.md"
 GROUP_SCHEMAS = {"strategy": STRATEGY_SCHEMAS, "model": MODEL_SCHEMAS, "data": DATA_SCHEMAS}
@@ -46,10 +49,14 @@ Hydra's own keys (`hydra.run.dir`, `hydra.sweep.dir`, `hydra/launcher`, `hydra/s
 # --------------------------------------------------------------------------- docstrings
 
 
+SCHEMA_MODULES = (schema, args, options)
+"""Where the schema's types are defined: the CLI's own, and the library types it composes."""
+
+
 @cache
-def field_docs() -> dict[str, dict[str, str]]:
-    """``{class name: {field or member name: the string literal under it}}`` for schema.py."""
-    tree = ast.parse(inspect.getsource(schema))
+def field_docs(module: types.ModuleType = schema) -> dict[str, dict[str, str]]:
+    """``{class name: {field or member name: the string literal under it}}`` for one module."""
+    tree = ast.parse(inspect.getsource(module))
     docs: dict[str, dict[str, str]] = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -70,11 +77,17 @@ def _documented(body: list[ast.stmt]) -> Iterator[tuple[str, str]]:
 
 
 def doc_of(cls: type, name: str) -> str:
+    """The docstring under a field, with its allowed range when it declares one."""
+    text = ""
     for klass in cls.__mro__:  # a subclass (fsdp_native) inherits its parent's field docs
-        found = field_docs().get(klass.__name__, {}).get(name)
+        module = sys.modules.get(klass.__module__)
+        found = field_docs(module).get(klass.__name__, {}).get(name) if module in SCHEMA_MODULES else None
         if found:
-            return found
-    return ""
+            text = found
+            break
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    allowed = field_range(fields[name]) if name in fields else None
+    return f"{text} Allowed: {allowed.describe()}." if allowed is not None else text
 
 
 def class_doc(cls: type) -> str:
@@ -233,10 +246,14 @@ def configs_dir() -> Path:
 
 def enums() -> list[str]:
     lines = ["## Values", "", "What the choices of the enumerated keys mean.", ""]
-    for name, cls in inspect.getmembers(schema, inspect.isclass):
-        if not issubclass(cls, enum.Enum) or cls.__module__ != schema.__name__:
+    for name, cls in sorted(
+        {(n, c) for m in SCHEMA_MODULES for n, c in inspect.getmembers(m, inspect.isclass)},
+        key=lambda nc: nc[0],
+    ):
+        module = sys.modules.get(cls.__module__)
+        if not issubclass(cls, enum.Enum) or module not in SCHEMA_MODULES:
             continue
-        member_docs = field_docs().get(name, {})
+        member_docs = field_docs(module).get(name, {})
         if not member_docs:
             continue
         lines += [f"**{name}**", ""]

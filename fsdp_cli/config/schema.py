@@ -17,6 +17,21 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from fsdp_cli.models.args import HFModelArgs, LlamaArgs, OptimizerArgs, Scheduler
+from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions, WrapPolicy
+from fsdp_cli.ranges import at_least, between, positive
+
+__all__ = [  # the library types the schema composes, importable from here as before
+    "ActivationCheckpointing",
+    "HFModelArgs",
+    "LlamaArgs",
+    "OptimizerArgs",
+    "ParallelizeSettings",
+    "Scheduler",
+    "WrapOptions",
+    "WrapPolicy",
+]
+
 # --------------------------------------------------------------------------- enums
 
 
@@ -30,27 +45,6 @@ class DType(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-class ActivationCheckpointing(Enum):
-    none = "none"
-    """Keep every activation (fastest, most memory)."""
-    full = "full"
-    """Recompute every transformer block in the backward pass."""
-    selective = "selective"
-    """Recompute every ``ac_every_n_blocks``-th block only: a memory/compute trade-off in between."""
-
-
-class WrapPolicy(Enum):
-    block = "block"
-    """The model's repeated block class (``TransformerBlock`` for the built-in model; for other
-    models the most frequent module class that holds parameters)."""
-    classes = "classes"
-    """The module classes named in ``wrap.classes``."""
-    size = "size"
-    """Every module whose own subtree holds at least ``wrap.min_num_params`` parameters."""
-    none = "none"
-    """Only the root module becomes an FSDP unit."""
 
 
 class ShardingStrategy(Enum):
@@ -81,6 +75,10 @@ class LoggerName(Enum):
     none = "none"
     csv = "csv"
     tensorboard = "tensorboard"
+    mlflow = "mlflow"
+    """Lightning's MLFlowLogger (``pip install "fsdp-cli[mlflow]"``)."""
+    wandb = "wandb"
+    """Lightning's WandbLogger (``pip install "fsdp-cli[wandb]"``); offline without ``WANDB_API_KEY``."""
 
 
 class Profiler(Enum):
@@ -101,12 +99,6 @@ class TokenDType(Enum):
     """Larger vocabularies (Llama 3's 128,256)."""
 
 
-class Scheduler(Enum):
-    constant = "constant"
-    cosine = "cosine"
-    linear = "linear"
-
-
 class SweepObjective(Enum):
     """A value of a run's ``summary.json`` that a sweep job returns to the sweeper."""
 
@@ -116,6 +108,13 @@ class SweepObjective(Enum):
     """Training throughput: median over the steady-state steps."""
     step_time_s = "step_time_s"
     """Seconds per optimizer step: median over the steady-state steps."""
+
+
+# --------------------------------------------------------------------------- group options
+
+
+TIMEOUT = at_least(1)
+"""Collective timeouts: whole seconds, at least one."""
 
 
 # --------------------------------------------------------------------------- strategy group
@@ -129,7 +128,7 @@ class DDPConfig:
     """Selects this schema (set by the option file)."""
     process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
-    timeout_s: int = 1800
+    timeout_s: int = field(default=1800, metadata=TIMEOUT)
     """Collective timeout in seconds."""
     find_unused_parameters: bool = False
     """Search the autograd graph for parameters without a gradient each step (slower; needed only by
@@ -138,7 +137,7 @@ class DDPConfig:
     """Gradients alias the all-reduce buckets (saves one gradient-sized copy)."""
     static_graph: bool = False
     """Tell DDP the graph is the same every step (enables some communication optimisations)."""
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: int = field(default=25, metadata=at_least(1))
     """Size of the gradient all-reduce buckets in MiB."""
     broadcast_buffers: bool | None = None
     """Broadcast rank 0's buffers before every forward (DDP's default; keeps BatchNorm statistics
@@ -161,44 +160,29 @@ class MixedPrecisionPolicyConfig:
 
 
 @dataclass
-class FSDP2Config:
+class FSDP2Config(ParallelizeSettings):
     """``strategy=fsdp2``: :class:`fsdp_cli.strategies.FSDP2Strategy` (FSDP2 + optional tensor parallel).
 
-    The data-parallel and tensor-parallel sizes come from the top-level ``dp`` and ``tp``.
+    The data-parallel and tensor-parallel sizes come from the top-level ``dp`` and ``tp``; the
+    parallelize settings (``reshard_after_forward`` ... ``sequence_parallel``) are
+    :class:`fsdp_cli.parallel.options.ParallelizeSettings`, handed to ``parallelize`` as they are.
     """
 
     name: str = "fsdp2"
     """Selects this schema (set by the option file)."""
-    reshard_after_forward: Any = True
-    """true: free the gathered parameters after forward (ZeRO-3, FULL_SHARD); false: keep them
-    until backward (ZeRO-2, SHARD_GRAD_OP); an int N: reshard to groups of N ranks."""
     mp_policy: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
     """FSDP2 mixed precision; null dtypes derive from the ``precision`` group."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
-    replicate_size: int = 1
+    replicate_size: int = field(default=1, metadata=at_least(1))
     """HSDP: number of replica groups; parameters are sharded within a group of dp/replicate_size
     ranks and replicated across groups. 1 = plain FSDP."""
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
-    """Recompute activations in backward instead of keeping them: none, full (every block) or
-    selective."""
-    ac_every_n_blocks: int = 2
-    """With ``activation_checkpointing=selective``: recompute every N-th block."""
-    compile: bool = False
-    """``torch.compile`` each transformer block before sharding it."""
-    float8: bool = False
-    """float8 training through torchao (``pip install "fsdp-cli[float8]"``): linear layers compute
-    in float8 with dynamic scaling and FSDP2 all-gathers their weights in float8. Needs GPUs with
-    float8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); the LM head and layers
-    whose sizes are not multiples of 16 stay in the training precision."""
-    sequence_parallel: bool = False
-    """With tp > 1: shard norms and the residual stream along the sequence dimension too."""
     parallelize_fn: str | None = None
     """Dotted path of ``fn(model, device_mesh, **options)`` that replaces the built-in
     parallelization (tensor parallel, activation checkpointing, compile, fully_shard)."""
     process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
-    timeout_s: int = 1800
+    timeout_s: int = field(default=1800, metadata=TIMEOUT)
     """Collective timeout in seconds."""
 
 
@@ -212,7 +196,7 @@ class FSDPConfig:
     """What is sharded: FULL_SHARD (parameters, gradients, optimizer state), SHARD_GRAD_OP
     (gradients and optimizer state), NO_SHARD (DDP-like), or the HYBRID_* variants (shard within
     a group, replicate across groups)."""
-    hybrid_shard_size: int | None = None
+    hybrid_shard_size: int | None = field(default=None, metadata=at_least(1))
     """HYBRID_SHARD: ranks per shard group (parameters sharded within it, replicated across
     groups). null = the processes of one node."""
     cpu_offload: bool = False
@@ -235,7 +219,7 @@ class FSDPConfig:
     """Broadcast rank 0's parameters and buffers at wrap time."""
     process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
-    timeout_s: int = 1800
+    timeout_s: int = field(default=1800, metadata=TIMEOUT)
     """Collective timeout in seconds."""
     activation_checkpointing: list[str] | None = None
     """Deprecated (Lightning's old keyword): use ``activation_checkpointing_policy``."""
@@ -264,9 +248,9 @@ class DDPFullyShardedConfig(FSDPConfig):
     """true -> ``mixed_precision.reduce_dtype=float32``."""
     compute_dtype: DType | None = None
     """-> ``mixed_precision.param_dtype``."""
-    bucket_cap_mb: int | None = None
+    bucket_cap_mb: int | None = field(default=None, metadata=at_least(1))
     """No native equivalent; accepted and ignored."""
-    min_num_params: int | None = None
+    min_num_params: int | None = field(default=None, metadata=at_least(1))
     """-> ``wrap=size`` with this threshold (fairscale's default auto-wrap policy)."""
     state_dict_to_cpu: bool | None = None
     """Native full checkpoints are always gathered to CPU; accepted and ignored."""
@@ -283,7 +267,7 @@ class ModelParallelConfig:
     """true: sharded (DCP) checkpoints, false: one full file; null: from the ``checkpoint`` group."""
     process_group_backend: str | None = None
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
-    timeout_s: int = 1800
+    timeout_s: int = field(default=1800, metadata=TIMEOUT)
     """Collective timeout in seconds."""
 
 
@@ -293,20 +277,12 @@ class ModelParallelConfig:
 @dataclass
 class PrecisionConfig:
     name: str = "32-true"
-    """Lightning's precision name: 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, or auto
-    (bf16-mixed on GPUs, 32-true on CPUs)."""
+    """Lightning's precision name: 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true, or
+    auto (bf16-mixed on GPUs, 32-true on CPUs); what each means: :mod:`fsdp_cli.precision`."""
 
 
-@dataclass
-class WrapConfig:
-    """Which module classes become FSDP units (and the default activation-checkpointing unit)."""
-
-    policy: WrapPolicy = WrapPolicy.block
-    """block, classes, size or none: how modules become FSDP units."""
-    classes: list[str] = field(default_factory=list)
-    """With ``policy=classes``: module class names, dotted (``pkg.mod.Block``) or bare (``Block``)."""
-    min_num_params: int = 100_000_000
-    """With ``policy=size``: the parameter count that makes a module its own unit."""
+WrapConfig = WrapOptions
+"""The ``wrap`` group is the parallel layer's :class:`~fsdp_cli.parallel.options.WrapOptions`."""
 
 
 @dataclass
@@ -316,9 +292,9 @@ class CheckpointConfig:
     file."""
     dir: str | None = None
     """Where checkpoints go; null = ``<run dir>/checkpoints``."""
-    every_n_steps: int | None = None
+    every_n_steps: int | None = field(default=None, metadata=at_least(1))
     """Save every N optimizer steps; null = only at the end of training."""
-    keep_last: int = 2
+    keep_last: int = field(default=2, metadata=at_least(1))
     """How many complete checkpoints to keep (the newest complete one is never deleted)."""
     save_last: bool = True
     """Save when training ends."""
@@ -331,42 +307,12 @@ class CheckpointConfig:
 
 
 @dataclass
-class LlamaConfig:
-    """The built-in Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
+class LlamaConfig(LlamaArgs):
+    """``model=llama``: the built-in Llama-style decoder (:class:`fsdp_cli.models.args.LlamaArgs`):
+    RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
 
     name: str = "llama"
     """Selects this schema (set by the option file)."""
-    vocab_size: int = 256
-    """Size of the token vocabulary (embedding rows and output logits)."""
-    dim: int = 64
-    """Hidden size of the residual stream."""
-    n_layers: int = 2
-    """Number of transformer blocks."""
-    n_heads: int = 4
-    """Attention heads; ``dim / n_heads`` is the head size."""
-    n_kv_heads: int | None = None
-    """Grouped-query attention: key/value heads (null = n_heads)."""
-    ffn_hidden_dim: int | None = None
-    """SwiGLU hidden size; null = 8/3 * dim rounded up to ``multiple_of``."""
-    multiple_of: int = 32
-    """The derived SwiGLU hidden size is rounded up to a multiple of this."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
-    """Base of the rotary position embedding frequencies."""
-    max_seq_len: int = 2048
-    """Longest sequence the rotary tables cover (``data.seq_len`` may not exceed it)."""
-    tie_embeddings: bool = False
-    """Share the input embedding with the output head (not with tp > 1)."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation of weights."""
-
-    def feed_forward_dim(self) -> int:
-        """SwiGLU hidden size: ``ffn_hidden_dim``, or 8/3 * dim rounded up to ``multiple_of`` (Llama's rule)."""
-        if self.ffn_hidden_dim is not None:
-            return self.ffn_hidden_dim
-        hidden = int(8 * self.dim / 3)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
 @dataclass
@@ -383,13 +329,14 @@ class CustomModelConfig:
     """Keyword arguments for the target (the other ``model.*`` keys)."""
     name: str = "custom"
     """Always ``custom``."""
-    vocab_size: int | None = None
+    vocab_size: int | None = field(default=None, metadata=at_least(1))
     """The vocabulary size, when the target takes one (``+model.vocab_size=N``)."""
 
 
 @dataclass
-class HFModelConfig:
-    """``model=hf``: a Hugging Face causal LM (``AutoModelForCausalLM``) from a local folder.
+class HFModelConfig(HFModelArgs):
+    """``model=hf``: a Hugging Face causal LM (``AutoModelForCausalLM``) from a local folder
+    (:class:`fsdp_cli.models.args.HFModelArgs`).
 
     Needs ``pip install "fsdp-cli[hf]"``. The model is built on the meta device and sharded before
     any weight exists; each rank then reads only its own slices of the safetensors files, so no
@@ -398,60 +345,63 @@ class HFModelConfig:
 
     name: str = "hf"
     """Selects this schema (set by the option file)."""
-    path: str | None = None
-    """A folder written by ``save_pretrained``: ``config.json`` plus ``model.safetensors`` (or
-    ``model-*.safetensors`` shards and ``model.safetensors.index.json``)."""
-    pretrained: bool = True
-    """true: start from the folder's weights; false: fresh weights from ``config.json`` alone
-    (the model's own init, the same numbers on every layout for a given ``seed``)."""
-    attn_implementation: str = "sdpa"
-    """transformers' attention kernel: ``sdpa``, ``eager``, or ``flash_attention_2`` (GPU, if installed)."""
+
+
+# --------------------------------------------------------------------------- data group
 
 
 @dataclass
-class SyntheticDataConfig:
+class DataConfig:
+    """What every ``data`` option has: the batch, the sequence, the vocabulary, the workers."""
+
+    name: str = ""
+    """Selects this schema (set by the option file)."""
+    global_batch_size: int = field(default=8, metadata=at_least(1))
+    """Sequences per optimizer step across all data-parallel ranks."""
+    seq_len: int = field(default=128, metadata=at_least(1))
+    """Tokens per sequence."""
+    vocab_size: int | None = field(
+        default="${oc.select:model.vocab_size,null}",  # type: ignore[arg-type]
+        metadata=at_least(1),
+    )
+    """Token ids are drawn from (or must be below) [0, vocab_size); defaults to the model's
+    vocabulary size."""
+    micro_batch_size: int | None = field(default=None, metadata=at_least(1))
+    """Sequences per data-parallel rank per forward; null = global_batch_size / dp. Smaller
+    values accumulate gradients over global_batch_size / (dp * micro_batch_size) micro-batches."""
+    num_workers: int = field(default=0, metadata=at_least(0))
+    """DataLoader worker processes per rank."""
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
     """Deterministic random tokens: sequence i depends only on (seed, i)."""
 
     name: str = "synthetic"
-    """Selects this schema (set by the option file)."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step across all data-parallel ranks."""
-    seq_len: int = 64
+    seq_len: int = field(default=64, metadata=at_least(1))
     """Tokens per sequence."""
-    vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
-    """Token ids are drawn from [0, vocab_size); defaults to the model's vocabulary size."""
-    micro_batch_size: int | None = None
-    """Sequences per data-parallel rank per forward; null = global_batch_size / dp. Smaller
-    values accumulate gradients over global_batch_size / (dp * micro_batch_size) micro-batches."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    num_sequences: int | None = field(default=None, metadata=at_least(1))
+    """A dataset of this many sequences, each epoch visiting every one once in an order fixed by
+    ``seed`` and the epoch; null = an endless stream of new sequences, which has no epochs
+    (``trainer.max_epochs`` needs a number here)."""
 
 
 @dataclass
-class TextDataConfig:
+class TextDataConfig(DataConfig):
     """Byte-level tokens from local text files (no tokenizer, vocabulary 256)."""
 
     name: str = "text"
-    """Selects this schema (set by the option file)."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step across all data-parallel ranks."""
-    seq_len: int = 128
-    """Tokens (bytes) per sequence."""
-    vocab_size: int | None = 256
+    vocab_size: int | None = field(default=256, metadata=at_least(1))
     """Byte-level: 256 token ids."""
-    micro_batch_size: int | None = None
-    """Sequences per data-parallel rank per forward; null = global_batch_size / dp."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
     path: str | None = None
     """A file, a folder (its *.py, *.txt, *.md files) or a glob; null = the Python standard
     library sources on this machine, so a real loss curve needs no download."""
-    max_bytes: int = 32_000_000
+    max_bytes: int = field(default=32_000_000, metadata=at_least(1))
     """Read at most this many bytes of text."""
 
 
 @dataclass
-class TokensDataConfig:
+class TokensDataConfig(DataConfig):
     """Pre-tokenized flat token files (the nanoGPT / Megatron ``.bin`` convention), memory-mapped.
 
     The files are one stream of token ids, read in sorted order and never loaded whole. Each epoch
@@ -459,17 +409,6 @@ class TokensDataConfig:
     """
 
     name: str = "tokens"
-    """Selects this schema (set by the option file)."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step across all data-parallel ranks."""
-    seq_len: int = 128
-    """Tokens per training sequence (each window holds ``seq_len + 1``)."""
-    vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
-    """Token ids must be below it; defaults to the model's vocabulary size."""
-    micro_batch_size: int | None = None
-    """Sequences per data-parallel rank per forward; null = global_batch_size / dp."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (each memory-maps the files itself)."""
     path: str | None = None
     """A token file, a folder (its ``*.bin`` files) or a glob."""
     dtype: TokenDType = TokenDType.uint16
@@ -479,7 +418,7 @@ class TokensDataConfig:
 
 
 @dataclass
-class JsonlDataConfig:
+class JsonlDataConfig(DataConfig):
     """JSON-lines documents, tokenized once and cached as a token file (then read as ``data=tokens`` is).
 
     Documents are joined with an end-of-text token. The first run tokenizes (with a progress bar,
@@ -488,17 +427,6 @@ class JsonlDataConfig:
     """
 
     name: str = "jsonl"
-    """Selects this schema (set by the option file)."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step across all data-parallel ranks."""
-    seq_len: int = 128
-    """Tokens per training sequence (each window holds ``seq_len + 1``)."""
-    vocab_size: int | None = "${oc.select:model.vocab_size,null}"  # type: ignore[assignment]
-    """Token ids must be below it; defaults to the model's vocabulary size."""
-    micro_batch_size: int | None = None
-    """Sequences per data-parallel rank per forward; null = global_batch_size / dp."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (each memory-maps the files itself)."""
     path: str | None = None
     """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob."""
     field: str = "text"
@@ -516,33 +444,26 @@ class JsonlDataConfig:
     """Where tokenized corpora are kept; null = a ``.fsdp_cli_tokens`` folder beside the first input file."""
 
 
-@dataclass
-class OptimConfig:
-    """AdamW with linear warm-up and an optional decay."""
+# --------------------------------------------------------------------------- fixed sections
 
-    lr: float = 3e-3
-    """Peak learning rate (after warm-up)."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW moment coefficients."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to ``lr``."""
-    scheduler: Scheduler = Scheduler.constant
-    """After warm-up: constant, cosine or linear decay to ``lr * min_lr_ratio``."""
-    min_lr_ratio: float = 0.1
-    """cosine/linear decay end at lr * min_lr_ratio at trainer.max_steps."""
+
+OptimConfig = OptimizerArgs
+"""The ``optim`` section is the training module's :class:`~fsdp_cli.models.args.OptimizerArgs`."""
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 30
-    """Optimizer steps to train for."""
-    log_every_n_steps: int = 1
+    max_steps: int = field(default=30, metadata=at_least(1, also=(-1,)))
+    """Optimizer steps to train for; -1 = no step limit (only with ``max_epochs``). With both set,
+    training stops at whichever is reached first (Lightning's rule)."""
+    log_every_n_steps: int = field(default=1, metadata=at_least(1))
     """Write a metrics.jsonl row (and print a line) every N optimizer steps."""
-    gradient_clip_val: float | None = None
+    gradient_clip_val: float | None = field(
+        default=None,
+        metadata=at_least(
+            0, hint="trainer.gradient_clip_val=0 turns clipping off; null: the model's default"
+        ),
+    )
     """Clip gradients to this value (their global norm; each element with
     ``gradient_clip_algorithm=value``). null: the model's default, 1.0 for the built-in model,
     ``model=hf`` and a plain nn.Module, none for a LightningModule trained as it is (Lightning's
@@ -554,28 +475,44 @@ class TrainerConfig:
     """Lightning's deterministic mode (deterministic algorithms; slower)."""
     enable_progress_bar: bool = False
     """Lightning's progress bar (the per-step log lines replace it)."""
-    val_check_interval: int | None = None
+    val_check_interval: int | None = field(default=None, metadata=at_least(1))
     """Run validation every N steps on held-out batches; null = no validation."""
-    limit_val_batches: int = 4
+    limit_val_batches: int = field(default=4, metadata=at_least(1))
     """Held-out batches per validation run."""
     profiler: Profiler = Profiler.none
     """none, simple (time per Lightning hook) or torch (a trace of a few steps per rank); written
     to ``<run dir>/profiler/``."""
-    profile_steps: int = 2
+    profile_steps: int = field(default=2, metadata=at_least(1))
     """With ``profiler=torch``: optimizer steps recorded in the trace."""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = field(default=None, metadata=positive())
     """Peak dense TFLOP/s of one device for ``mfu`` in metrics.jsonl; null = looked up by GPU name
-    and precision (H100, H200, A100, L4, ...); on CPUs mfu stays null unless this is set."""
-    skip_nonfinite_steps: int = 0
+    and the compute dtype in effect (H100, H200, A100, L4, ...); on CPUs mfu stays null unless
+    this is set."""
+    skip_nonfinite_steps: int = field(default=0, metadata=at_least(0))
     """Skip (zero the update of) up to this many optimizer steps whose gradient norm is not
     finite, then fail; 0 = fail at the first non-finite loss or gradient norm. Skipping checks
     every step on the host (one device sync per step); failing alone rides on the logging step."""
+    max_epochs: int | None = field(default=None, metadata=at_least(1))
+    """Passes over the training data; null = no epoch limit (``max_steps`` ends the run). An epoch
+    of the ``data`` group is ``floor(items / data.global_batch_size)`` optimizer steps (items:
+    windows of ``text``/``tokens``/``jsonl``, ``num_sequences`` of ``synthetic``); a module's own
+    DataLoaders define their own."""
 
 
 @dataclass
 class LoggerConfig:
     name: LoggerName = LoggerName.none
-    """Lightning logger in addition to metrics.jsonl: none, csv or tensorboard."""
+    """Lightning logger in addition to metrics.jsonl: none, csv, tensorboard, mlflow or wandb."""
+    project: str = "fsdp-train"
+    """mlflow: the experiment name; wandb: the project."""
+    run_name: str | None = None
+    """mlflow and wandb: the run's name; null = the name of the run directory."""
+    tracking_uri: str | None = None
+    """mlflow: where runs are recorded; null = ``$MLFLOW_TRACKING_URI`` if set, else
+    ``sqlite:///<run dir>/mlflow.db`` (``mlflow ui --backend-store-uri`` that URI shows it)."""
+    offline: bool | None = None
+    """wandb: write the run to ``<run dir>/wandb/`` only (``wandb sync`` uploads it later); null =
+    offline unless ``WANDB_API_KEY`` is set."""
 
 
 @dataclass
@@ -585,16 +522,16 @@ class LauncherConfig:
     rdzv_endpoint: str | None = None
     """host:port of the rendezvous for multi-node runs (node 0's address and a free port); null =
     ``$MASTER_ADDR:$MASTER_PORT`` when ``MASTER_ADDR`` is set, else (one node) 127.0.0.1 and a free port."""
-    node_rank: int | None = None
+    node_rank: int | None = field(default=None, metadata=at_least(0))
     """This node's rank, 0 .. num_nodes-1; null = ``$NODE_RANK``, or 0."""
-    max_restarts: int = 0
+    max_restarts: int = field(default=0, metadata=at_least(0))
     """torch elastic restarts of a failed worker group (each restart resumes from the newest checkpoint)."""
-    shutdown_timeout_s: int = 300
+    shutdown_timeout_s: int = field(default=300, metadata=at_least(0))
     """After forwarding SIGTERM, how long the launcher lets ranks finish their preemption save."""
-    hang_timeout_s: float | None = 900.0
+    hang_timeout_s: float | None = field(default=900.0, metadata=positive())
     """End the job (status failed, every rank's Python stack in its log) when no rank finished a
     step or a validation batch for this many seconds; null = never."""
-    startup_timeout_s: float | None = 1800.0
+    startup_timeout_s: float | None = field(default=1800.0, metadata=positive())
     """The same limit while ranks start up (imports, rendezvous, checkpoint load, compile, the
     first step) or save a checkpoint; null = never."""
 
@@ -634,17 +571,17 @@ class TrainConfig:
     """How ranks are started (multi-node rendezvous, restarts)."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """What each job of a sweep reports to the sweeper."""
-    dp: Any = "auto"
+    dp: Any = field(default="auto", metadata=at_least(1, also=("auto",)))
     """Data-parallel size: ``auto`` = world size / tp."""
-    tp: int = 1
+    tp: int = field(default=1, metadata=at_least(1))
     """Tensor-parallel size."""
-    devices: Any = "auto"
+    devices: Any = field(default="auto", metadata=at_least(1, also=("auto",)))
     """Processes per node: ``auto`` = every visible GPU, or 2 CPU processes without GPUs."""
-    num_nodes: int = 1
+    num_nodes: int = field(default=1, metadata=at_least(1))
     """Machines the run spans (inside srun/torchrun: taken from the job)."""
     accelerator: Accelerator = Accelerator.auto
     """``auto``: gpu when a GPU is visible, else cpu."""
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=between(0, 2**32 - 1))
     """Seed of the model initialisation and the data order."""
     resume: str | None = None
     """null: start fresh; ``auto``: newest complete checkpoint of this run; or a checkpoint path."""
@@ -654,3 +591,8 @@ class TrainConfig:
     """Set by the entry point: true when the command line chose the ``data`` group or a ``data.*``
     key. A LightningModule with its own ``train_dataloader`` then refuses those settings instead
     of ignoring the data group with a notice."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Lightning callbacks added beside fsdp-train's own, on every rank: ``NAME: {_target_:
+    dotted.Class, ARG: VALUE, ...}`` (``+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor``);
+    a null entry is skipped. They see metrics.jsonl's values (``loss``, ``lr``, ...) in
+    ``trainer.callback_metrics``."""

@@ -13,21 +13,18 @@ import os
 from collections.abc import Callable
 
 from fsdp_cli.config.model_folder import check_hf_model
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import (
     Accelerator,
     CheckpointFormat,
     CustomModelConfig,
-    DDPConfig,
-    FSDP2Config,
-    FSDPConfig,
     LlamaConfig,
     LoggerName,
-    ModelParallelConfig,
     Profiler,
-    ShardingStrategy,
     TrainConfig,
     WrapPolicy,
 )
+from fsdp_cli.config.strategies import check_tensor_parallel, entry_of
 from fsdp_cli.data.files import (
     HELD_OUT_FRACTION,
     JSONL_SUFFIXES,
@@ -36,22 +33,28 @@ from fsdp_cli.data.files import (
     text_bytes,
     text_files,
 )
+from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.precision import AUTO, PRECISIONS, UnknownPrecision, precision_spec
+from fsdp_cli.ranges import range_problems
 
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
-
-def validate(cfg: TrainConfig) -> None:
+def validate(cfg: TrainConfig | ResolvedRun) -> None:
     """Raise :class:`ConfigError` for the first combination that cannot run (on a config whose
-    layout :func:`fsdp_cli.launch.layout.resolve_layout` has resolved and checked).
+    layout :func:`fsdp_cli.launch.layout.resolve_layout` has resolved and checked): each field's
+    own range first, then the precision, then the cross-field checks on the resolved run.
 
     The data checks wait for the ranks when :func:`data_checks_deferred`: only the imported
     module can tell whether it trains on the ``data`` group at all.
     """
+    config = cfg.cfg if isinstance(cfg, ResolvedRun) else cfg
+    check_ranges(config)
+    check_precision(config)
+    run = ResolvedRun.of(cfg)
     for check in CHECKS:
-        check(cfg)
-    if not data_checks_deferred(cfg):
-        validate_data(cfg)
+        check(run)
+    if not data_checks_deferred(config):
+        validate_data(run)
 
 
 def data_checks_deferred(cfg: TrainConfig) -> bool:
@@ -61,151 +64,86 @@ def data_checks_deferred(cfg: TrainConfig) -> bool:
     return isinstance(cfg.model, CustomModelConfig) and not cfg.explicit_data
 
 
-def validate_data(cfg: TrainConfig) -> None:
+def validate_data(cfg: TrainConfig | ResolvedRun) -> None:
     """The checks of the ``data`` group (batch split, vocabulary, sequence length, files)."""
+    run = ResolvedRun.of(cfg)
     for check in DATA_CHECKS:
-        check(cfg)
+        check(run)
 
 
 def advisories(cfg: TrainConfig) -> list[str]:
     """Settings that run but do nothing on this layout, worth one line each."""
     notes = []
-    if (
-        isinstance(cfg.strategy, (FSDPConfig, FSDP2Config))
-        and cfg.strategy.cpu_offload
-        and cfg.accelerator is Accelerator.cpu
-    ):
+    entry = entry_of(cfg)
+    if entry.offloads(cfg.strategy) and cfg.accelerator is Accelerator.cpu:
         notes.append(
             "note: strategy.cpu_offload has no effect on CPU processes (parameters already live in CPU memory)"
         )
-    if isinstance(cfg.strategy, FSDP2Config) and cfg.strategy.sequence_parallel and cfg.tp == 1:
+    settings = entry.parallelize(cfg.strategy)
+    if settings is not None and settings.sequence_parallel and cfg.tp == 1:
         notes.append("note: strategy.sequence_parallel has no effect with tp=1")
+    t = cfg.trainer
+    if t.max_epochs is not None and t.max_steps != -1:
+        notes.append(
+            f"note: trainer.max_steps={t.max_steps} and trainer.max_epochs={t.max_epochs} both limit this run: "
+            "it stops at whichever comes first (trainer.max_steps=-1 trains for the epochs alone)"
+        )
     return notes
 
 
-def check_strategy_layout(cfg: TrainConfig) -> None:
-    strategy = cfg.strategy
-    if isinstance(strategy, (DDPConfig, FSDPConfig)) and cfg.tp > 1:
+def check_ranges(cfg: TrainConfig) -> None:
+    """Every numeric setting within the range its field declares (:mod:`fsdp_cli.ranges`)."""
+    for problem in range_problems(cfg):
+        where = problem.range
+        is_list = isinstance(problem.value, (list, tuple))
         raise ConfigError(
-            "tp",
-            cfg.tp,
-            f"strategy={strategy.name} has no tensor parallelism",
-            allowed="tp=1",
-            hint="use strategy=fsdp2 (or model_parallel) for tensor parallel",
-        )
-    if isinstance(strategy, ModelParallelConfig) and not isinstance(cfg.model, CustomModelConfig):
-        raise ConfigError(
-            "strategy",
-            "model_parallel",
-            "needs a LightningModule that parallelizes itself in configure_model()",
-            allowed="model=custom model._target_=<your LightningModule>",
-            hint="for the built-in model use strategy=fsdp2 (it applies FSDP2 and tensor parallel for you)",
-        )
-    if isinstance(strategy, FSDP2Config):
-        _check_fsdp2(cfg, strategy)
-    if isinstance(strategy, FSDPConfig):
-        _check_fsdp1(cfg, strategy)
-
-
-def _check_fsdp2(cfg: TrainConfig, strategy: FSDP2Config) -> None:
-    shard = int(cfg.dp) // strategy.replicate_size  # replicate_size was checked with the layout
-    raf = strategy.reshard_after_forward
-    if not isinstance(raf, bool):
-        if not isinstance(raf, int) or raf < 1 or shard % raf != 0:
-            raise ConfigError(
-                "strategy.reshard_after_forward",
-                raf,
-                f"must be true, false, or an int dividing the shard size {shard}",
-                allowed="true, false, " + ", ".join(str(d) for d in range(1, shard + 1) if shard % d == 0),
-                hint="true = FULL_SHARD, false = SHARD_GRAD_OP",
-            )
-    if strategy.ac_every_n_blocks < 1:
-        raise ConfigError("strategy.ac_every_n_blocks", strategy.ac_every_n_blocks, "must be at least 1")
-    if strategy.parallelize_fn is not None:
-        _check_dotted("strategy.parallelize_fn", strategy.parallelize_fn)
-    if strategy.mp_policy.param_dtype is not None and cfg.precision.name in (
-        "bf16-true",
-        "16-true",
-        "64-true",
-    ):
-        raise ConfigError(
-            "strategy.mp_policy.param_dtype",
-            strategy.mp_policy.param_dtype,
-            f"precision={cfg.precision.name} already fixes the parameter dtype",
-            hint="use precision=32-true with an explicit mp_policy, or precision=bf16-mixed",
+            problem.key,
+            list(problem.value) if is_list else problem.value,
+            f"must have each {where.describe()}" if is_list else where.problem(),
+            allowed=problem.allowed(),
+            hint=where.hint,
         )
 
 
-def _check_fsdp1(cfg: TrainConfig, strategy: FSDPConfig) -> None:
-    hybrid = strategy.sharding_strategy in (
-        ShardingStrategy.HYBRID_SHARD,
-        ShardingStrategy.HYBRID_SHARD_ZERO2,
-    )
-    world = int(cfg.devices) * cfg.num_nodes
-    if hybrid:
-        shard = strategy.hybrid_shard_size or int(cfg.devices)
-        if shard < 1 or world % shard != 0:
-            raise ConfigError(
-                "strategy.hybrid_shard_size",
-                strategy.hybrid_shard_size,
-                f"must divide the world size {world} (devices={cfg.devices} x num_nodes={cfg.num_nodes})",
-                allowed=", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
-                hint="null shards within each node and replicates across nodes",
-            )
-    elif strategy.hybrid_shard_size is not None:
-        raise ConfigError(
-            "strategy.hybrid_shard_size",
-            strategy.hybrid_shard_size,
-            f"only applies to HYBRID_SHARD, not {strategy.sharding_strategy.value}",
-            hint="set strategy.sharding_strategy=HYBRID_SHARD or leave hybrid_shard_size=null",
-        )
+def check_strategy(run: ResolvedRun) -> None:
+    """Tensor parallel only where the strategy has it, then the strategy's own checks (its
+    registry entry)."""
+    for check in (check_tensor_parallel, *run.entry.checks):
+        check(run)
 
 
 def check_precision(cfg: TrainConfig) -> None:
     name = cfg.precision.name
-    if name not in PRECISIONS:
-        raise ConfigError("precision", name, "unknown precision", allowed=", ".join(PRECISIONS) + ", auto")
-    if name.startswith("16-") and cfg.accelerator is Accelerator.cpu:
+    try:
+        spec = precision_spec(name)
+    except UnknownPrecision:
+        raise ConfigError(
+            "precision", name, "unknown precision", allowed=", ".join([*PRECISIONS, AUTO])
+        ) from None
+    if spec.gpu_only and cfg.accelerator is Accelerator.cpu:
+        on_cpu = [p.name for p in PRECISIONS.values() if not p.gpu_only]
         raise ConfigError(
             "precision",
             name,
             "float16 needs a GPU",
-            allowed="32-true, bf16-mixed, bf16-true on CPU",
+            allowed=", ".join(on_cpu) + " on CPU",
             hint="use precision=bf16-mixed",
         )
-    if name == "16-mixed" and isinstance(cfg.strategy, (FSDP2Config, ModelParallelConfig)):
-        raise ConfigError(
-            "precision",
-            name,
-            f"strategy={cfg.strategy.name} has no sharded gradient scaler for float16",
-            allowed="32-true, bf16-mixed, bf16-true",
-            hint="use precision=bf16-mixed (no loss scaling needed), or strategy=fsdp for fp16",
-        )
 
 
-def check_custom_model(cfg: TrainConfig) -> None:
+def check_custom_model(run: ResolvedRun) -> None:
+    cfg = run.cfg
     if isinstance(cfg.model, CustomModelConfig):
-        _check_dotted("model._target_", cfg.model.target)
+        check_dotted("model._target_", cfg.model.target)
 
 
-def check_llama_sizes(cfg: TrainConfig) -> None:
-    """Every size positive; heads that split ``dim`` evenly; key/value heads that divide the heads."""
+def check_llama_sizes(run: ResolvedRun) -> None:
+    """Heads that split ``dim`` evenly; key/value heads that divide the heads (each size's own
+    range is declared with its field)."""
+    cfg = run.cfg
     model = cfg.model
     if not isinstance(model, LlamaConfig):
         return
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
-        if getattr(model, key) < 1:
-            raise ConfigError(
-                f"model.{key}", getattr(model, key), "must be at least 1", allowed="a positive integer"
-            )
-    for key in ("n_kv_heads", "ffn_hidden_dim"):
-        if getattr(model, key) is not None and getattr(model, key) < 1:
-            raise ConfigError(
-                f"model.{key}",
-                getattr(model, key),
-                "must be at least 1 or null",
-                allowed="a positive integer or null",
-            )
     kv = model.n_kv_heads or model.n_heads
     if model.dim % model.n_heads != 0 or (model.dim // model.n_heads) % 2 != 0:
         raise ConfigError(
@@ -223,8 +161,9 @@ def check_llama_sizes(cfg: TrainConfig) -> None:
         )
 
 
-def check_llama_tensor_parallel(cfg: TrainConfig) -> None:
+def check_llama_tensor_parallel(run: ResolvedRun) -> None:
     """Each tensor-parallel rank needs an equal share of heads, FFN and vocabulary."""
+    cfg = run.cfg
     model, tp = cfg.model, cfg.tp
     if not isinstance(model, LlamaConfig):
         return
@@ -239,7 +178,7 @@ def check_llama_tensor_parallel(cfg: TrainConfig) -> None:
             good = [
                 d
                 for d in range(1, tp + 1)
-                if all(s % d == 0 for s in sizes.values()) and int(cfg.devices) * cfg.num_nodes % d == 0
+                if all(s % d == 0 for s in sizes.values()) and run.layout.world_size % d == 0
             ]
             raise ConfigError(
                 "tp",
@@ -258,10 +197,11 @@ def check_llama_tensor_parallel(cfg: TrainConfig) -> None:
         )
 
 
-def check_batch(cfg: TrainConfig) -> None:
+def check_batch(run: ResolvedRun) -> None:
     """The global batch splits across data-parallel ranks, and each rank's share into micro-batches."""
-    data, dp = cfg.data, int(cfg.dp)
-    if data.global_batch_size < 1 or data.global_batch_size % dp != 0:
+    cfg = run.cfg
+    data, dp = cfg.data, run.layout.dp
+    if data.global_batch_size % dp != 0:
         raise ConfigError(
             "data.global_batch_size",
             data.global_batch_size,
@@ -271,7 +211,7 @@ def check_batch(cfg: TrainConfig) -> None:
         )
     per_rank = data.global_batch_size // dp
     micro = data.micro_batch_size
-    if micro is not None and (micro < 1 or per_rank % micro != 0):
+    if micro is not None and per_rank % micro != 0:
         raise ConfigError(
             "data.micro_batch_size",
             micro,
@@ -280,13 +220,10 @@ def check_batch(cfg: TrainConfig) -> None:
         )
 
 
-def check_vocabulary(cfg: TrainConfig) -> None:
+def check_vocabulary(run: ResolvedRun) -> None:
     """Token ids the data produces fit the model's vocabulary."""
+    cfg = run.cfg
     data = cfg.data
-    if data.vocab_size is not None and data.vocab_size < 1:
-        raise ConfigError(
-            "data.vocab_size", data.vocab_size, "must be at least 1", allowed="a positive integer"
-        )
     if data.vocab_size is None:
         raise ConfigError(
             "data.vocab_size",
@@ -298,10 +235,9 @@ def check_vocabulary(cfg: TrainConfig) -> None:
     _within_model(cfg, "vocab_size", "vocab_size", hint=f"use model.vocab_size>={data.vocab_size}")
 
 
-def check_sequence(cfg: TrainConfig) -> None:
+def check_sequence(run: ResolvedRun) -> None:
+    cfg = run.cfg
     _within_model(cfg, "seq_len", "max_seq_len")
-    if cfg.data.seq_len < 1:
-        raise ConfigError("data.seq_len", cfg.data.seq_len, "must be at least 1")
 
 
 def _within_model(cfg: TrainConfig, data_key: str, model_key: str, hint: str | None = None) -> None:
@@ -313,9 +249,10 @@ def _within_model(cfg: TrainConfig, data_key: str, model_key: str, hint: str | N
         )
 
 
-def check_data_path(cfg: TrainConfig) -> None:
+def check_data_path(run: ResolvedRun) -> None:
     """The files a data option reads exist, are not empty and hold enough: a text corpus one window
     of ``seq_len + 1`` bytes (and one held out, with validation), token files usable ids."""
+    cfg = run.cfg
     data = cfg.data
     if data.name == "text":
         _check_text_corpus(cfg)
@@ -334,8 +271,9 @@ def check_data_path(cfg: TrainConfig) -> None:
             existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
 
 
-def check_validation_data(cfg: TrainConfig) -> None:
+def check_validation_data(run: ResolvedRun) -> None:
     """Token corpora validate on files of their own."""
+    cfg = run.cfg
     data = cfg.data
     if (
         data.name in ("tokens", "jsonl")
@@ -394,13 +332,11 @@ def _check_text_corpus(cfg: TrainConfig) -> None:
         )
 
 
-def check_optim(cfg: TrainConfig) -> None:
+def check_optim(run: ResolvedRun) -> None:
     """What torch.optim.AdamW and the schedule would refuse, refused before any rank starts."""
-    optim = cfg.optim
-    for key, value in (("lr", optim.lr), ("eps", optim.eps), ("weight_decay", optim.weight_decay)):
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"optim.{key}", value, "must be a finite number >= 0", allowed="0 or more")
-    if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
+    cfg = run.cfg
+    optim = cfg.optim  # (each coefficient's range is declared with the field)
+    if len(optim.betas) != 2:
         raise ConfigError(
             "optim.betas",
             list(optim.betas),
@@ -408,26 +344,10 @@ def check_optim(cfg: TrainConfig) -> None:
             allowed="[beta1, beta2] with 0 <= beta < 1",
             hint="optim.betas=[0.9,0.95]",
         )
-    if optim.warmup_steps < 0:
-        raise ConfigError("optim.warmup_steps", optim.warmup_steps, "must be 0 or more")
-    if not 0.0 <= optim.min_lr_ratio <= 1.0:
-        raise ConfigError("optim.min_lr_ratio", optim.min_lr_ratio, "must be in [0, 1]", allowed="0..1")
 
 
-def check_fault_handling(cfg: TrainConfig) -> None:
-    if cfg.trainer.skip_nonfinite_steps < 0:
-        raise ConfigError(
-            "trainer.skip_nonfinite_steps",
-            cfg.trainer.skip_nonfinite_steps,
-            "must be 0 or more",
-            allowed="0, 1, ...",
-        )
-    for key in ("hang_timeout_s", "startup_timeout_s"):
-        value = getattr(cfg.launcher, key)
-        if value is not None and not value > 0:
-            raise ConfigError(
-                f"launcher.{key}", value, "must be positive", allowed="seconds > 0, or null for no limit"
-            )
+def check_async_save(run: ResolvedRun) -> None:
+    cfg = run.cfg
     if cfg.checkpoint.async_save and cfg.checkpoint.format is not CheckpointFormat.sharded:
         raise ConfigError(
             "checkpoint.async_save",
@@ -438,19 +358,16 @@ def check_fault_handling(cfg: TrainConfig) -> None:
         )
 
 
-def check_trainer(cfg: TrainConfig) -> None:
+def check_trainer(run: ResolvedRun) -> None:
+    cfg = run.cfg
     trainer = cfg.trainer
-    for key in ("max_steps", "log_every_n_steps"):
-        value = getattr(trainer, key)
-        if value < 1:
-            raise ConfigError(f"trainer.{key}", value, "must be at least 1")
-    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val < 0:
+    if trainer.max_steps == -1 and trainer.max_epochs is None:
         raise ConfigError(
-            "trainer.gradient_clip_val",
-            trainer.gradient_clip_val,
-            "must not be negative",
-            allowed="a positive number, 0 for no clipping, or null for the model's default",
-            hint="trainer.gradient_clip_val=0 turns clipping off",
+            "trainer.max_steps",
+            -1,
+            "no step limit and no epoch limit: the run would never end",
+            allowed="a positive number of steps, or -1 with trainer.max_epochs=N",
+            hint="set trainer.max_epochs=N, or trainer.max_steps=N",
         )
     if trainer.gradient_clip_algorithm not in ("norm", "value"):
         raise ConfigError(
@@ -459,9 +376,7 @@ def check_trainer(cfg: TrainConfig) -> None:
             "unknown",
             allowed="norm, value",
         )
-    if trainer.profile_steps < 1:
-        raise ConfigError("trainer.profile_steps", trainer.profile_steps, "must be at least 1")
-    if trainer.profiler is Profiler.torch and trainer.max_steps < trainer.profile_steps + 2:
+    if trainer.profiler is Profiler.torch and -1 < trainer.max_steps < trainer.profile_steps + 2:
         raise ConfigError(
             "trainer.max_steps",
             trainer.max_steps,
@@ -469,27 +384,10 @@ def check_trainer(cfg: TrainConfig) -> None:
             allowed=f"at least {trainer.profile_steps + 2}",
             hint="raise trainer.max_steps or lower trainer.profile_steps",
         )
-    if trainer.peak_tflops is not None and trainer.peak_tflops <= 0:
-        raise ConfigError(
-            "trainer.peak_tflops", trainer.peak_tflops, "must be positive", allowed="a number > 0 or null"
-        )
-    if trainer.val_check_interval is not None and trainer.val_check_interval < 1:
-        raise ConfigError(
-            "trainer.val_check_interval", trainer.val_check_interval, "must be at least 1 or null"
-        )
 
 
-def check_checkpoint(cfg: TrainConfig) -> None:
-    ckpt = cfg.checkpoint
-    if ckpt.every_n_steps is not None and ckpt.every_n_steps < 1:
-        raise ConfigError("checkpoint.every_n_steps", ckpt.every_n_steps, "must be at least 1 or null")
-    if ckpt.keep_last < 1:
-        raise ConfigError(
-            "checkpoint.keep_last",
-            ckpt.keep_last,
-            "must keep at least one checkpoint",
-            allowed="1 or more",
-        )
+def check_resume(run: ResolvedRun) -> None:
+    cfg = run.cfg
     if cfg.resume not in (None, "auto") and not os.path.exists(str(cfg.resume)):
         raise ConfigError(
             "resume",
@@ -500,7 +398,8 @@ def check_checkpoint(cfg: TrainConfig) -> None:
         )
 
 
-def check_wrap_and_logger(cfg: TrainConfig) -> None:
+def check_wrap_and_logger(run: ResolvedRun) -> None:
+    cfg = run.cfg
     if cfg.wrap.policy is WrapPolicy.classes and not cfg.wrap.classes:
         raise ConfigError(
             "wrap.classes",
@@ -520,40 +419,90 @@ def check_wrap_and_logger(cfg: TrainConfig) -> None:
         )
 
 
-def _check_dotted(key: str, path: str) -> None:
-    module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ConfigError(key, path, "not a dotted path", allowed="package.module.Name")
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
+def check_epoch_data(run: ResolvedRun) -> None:
+    """Epochs of the ``data`` group are whole global batches of a finite dataset."""
+    cfg = run.cfg
+    data = cfg.data
+    if data.name != "synthetic" or cfg.trainer.max_epochs is None:
+        return
+    size = data.num_sequences
+    if size is None:
         raise ConfigError(
-            key,
-            path,
-            f"module {module!r} cannot be imported",
-            hint="run from the folder that holds it, or add that folder to PYTHONPATH",
+            "data.num_sequences",
+            None,
+            f"trainer.max_epochs={cfg.trainer.max_epochs} needs epochs, and data=synthetic is an endless stream",
+            allowed="a number of sequences (an epoch visits each once)",
+            hint=f"data.num_sequences={data.global_batch_size * 100} (100 steps per epoch), or trainer.max_steps=N without max_epochs",
+        )
+    if size < data.global_batch_size:
+        raise ConfigError(
+            "data.num_sequences",
+            size,
+            f"an epoch must hold at least one global batch (data.global_batch_size={data.global_batch_size})",
+            allowed=f"{data.global_batch_size} or more",
+            hint="an epoch is floor(num_sequences / global_batch_size) optimizer steps",
         )
 
 
-CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    check_strategy_layout,
-    check_precision,
+LOGGER_PACKAGES = {
+    LoggerName.mlflow: ("mlflow", "mlflow"),
+    LoggerName.wandb: ("wandb", "wandb"),
+}
+"""logger option -> (the module Lightning's logger imports, the fsdp-cli extra that installs it)."""
+
+
+def check_experiment_logger(run: ResolvedRun) -> None:
+    """``logger=mlflow``/``wandb``: the package is installed (and, for MLflow's default SQLite store,
+    SQLAlchemy and Alembic, which the full ``mlflow`` brings and ``mlflow-skinny`` does not)."""
+    cfg = run.cfg
+    if cfg.logger.name not in LOGGER_PACKAGES:
+        return
+    module, extra = LOGGER_PACKAGES[cfg.logger.name]
+    needed = [module]
+    uri = cfg.logger.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+    if cfg.logger.name is LoggerName.mlflow and uri.startswith("sqlite:"):
+        needed += ["sqlalchemy", "alembic"]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(
+            "logger",
+            cfg.logger.name.value,
+            f"the {' and '.join(missing)} package{'s are' if len(missing) > 1 else ' is'} not installed",
+            allowed="none, csv",
+            hint=f'pip install "fsdp-cli[{extra}]"',
+        )
+
+
+def check_callbacks(run: ResolvedRun) -> None:
+    """Each ``callbacks`` entry names a module that can be imported (found without importing it:
+    whether it holds a Lightning Callback taking those arguments is asked on the resolve path,
+    :mod:`fsdp_cli.config.callback_classes`, where importing it is allowed)."""
+    for name, entry in run.cfg.callbacks.items():
+        if entry is not None:
+            check_dotted(f"callbacks.{name}._target_", str(entry["_target_"]))
+
+
+CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
+    check_strategy,
     check_custom_model,
     check_hf_model,
     check_llama_sizes,
     check_llama_tensor_parallel,
     check_trainer,
-    check_checkpoint,
+    check_resume,
     check_wrap_and_logger,
     check_optim,
-    check_fault_handling,
+    check_async_save,
+    check_experiment_logger,
+    check_callbacks,
 )
-DATA_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
+"""Cross-field checks, in order, after :func:`check_ranges` (each field's own range) and
+:func:`check_precision` (the precision table must know the name before a run can be resolved)."""
+DATA_CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_batch,
     check_vocabulary,
     check_sequence,
     check_validation_data,
     check_data_path,
+    check_epoch_data,
 )

@@ -1,7 +1,13 @@
-"""LightningDataModule over the synthetic, text or token-file datasets with the step-aligned sampler."""
+"""LightningDataModule over the synthetic, text or token-file datasets with the step-aligned sampler.
+
+Without ``trainer.max_epochs`` the training loader is endless (Lightning sees one infinite epoch and
+``max_steps`` ends the run, as always). With it, the loader has the length of one epoch of the
+dataset (:mod:`fsdp_cli.data.sampler`: whole global batches), and Lightning counts epochs.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -49,11 +55,13 @@ class TokenDataModule(L.LightningDataModule):
 
     validates = False
 
-    def __init__(self, data: Any, *, seed: int, dp_size: int) -> None:
+    def __init__(self, data: Any, *, seed: int, dp_size: int, epochs: bool = False) -> None:
         super().__init__()
         self.data = data
         self.seed = seed
         self.dp_size = dp_size
+        self.epochs = epochs
+        """Training loaders one epoch long (``trainer.max_epochs`` is set)."""
         self.micro_batch_size = data.micro_batch_size or data.global_batch_size // dp_size
         self._train: Dataset | None = None
         self._val: Dataset | None = None
@@ -76,12 +84,24 @@ class TokenDataModule(L.LightningDataModule):
             if self.validates:
                 self._val = token_windows(data, "val_path", self.seed + VAL_SEED_OFFSET)
         else:
-            self._train = SyntheticTokens(vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed)
+            self._train = SyntheticTokens(
+                vocab_size=data.vocab_size,
+                seq_len=data.seq_len,
+                seed=self.seed,
+                num_sequences=data.num_sequences,
+            )
             self._val = SyntheticTokens(
                 vocab_size=data.vocab_size, seq_len=data.seq_len, seed=self.seed + VAL_SEED_OFFSET
             )
 
-    def _loader(self, dataset: Dataset, start_step: int) -> DataLoader:
+    def _loader(
+        self,
+        dataset: Dataset,
+        start_step: int,
+        *,
+        current_step: Callable[[], int] | None = None,
+        epoch_size: int | None = None,
+    ) -> DataLoader:
         kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer is not None else None
         rank, size = (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
         if size != self.dp_size:
@@ -92,9 +112,11 @@ class TokenDataModule(L.LightningDataModule):
             dp_rank=rank,
             dp_size=size,
             start_step=start_step,
+            epoch_size=epoch_size,
+            current_step=current_step,
         )
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return DataLoader(
+        return StepDataLoader(
             dataset,
             batch_sampler=sampler,
             num_workers=self.data.num_workers,
@@ -105,9 +127,43 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self._train is not None
-        # On resume the trainer's step is already restored: continue with the next unseen batch.
-        step = self.trainer.global_step if self.trainer is not None else 0
-        return self._loader(self._train, start_step=step)
+        # Each pass starts at the trainer's step: on resume it is already restored (the next unseen
+        # batch, mid-epoch too), at a new epoch it is that epoch's first step.
+        trainer = self.trainer
+        step = trainer.global_step if trainer is not None else 0
+        current = (lambda: trainer.global_step) if trainer is not None else None
+        epoch_size = self._epoch_size(self._train) if self.epochs else None
+        return self._loader(self._train, start_step=step, current_step=current, epoch_size=epoch_size)
+
+    def _epoch_size(self, dataset: Dataset) -> int:
+        """Items in one epoch of ``dataset``; at least one global batch, else a one-line error."""
+        size = dataset.epoch_size  # type: ignore[attr-defined]
+        data = self.data
+        if size is None or size < data.global_batch_size:
+            synthetic = data.name == "synthetic"
+            raise ConfigError(
+                "data.num_sequences" if synthetic else "data.path",
+                size if synthetic else data.path,
+                f"an epoch holds {size} sequences of data.seq_len + 1 = {data.seq_len + 1} tokens, fewer than "
+                f"one global batch (data.global_batch_size={data.global_batch_size})",
+                hint="more data, a smaller data.global_batch_size or data.seq_len, or trainer.max_steps without max_epochs",
+            )
+        return int(size)
+
+
+class StepDataLoader(DataLoader):
+    """A DataLoader whose position is the trainer's optimizer step (:class:`StepBatchSampler`).
+
+    Lightning asks a loader that resumes mid-epoch to say so through ``state_dict`` /
+    ``load_state_dict`` (else it warns that such a resume is unreliable). This one resumes exactly
+    at any step by construction, so it has nothing to save and nothing to restore.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the restored global step is the position."""
 
 
 class ValidatedTokenDataModule(TokenDataModule):

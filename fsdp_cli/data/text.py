@@ -1,7 +1,9 @@
 """Byte-level language modelling on local text files (vocabulary 256, no tokenizer).
 
 With no path, the Python standard library sources installed on this machine are the corpus:
-a real loss curve with no download.
+a real loss curve with no download. The bytes are windowed as token files are
+(:class:`fsdp_cli.data.tokens.TokenWindows`): ``n = (bytes - 1) // seq_len`` windows starting every
+``seq_len`` bytes, each epoch visiting every window once in an order fixed by (seed, epoch).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fsdp_cli.data.files import HELD_OUT_FRACTION, text_files
+from fsdp_cli.data.tokens import affine_permutation
 
 
 def read_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
@@ -28,7 +31,8 @@ def read_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
 
 
 class ByteWindows(Dataset):
-    """Item i is a window of ``seq_len + 1`` bytes at a position fixed by (seed, i)."""
+    """Item ``i`` is window ``perm_e(i mod n)`` of epoch ``e = i // n``: ``seq_len + 1`` bytes
+    starting at a multiple of ``seq_len`` (consecutive windows share one byte, as token windows do)."""
 
     def __init__(self, corpus: torch.Tensor, *, seq_len: int, seed: int) -> None:
         if len(corpus) <= seq_len + 1:
@@ -36,14 +40,19 @@ class ByteWindows(Dataset):
         self.corpus = corpus
         self.seq_len = seq_len
         self.seed = seed
-        self.positions = len(corpus) - seq_len - 1
+        self.windows = (len(corpus) - 1) // seq_len
 
     def __len__(self) -> int:
         return 2**62
 
+    @property
+    def epoch_size(self) -> int:
+        """Items in one epoch: every window once."""
+        return self.windows
+
     def __getitem__(self, index: int) -> torch.Tensor:
-        # A multiplicative hash spreads consecutive items over the corpus.
-        start = ((index + 1) * 0x9E3779B97F4A7C15 + self.seed * 0xBF58476D1CE4E5B9) % (2**64) % self.positions
+        epoch, position = divmod(index, self.windows)
+        start = affine_permutation(position, self.windows, key=(self.seed, epoch)) * self.seq_len
         return self.corpus[start : start + self.seq_len + 1].long()
 
 

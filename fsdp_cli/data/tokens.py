@@ -47,6 +47,11 @@ class TokenWindows(Dataset):
     def __len__(self) -> int:
         return 2**62  # the sampler runs for as many steps as training needs
 
+    @property
+    def epoch_size(self) -> int:
+        """Items in one epoch: every window once."""
+        return self.windows
+
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers open their own maps; pickling a memmap would copy the whole file.
         return {**self.__dict__, "_maps": None}

@@ -4,10 +4,13 @@ the library the NVIDIA driver ships)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
+"""Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
 
 
 @dataclass(frozen=True)
@@ -49,89 +52,37 @@ def visible_gpu_count(env: Mapping[str, str]) -> int:
         entries = [e for e in listed.split(",") if e.strip()]
         if not entries or entries[0].strip().startswith("-"):
             return 0
-        return min(len(entries), _nvml_device_count() or len(entries))
-    return _nvml_device_count()
-
-
-def _nvml_device_count() -> int:
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_uint(0)
-    try:
-        if nvml.nvmlInit_v2() != 0:
-            return 0
-        ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
-        nvml.nvmlShutdown()
-    except AttributeError:
-        return 0
-    return int(count.value) if ok else 0
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
-def _nvml_devices(env: Mapping[str, str]) -> list[int]:
-    """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES as indices, or all)."""
-    count = _nvml_device_count()
-    listed = env.get("CUDA_VISIBLE_DEVICES")
-    if listed is None:
-        return list(range(count))
-    entries = [e.strip() for e in listed.split(",") if e.strip()]
-    return [int(e) for e in entries if e.isdigit() and int(e) < count]
-
-
-def _nvml_query(env: Mapping[str, str], query: str) -> list[tuple[int, ...]]:
-    """Per visible GPU: its memory (``total``,) or its compute capability (major, minor), via NVML."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return []
-    out: list[tuple[int, ...]] = []
-    try:
-        if nvml.nvmlInit_v2() != 0:
-            return []
-        for index in _nvml_devices(env):
-            handle = ctypes.c_void_p()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
-                continue
-            if query == "memory":
-                memory = _NvmlMemory()
-                if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0:
-                    out.append((int(memory.total),))
-            else:
-                major, minor = ctypes.c_int(), ctypes.c_int()
-                if (
-                    nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor))
-                    == 0
-                ):
-                    out.append((major.value, minor.value))
-        nvml.nvmlShutdown()
-    except AttributeError:
-        return []
-    return out
+        return min(len(entries), _nvml().device_count() or len(entries))
+    return _nvml().device_count()
 
 
 def gpu_memory_bytes(env: Mapping[str, str]) -> int | None:
     """Memory of the smallest GPU this process may use (None without GPUs or NVML)."""
-    sizes = [m[0] for m in _nvml_query(env, "memory")]
+    sizes = [m[0] for m in _nvml().query(env, "memory")]
     return min(sizes) if sizes else None
 
 
 def gpu_compute_capability(env: Mapping[str, str]) -> tuple[int, int] | None:
     """The lowest compute capability among the GPUs this process may use (None without NVML)."""
-    found = [(c[0], c[1]) for c in _nvml_query(env, "capability")]
+    found = [(c[0], c[1]) for c in _nvml().query(env, "capability")]
     return min(found) if found else None
 
 
 def die_with_parent(sig: int) -> None:
     """Ask Linux to send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``),
     so that killing a launcher outright does not leave its children running. Elsewhere: nothing."""
+    import ctypes
+
     pr_set_pdeathsig = 1
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def _nvml() -> Any:
+    """:mod:`fsdp_cli.launch.nvml`, imported on first use."""
+    from fsdp_cli.launch import nvml
+
+    return nvml

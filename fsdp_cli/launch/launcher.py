@@ -23,8 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
-from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV
+from fsdp_cli.launch.environment import WATCHDOG_ENV
 from fsdp_cli.launch.stacks import dump_stacks
 from fsdp_cli.launch.watchdog import (
     DeadRankWatch,
@@ -81,13 +82,14 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     return cmd
 
 
-def worker_env(cfg: TrainConfig) -> dict[str, str]:
+def worker_env(run: ResolvedRun) -> dict[str, str]:
+    cfg = run.cfg
     env = dict(os.environ)
     # model._target_ and parallelize_fn may live in the working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     if "OMP_NUM_THREADS" not in env:
         # torchrun would force 1; on CPU runs the ranks share the cores instead.
-        per_rank = (os.cpu_count() or 1) // int(cfg.devices) if cfg.accelerator.value == "cpu" else 1
+        per_rank = 1 if run.layout.on_gpu else (os.cpu_count() or 1) // run.layout.devices
         env["OMP_NUM_THREADS"] = str(max(1, per_rank))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[LOG_DIR_ENV] = str(log_dir(cfg.run_dir))
@@ -98,11 +100,11 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
     return env
 
 
-def launch(cfg: TrainConfig) -> int:
+def launch(run: ResolvedRun) -> int:
     """Start the ranks and supervise them; returns their exit status (0 when all succeeded)."""
-    run_dir = Path(cfg.run_dir)
+    cfg, run_dir = run.cfg, run.run_dir
     clear_failure(run_dir)  # a resumed run reuses its directory (stale heartbeats name other agents)
-    proc = subprocess.Popen(torchrun_command(cfg, run_dir / CONFIG_FILE), env=worker_env(cfg))
+    proc = subprocess.Popen(torchrun_command(cfg, run_dir / CONFIG_FILE), env=worker_env(run))
     # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to
     # every rank: they checkpoint and exit with status "preempted".
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))

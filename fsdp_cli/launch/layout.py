@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp_cli.config.schema import Accelerator, LauncherConfig, TrainConfig
+from fsdp_cli.config.strategies import entry_of
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import (
     ClusterJob,
@@ -24,6 +25,7 @@ from fsdp_cli.launch.environment import (
 )
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.float8 import device_problem
+from fsdp_cli.precision import AUTO, auto_precision
 
 CPU_DEFAULT_DEVICES = 2
 """Processes per node for ``devices=auto`` on a machine without GPUs."""
@@ -55,10 +57,8 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None
     launcher = resolve_rendezvous(cfg, env, job)
     dims = parallel_dims(cfg, devices=devices, num_nodes=num_nodes)
     precision = cfg.precision
-    if precision.name == "auto":
-        precision = dataclasses.replace(
-            precision, name="bf16-mixed" if accelerator is Accelerator.gpu else "32-true"
-        )
+    if precision.name == AUTO:
+        precision = dataclasses.replace(precision, name=auto_precision(accelerator is Accelerator.gpu))
     return dataclasses.replace(
         cfg,
         accelerator=accelerator,
@@ -79,14 +79,15 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         world_size=devices * num_nodes,
         dp=dp,
         tp=tp,
-        replicate=getattr(cfg.strategy, "replicate_size", 1),
+        replicate=entry_of(cfg).replicate_size(cfg.strategy),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )
 
 
 def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, str]) -> None:
     """float8 needs torchao and GPUs with float8 tensor cores (compute capability 8.9+)."""
-    if not getattr(cfg.strategy, "float8", False):
+    settings = entry_of(cfg).parallelize(cfg.strategy)
+    if settings is None or not settings.float8:
         return
     problem = device_problem(on_gpu=accelerator is Accelerator.gpu, capability=gpu_compute_capability(env))
     if problem is not None:

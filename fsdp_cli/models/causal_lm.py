@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_cli.config.schema import OptimConfig, Scheduler
+from fsdp_cli.models.args import OptimizerArgs, Scheduler
 
 
 class CausalLMModule(L.LightningModule):
@@ -25,13 +25,13 @@ class CausalLMModule(L.LightningModule):
     Arguments:
         model_factory: builds the ``nn.Module`` (called once, inside ``configure_model``).
         optim: AdamW and learning-rate schedule settings.
-        max_steps: the schedule's horizon.
+        max_steps: the schedule's horizon (or where ``max_epochs`` ends training, when that comes first).
     """
 
     def __init__(
         self,
         model_factory: Callable[[], nn.Module],
-        optim: OptimConfig,
+        optim: OptimizerArgs,
         max_steps: int,
     ) -> None:
         super().__init__()
@@ -72,18 +72,31 @@ class CausalLMModule(L.LightningModule):
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(opt, self.max_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(opt, self._horizon))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def _horizon(self) -> int:
+        """The last step of training: ``max_steps``, or where ``trainer.max_epochs`` ends it first.
+        Asked at the first decaying step, when Lightning knows the epoch length (asking it in
+        ``configure_optimizers`` would build the DataLoader before a resumed step is restored)."""
+        if self._trainer is None:
+            return self.max_steps
+        total = self._trainer.estimated_stepping_batches
+        return int(total) if math.isfinite(total) and total > 0 else self.max_steps
 
-def _schedule(opt: OptimConfig, max_steps: int) -> Callable[[int], float]:
+
+def _schedule(opt: OptimizerArgs, horizon: Callable[[], int]) -> Callable[[int], float]:
     warmup, floor = opt.warmup_steps, opt.min_lr_ratio
-    decay_steps = max(1, max_steps - warmup)
+    decay_steps: list[int] = []  # the horizon, once known
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / decay_steps)
+        if opt.scheduler is Scheduler.constant or step == warmup:
+            return 1.0
+        if not decay_steps:
+            decay_steps.append(max(1, horizon() - warmup))
+        progress = min(1.0, (step - warmup) / decay_steps[0])
         if opt.scheduler is Scheduler.cosine:
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
         if opt.scheduler is Scheduler.linear:

@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from fsdp_cli.config.schema import HFModelConfig
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.models.args import HFModelArgs
 from fsdp_cli.models.hf_weights import HFSource, LoadReport, WeightFiller
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
@@ -144,7 +144,7 @@ def hf_tp_plan(model: nn.Module, tp: int | str = ">1") -> dict[str, ParallelStyl
     return resolved
 
 
-def build_hf_model(cfg: HFModelConfig, *, seed: int) -> HFCausalLM:
+def build_hf_model(cfg: HFModelArgs, *, seed: int) -> HFCausalLM:
     """``AutoModelForCausalLM.from_config(config.json)`` on the meta device: nothing allocated,
     no weight read. Master weights are fp32 whatever dtype the folder was saved in (the
     ``precision`` group decides the compute dtype); dropout stays as the config sets it."""

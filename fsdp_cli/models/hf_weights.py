@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fsdp_cli.compat.torch_internals import TorchDispatchMode, local_box, non_persistent_buffer_names
-from fsdp_cli.config.model_folder import weight_files
+from fsdp_cli.models.folder import weight_files
 from fsdp_cli.parallel.names import canonical_name
 
 # Keys every model ignores when loading: buffers older checkpoints saved that modules now recompute.

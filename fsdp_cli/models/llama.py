@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
@@ -58,7 +58,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
@@ -96,7 +96,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -111,7 +111,7 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only transformer: ``forward(input_ids[B, T]) -> logits[B, T, vocab]``."""
 
-    def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: LlamaArgs, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.seed = seed

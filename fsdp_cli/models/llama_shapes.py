@@ -7,13 +7,13 @@ memory plan and the FLOP count answer in milliseconds even for an 8B model.
 
 from __future__ import annotations
 
-from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.parallel.shapes import ParamShape
 
 COLWISE, ROWWISE = 0, 1  # the weight dimension each tensor-parallel style splits ([out, in] layout)
 
 
-def llama_params(cfg: LlamaConfig) -> list[ParamShape]:
+def llama_params(cfg: LlamaArgs) -> list[ParamShape]:
     dim, head_dim = cfg.dim, cfg.dim // cfg.n_heads
     kv_dim = (cfg.n_kv_heads or cfg.n_heads) * head_dim
     hidden = cfg.feed_forward_dim()
@@ -37,6 +37,6 @@ def llama_params(cfg: LlamaConfig) -> list[ParamShape]:
     return params
 
 
-def llama_block_names(cfg: LlamaConfig) -> list[str]:
+def llama_block_names(cfg: LlamaArgs) -> list[str]:
     """The repeated blocks (the default FSDP units), in order."""
     return [f"layers.{i}" for i in range(cfg.n_layers)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp_cli.config.schema import ActivationCheckpointing
+from fsdp_cli.parallel.options import ActivationCheckpointing
 
 
 def apply_ac(

@@ -123,13 +123,14 @@ class ParallelDims:
             self._mesh = mesh
         return self._mesh
 
-    def build_fsdp1_mesh(self, device_type: str) -> Any:
+    def build_fsdp1_mesh(self, device_type: str, *, hybrid: bool = False) -> Any:
         """FSDP1's mesh, built once: (replicate, shard) for HYBRID_SHARD, else a 1-D (shard,) mesh
-        (which makes FSDP1's sharded state dicts DTensors, as FSDP2's are)."""
+        (which makes FSDP1's sharded state dicts DTensors, as FSDP2's are). ``hybrid``: 2-D even
+        with one replica (HYBRID_SHARD on one node), as FSDP1's hybrid strategies refuse a 1-D mesh."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            if self.hsdp_enabled:
+            if self.hsdp_enabled or hybrid:
                 shape, dim_names = (self.dp_replicate, self.dp_shard), ("replicate", "shard")
             else:
                 shape, dim_names = (self.dp,), ("shard",)

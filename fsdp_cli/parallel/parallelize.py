@@ -22,39 +22,31 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_cli.config.schema import ActivationCheckpointing, WrapConfig
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.activation_checkpoint import apply_ac
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
 from fsdp_cli.parallel.names import canonical_name
+from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions
 from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
 from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
 
 
 @dataclass
-class ParallelizeOptions:
-    """How a model is parallelized, besides the mesh sizes (see :class:`~fsdp_cli.parallel.dims.ParallelDims`).
+class ParallelizeOptions(ParallelizeSettings):
+    """How a model is parallelized, besides the mesh sizes (see :class:`~fsdp_cli.parallel.dims.ParallelDims`):
+    the :class:`~fsdp_cli.parallel.options.ParallelizeSettings` plus the objects they become.
 
-    The fields of the same name in the ``strategy=fsdp2`` schema (:class:`~fsdp_cli.config.schema.FSDP2Config`)
-    are copied here by name; ``FSDP2Strategy`` accepts each as a keyword.
+    The CLI's ``strategy=fsdp2`` schema extends ``ParallelizeSettings`` (:meth:`from_settings`
+    takes them from it by that class's fields, not by matching names); ``FSDP2Strategy`` accepts
+    each field as a keyword.
     """
 
     mp_policy: Any = None
     """A ``torch.distributed.fsdp.MixedPrecisionPolicy`` (param/reduce/output dtypes); None = fp32."""
     offload_policy: Any = None
     """E.g. ``CPUOffloadPolicy()``: shards, gradients and optimizer state stay in CPU memory."""
-    reshard_after_forward: bool | int = True
-    """True (ZeRO-3), False (ZeRO-2) or an int (reshard to groups of that many ranks)."""
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
-    ac_every_n_blocks: int = 2
-    """With selective activation checkpointing: recompute every N-th block."""
-    compile: bool = False
-    """``torch.compile`` each block before sharding it."""
-    float8: bool = False
-    """float8 linear layers and float8 all-gathers through torchao (see :mod:`fsdp_cli.parallel.float8`)."""
-    sequence_parallel: bool = False
-    """With tensor parallel, also shard norms and the residual stream along the sequence."""
-    wrap: WrapConfig = field(default_factory=WrapConfig)
+    wrap: WrapOptions = field(default_factory=WrapOptions)
     """Which module classes become FSDP units (default: the model's repeated block)."""
     tp_shard_plan: dict[str, Any] | None = None
     """A tensor-parallel plan to use instead of ``model.tp_plan()``."""
@@ -65,6 +57,11 @@ class ParallelizeOptions:
         if isinstance(ac, bool):
             ac = ActivationCheckpointing.full if ac else ActivationCheckpointing.none
         self.activation_checkpointing = ActivationCheckpointing(ac)
+
+    @classmethod
+    def from_settings(cls, settings: ParallelizeSettings, **objects: Any) -> ParallelizeOptions:
+        """The settings of ``settings`` (a ``strategy=fsdp2`` config, say) plus the policy objects."""
+        return cls(**settings.settings(), **objects)
 
     @classmethod
     def names(cls) -> set[str]:
@@ -99,9 +96,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
     if dims.tp_enabled:
         plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
         if plan is None:
-            raise ValueError(
-                f"tp={dims.tp} but {type(model).__name__} has no tensor-parallel plan: define "
-                "model.tp_plan(sequence_parallel) or pass strategy.parallelize_fn"
+            raise ConfigError(
+                "tp",
+                dims.tp,
+                f"{type(model).__name__} has no tensor-parallel plan",
+                allowed="tp=1 for this model",
+                hint="define model.tp_plan(sequence_parallel), or pass strategy.parallelize_fn",
             )
         apply_tp(model, dims.tp_mesh, plan)
         report.tp_modules = len(plan)

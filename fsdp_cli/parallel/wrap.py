@@ -14,8 +14,8 @@ from collections import Counter
 
 from torch import nn
 
-from fsdp_cli.config.schema import WrapConfig, WrapPolicy
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.parallel.options import WrapOptions, WrapPolicy
 
 
 def class_path(cls: type) -> str:
@@ -70,7 +70,7 @@ def resolve_classes(model: nn.Module, names: list[str], key: str = "wrap.classes
     return tuple(dict.fromkeys(found))
 
 
-def block_classes(model: nn.Module, wrap: WrapConfig) -> tuple[type, ...]:
+def block_classes(model: nn.Module, wrap: WrapOptions) -> tuple[type, ...]:
     """The module classes that form FSDP units under ``wrap`` (empty for ``size``/``none``)."""
     if wrap.policy is WrapPolicy.classes:
         return resolve_classes(model, wrap.classes)
@@ -79,7 +79,7 @@ def block_classes(model: nn.Module, wrap: WrapConfig) -> tuple[type, ...]:
     return ()
 
 
-def wrap_units(model: nn.Module, wrap: WrapConfig) -> list[nn.Module]:
+def wrap_units(model: nn.Module, wrap: WrapOptions) -> list[nn.Module]:
     """The submodules (excluding the root) that become FSDP units, children before parents."""
     if wrap.policy is WrapPolicy.none:
         return []

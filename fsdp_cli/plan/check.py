@@ -10,41 +10,35 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from fsdp_cli.config.schema import (
-    ActivationCheckpointing,
-    CustomModelConfig,
-    DDPConfig,
-    FSDP2Config,
-    FSDPConfig,
-    LlamaConfig,
-    TrainConfig,
-)
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import CustomModelConfig, LlamaConfig, TrainConfig
 from fsdp_cli.launch.environment import gpu_memory_bytes
-from fsdp_cli.plan.memory import FIT_FRACTION, MemoryPlan, plan_memory, strategy_supported
+from fsdp_cli.plan.memory import FIT_FRACTION, MemoryPlan, gib, plan_memory, planner_of, strategy_supported
 from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
 
-GIB = 2**30
 
-
-def model_spec(cfg: TrainConfig) -> ModelSpec | None:
+def model_spec(cfg: TrainConfig | ResolvedRun) -> ModelSpec | None:
     """The model's description: analytic for the built-in one, else a meta-device build (which
     imports torch and the model's code). None for models the plan cannot see into (a
     LightningModule that builds its own layers)."""
+    run = ResolvedRun.of(cfg)
+    cfg = run.cfg
     model = cfg.model
     if isinstance(model, LlamaConfig):
         spec = llama_spec(model, cfg.wrap)
         if spec is not None:
             return spec
-    return _meta_spec(cfg)
+    return _meta_spec(run)
 
 
-def _meta_spec(cfg: TrainConfig) -> ModelSpec | None:
+def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
     import torch
     from torch import nn
 
+    cfg = run.cfg
     model: nn.Module
     if isinstance(cfg.model, CustomModelConfig):
-        from fsdp_cli.builders.imports import import_object
+        from fsdp_cli.dotted import import_object
 
         target = import_object(cfg.model.target, "model._target_")
         with torch.device("meta"):
@@ -60,16 +54,18 @@ def _meta_spec(cfg: TrainConfig) -> ModelSpec | None:
         model = model.to("meta")
     tp_plan = None
     if cfg.tp > 1 and callable(getattr(model, "tp_plan", None)):
-        tp_plan = model.tp_plan(sequence_parallel=bool(getattr(cfg.strategy, "sequence_parallel", False)))
+        settings = run.entry.parallelize(cfg.strategy)
+        tp_plan = model.tp_plan(sequence_parallel=settings is not None and settings.sequence_parallel)
     return module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size, tp_plan=tp_plan)
 
 
-def plan_for(cfg: TrainConfig, device_memory: int | None = None) -> MemoryPlan | None:
+def plan_for(cfg: TrainConfig | ResolvedRun, device_memory: int | None = None) -> MemoryPlan | None:
     """The plan of a resolved, validated config; None where the plan cannot be made."""
-    if not strategy_supported(cfg):
+    run = ResolvedRun.of(cfg)
+    if not strategy_supported(run):
         return None
-    spec = model_spec(cfg)
-    return None if spec is None else plan_memory(cfg, spec, device_memory)
+    spec = model_spec(run)
+    return None if spec is None else plan_memory(run, spec, device_memory)
 
 
 def detected_device_memory(cfg: TrainConfig, env: Mapping[str, str]) -> int | None:
@@ -108,29 +104,14 @@ def unfit_line(cfg: TrainConfig, plan: MemoryPlan) -> str:
     )
 
 
-def hint(cfg: TrainConfig, plan: MemoryPlan) -> str:
-    peak, strategy = plan.peak, cfg.strategy
-    limit = FIT_FRACTION * (plan.device_memory or 0)
-    if plan.activation_checkpointing != "full" and isinstance(strategy, FSDP2Config):
-        with_ac = peak.total - peak.activations + peak.activations_full_ac
-        if with_ac <= limit:
-            return f"strategy.activation_checkpointing=full ({gib(with_ac)} per device)"
-    if isinstance(strategy, DDPConfig) or (isinstance(strategy, FSDP2Config) and strategy.replicate_size > 1):
-        return "shard the parameters: strategy=fsdp2 (with strategy.replicate_size=1)"
-    if isinstance(strategy, FSDPConfig) and strategy.sharding_strategy.value == "NO_SHARD":
-        return "strategy.sharding_strategy=FULL_SHARD"
-    if (
-        isinstance(strategy, FSDP2Config)
-        and strategy.activation_checkpointing is ActivationCheckpointing.none
-    ):
-        return "strategy.activation_checkpointing=full, a smaller data.micro_batch_size, or more devices (fsdp-plan --search)"
-    return (
+def hint(cfg: TrainConfig | ResolvedRun, plan: MemoryPlan) -> str:
+    """The strategy's own way to fit (its planner's), else the general advice."""
+    run = ResolvedRun.of(cfg)
+    planner = planner_of(run)
+    own = planner.hint(run, plan, FIT_FRACTION * (plan.device_memory or 0)) if planner else None
+    return own or (
         "a smaller data.micro_batch_size, more devices, or tp=2 (fsdp-plan --search lists layouts that fit)"
     )
-
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
 
 
 def with_layout(cfg: TrainConfig, **changes: object) -> TrainConfig:

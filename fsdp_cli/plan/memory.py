@@ -22,24 +22,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fsdp_cli.config.schema import (
-    ActivationCheckpointing,
-    DDPConfig,
-    FSDP2Config,
-    FSDPConfig,
-    ShardingStrategy,
-    TrainConfig,
-)
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy, TrainConfig
+from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, tp_local_shape
 from fsdp_cli.plan.model import Activations, ModelSpec
 
 FIT_FRACTION = 0.95
 """A plan fits when its largest rank needs at most this share of the device memory."""
 ADAM_STEP_BYTES = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2**30
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
 
 
 @dataclass
@@ -100,74 +100,79 @@ class Dtypes:
     reduce: int
 
 
-def dtypes_of(cfg: TrainConfig) -> Dtypes:
-    """Bytes per element of stored parameters, compute (activations, all-gathers) and reduction."""
-    name = cfg.precision.name
-    stored = {"bf16-true": 2, "16-true": 2, "64-true": 8}.get(name, 4)
-    compute = 2 if name.endswith("-mixed") else stored
-    reduce = 4 if name.endswith("-mixed") else stored
-    mp = getattr(cfg.strategy, "mp_policy", None) or getattr(cfg.strategy, "mixed_precision", None)
-    if mp is not None:
-        compute = DTYPE_BYTES[mp.param_dtype.value] if mp.param_dtype is not None else compute
-        reduce = DTYPE_BYTES[mp.reduce_dtype.value] if mp.reduce_dtype is not None else reduce
-    return Dtypes(param=stored, compute=compute, reduce=reduce)
+def dtypes_of(run: ResolvedRun) -> Dtypes:
+    """Bytes per element of stored parameters, compute (activations, all-gathers) and reduction:
+    the precision in effect, explicit mixed-precision policy included."""
+    return Dtypes(*run.precision.bytes())
 
 
-def plan_memory(cfg: TrainConfig, spec: ModelSpec, device_memory: int | None = None) -> MemoryPlan:
+@dataclass
+class Placement:
+    """What one strategy's planner says about a run."""
+
+    ranks: list[RankMemory]
+    activation_checkpointing: str = ActivationCheckpointing.none.value
+    ac_every_n_blocks: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Planner:
+    """A strategy's memory planner (named by its registry entry)."""
+
+    place: Callable[[ResolvedRun, ModelSpec, Dtypes], Placement]
+    hint: Callable[[ResolvedRun, MemoryPlan, float], str | None]
+    """The strategy's own way to fit into ``limit`` bytes per device, or None."""
+
+
+def plan_memory(
+    cfg: TrainConfig | ResolvedRun, spec: ModelSpec, device_memory: int | None = None
+) -> MemoryPlan:
     """Every rank's memory for a resolved config (layout sizes are numbers, not ``auto``)."""
-    strategy, dp, tp = cfg.strategy, int(cfg.dp), cfg.tp
-    world = int(cfg.devices) * cfg.num_nodes
-    micro = cfg.data.micro_batch_size or cfg.data.global_batch_size // dp
-    dtypes = dtypes_of(cfg)
-    if isinstance(strategy, FSDP2Config):
-        replicate = strategy.replicate_size
-        ranks, layout = (
-            _fsdp2(spec, dp // replicate, tp, replicate, dtypes, strategy),
-            {
-                "replicate": replicate,
-                "shard": dp // replicate,
-                "tp": tp,
-            },
-        )
-    elif isinstance(strategy, FSDPConfig):
-        shard, ranks = _fsdp1(spec, cfg, strategy, dtypes)
-        layout = {"replicate": world // shard, "shard": shard, "tp": 1}
-    else:
-        ranks, layout = (
-            _ddp(spec, world, dtypes, cfg.precision.name),
-            {"replicate": world, "shard": 1, "tp": 1},
-        )
-    ac = _ac_mode(cfg)
-    acts = spec.activations(cfg.data.seq_len, dtypes.compute)
-    sequence_parallel = bool(getattr(strategy, "sequence_parallel", False))
-    for rank in ranks:
-        rank.activations_no_ac = micro * _activation_bytes(acts, "none", 1, tp, sequence_parallel)
-        rank.activations_full_ac = micro * _activation_bytes(acts, "full", 1, tp, sequence_parallel)
-        every = getattr(strategy, "ac_every_n_blocks", 1)
-        rank.activations = micro * _activation_bytes(acts, ac, every, tp, sequence_parallel)
-        if cfg.accelerator.value == "gpu" and getattr(strategy, "cpu_offload", False):
+    run = ResolvedRun.of(cfg)
+    planner = planner_of(run)
+    if planner is None:
+        raise ValueError(f"strategy={run.entry.name}: no memory plan for it")
+    layout, data = run.layout, run.cfg.data
+    micro = data.micro_batch_size or data.global_batch_size // layout.dp
+    dtypes = dtypes_of(run)
+    placement = planner.place(run, spec, dtypes)
+    acts = spec.activations(data.seq_len, dtypes.compute)
+    mode, every, sp = (
+        placement.activation_checkpointing,
+        placement.ac_every_n_blocks,
+        placement.sequence_parallel,
+    )
+    offloaded = layout.on_gpu and run.entry.offloads(run.cfg.strategy)
+    for rank in placement.ranks:
+        rank.activations_no_ac = micro * _activation_bytes(acts, "none", 1, layout.tp, sp)
+        rank.activations_full_ac = micro * _activation_bytes(acts, "full", 1, layout.tp, sp)
+        rank.activations = micro * _activation_bytes(acts, mode, every, layout.tp, sp)
+        if offloaded:
             rank.offloaded = rank.params + rank.grads + rank.optimizer
             rank.params = rank.grads = rank.optimizer = 0
     return MemoryPlan(
-        strategy=strategy.name,
-        layout={**layout, "world": world},
-        precision=cfg.precision.name,
+        strategy=run.entry.name,
+        layout={
+            "replicate": layout.replicate,
+            "shard": layout.shard,
+            "tp": layout.tp,
+            "world": layout.world_size,
+        },
+        precision=run.precision.name,
         micro_batch_size=micro,
-        seq_len=cfg.data.seq_len,
-        activation_checkpointing=ac,
-        ranks=ranks,
+        seq_len=data.seq_len,
+        activation_checkpointing=mode,
+        ranks=placement.ranks,
         device_memory=device_memory,
         notes=list(spec.notes),
     )
 
 
-def _ac_mode(cfg: TrainConfig) -> str:
-    strategy = cfg.strategy
-    if isinstance(strategy, FSDP2Config):
-        return strategy.activation_checkpointing.value
-    if isinstance(strategy, FSDPConfig) and strategy.activation_checkpointing_policy:
-        return ActivationCheckpointing.full.value
-    return ActivationCheckpointing.none.value
+def planner_of(run: ResolvedRun) -> Planner | None:
+    """The strategy's planner (its registry entry names it); None: no plan for it."""
+    planner = run.entry.load_planner()
+    return planner if isinstance(planner, Planner) else None
 
 
 def _activation_bytes(acts: Activations, mode: str, every: int, tp: int, sequence_parallel: bool) -> int:
@@ -201,20 +206,39 @@ def _unit_sizes(spec: ModelSpec, tp: int) -> dict[str, int]:
     return spec.unit_sizes[tp]
 
 
-def _fsdp2(
-    spec: ModelSpec, shard: int, tp: int, replicate: int, dtypes: Dtypes, strategy: FSDP2Config
-) -> list[RankMemory]:
+def _fsdp2_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
+    strategy, layout = run.cfg.strategy, run.layout
     # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
     shapes = Counter((p.shape, p.tp_dim) for p in spec.params)
-    buffers = _gather_buffers(_unit_sizes(spec, tp), dtypes, keep_all=strategy.reshard_after_forward is False)
+    buffers = _gather_buffers(
+        _unit_sizes(spec, layout.tp), dtypes, keep_all=strategy.reshard_after_forward is False
+    )
     by_coordinate: dict[tuple[int, int], RankMemory] = {}
     ranks = []
-    for rank in range(replicate * shard * tp):
-        coordinate = ((rank // tp) % shard, rank % tp)
+    for rank in range(layout.world_size):
+        coordinate = ((rank // layout.tp) % layout.shard, rank % layout.tp)
         if coordinate not in by_coordinate:
-            by_coordinate[coordinate] = _fsdp2_rank(shapes, shard, tp, coordinate, dtypes)
+            by_coordinate[coordinate] = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate, dtypes)
         ranks.append(dataclasses.replace(by_coordinate[coordinate], rank=rank, buffers=buffers))
-    return ranks
+    return Placement(
+        ranks,
+        activation_checkpointing=strategy.activation_checkpointing.value,
+        ac_every_n_blocks=strategy.ac_every_n_blocks,
+        sequence_parallel=strategy.sequence_parallel,
+    )
+
+
+def _fsdp2_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
+    peak, strategy = plan.peak, run.cfg.strategy
+    if plan.activation_checkpointing != "full":
+        with_ac = peak.total - peak.activations + peak.activations_full_ac
+        if with_ac <= limit:
+            return f"strategy.activation_checkpointing=full ({gib(with_ac)} per device)"
+    if strategy.replicate_size > 1:
+        return "shard the parameters: strategy=fsdp2 (with strategy.replicate_size=1)"
+    if strategy.activation_checkpointing is ActivationCheckpointing.none:
+        return "strategy.activation_checkpointing=full, a smaller data.micro_batch_size, or more devices (fsdp-plan --search)"
+    return None
 
 
 def _fsdp2_rank(
@@ -246,16 +270,11 @@ def _gather_buffers(units: dict[str, int], dtypes: Dtypes, *, keep_all: bool) ->
     return gathered * dtypes.compute + largest * (dtypes.compute + dtypes.reduce)
 
 
-def _fsdp1(
-    spec: ModelSpec, cfg: TrainConfig, strategy: FSDPConfig, dtypes: Dtypes
-) -> tuple[int, list[RankMemory]]:
-    world = int(cfg.devices) * cfg.num_nodes
-    sharding = strategy.sharding_strategy
-    if sharding in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
-        group = strategy.hybrid_shard_size or int(cfg.devices)
-    else:
-        group = world
+def _fsdp1_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
+    strategy: FSDPConfig = run.cfg.strategy
+    sharding, layout = strategy.sharding_strategy, run.layout
     sharded = sharding is not ShardingStrategy.NO_SHARD
+    group = layout.shard
     aligned = 16 // dtypes.compute
     units: dict[str, list[tuple[int, int]]] = {}  # unit -> (offset, numel) of each parameter
     totals: dict[str, int] = {}
@@ -267,7 +286,7 @@ def _fsdp1(
         totals[unit] = total + p.numel
     totals = {u: t + (group - t % group) % group for u, t in totals.items()}
     ranks = []
-    for rank in range(world):
+    for rank in range(layout.world_size):
         mem = RankMemory(rank)
         r = rank % group
         for unit, params in units.items():
@@ -282,13 +301,24 @@ def _fsdp1(
         keep_all = sharding in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
         mem.buffers = _gather_buffers(totals, dtypes, keep_all=keep_all) if sharded else 0
         ranks.append(mem)
-    return group if sharded else 1, ranks
+    ac = (
+        ActivationCheckpointing.full
+        if strategy.activation_checkpointing_policy
+        else ActivationCheckpointing.none
+    )
+    return Placement(ranks, activation_checkpointing=ac.value)
 
 
-def _ddp(spec: ModelSpec, world: int, dtypes: Dtypes, precision: str) -> list[RankMemory]:
+def _fsdp1_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
+    if run.cfg.strategy.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return "strategy.sharding_strategy=FULL_SHARD"
+    return None
+
+
+def _ddp_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
     numel = sum(p.numel for p in spec.params)
     ranks = []
-    for rank in range(world):
+    for rank in range(run.layout.world_size):
         mem = RankMemory(
             rank,
             params=numel * dtypes.param,
@@ -296,10 +326,19 @@ def _ddp(spec: ModelSpec, world: int, dtypes: Dtypes, precision: str) -> list[Ra
             optimizer=2 * numel * dtypes.param + ADAM_STEP_BYTES * len(spec.params),
         )
         # Autocast keeps a low-precision copy of every weight from forward to backward.
-        mem.buffers = numel * dtypes.compute if precision.endswith("-mixed") else 0
+        mem.buffers = numel * dtypes.compute if run.precision.spec.mixed else 0
         ranks.append(mem)
-    return ranks
+    return Placement(ranks)
 
 
-def strategy_supported(cfg: TrainConfig) -> bool:
-    return isinstance(cfg.strategy, (FSDP2Config, FSDPConfig, DDPConfig))
+def _ddp_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
+    return "shard the parameters: strategy=fsdp2 (with strategy.replicate_size=1)"
+
+
+FSDP2 = Planner(place=_fsdp2_place, hint=_fsdp2_hint)
+FSDP1 = Planner(place=_fsdp1_place, hint=_fsdp1_hint)
+DDP = Planner(place=_ddp_place, hint=_ddp_hint)
+
+
+def strategy_supported(cfg: TrainConfig | ResolvedRun) -> bool:
+    return ResolvedRun.of(cfg).entry.planner is not None

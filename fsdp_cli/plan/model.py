@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_cli.config.schema import LlamaConfig, WrapConfig, WrapPolicy
+from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.llama_shapes import llama_block_names, llama_params
+from fsdp_cli.parallel.options import WrapOptions, WrapPolicy
 from fsdp_cli.parallel.shapes import ParamShape
 
 FP32 = 4
@@ -68,7 +69,7 @@ class ModelSpec:
 # --------------------------------------------------------------------------- built-in Llama
 
 
-def llama_spec(cfg: LlamaConfig, wrap: WrapConfig) -> ModelSpec | None:
+def llama_spec(cfg: LlamaArgs, wrap: WrapOptions) -> ModelSpec | None:
     """The built-in model from its config; None for wrap policies only a built model can answer
     (``size``, or classes other than its block)."""
     blocks = llama_block_names(cfg)
@@ -95,7 +96,7 @@ def _rms_norm(dim: int, act: int) -> int:
     return FP32 * dim + FP32 + FP32 * dim + act * dim + (act * dim if act != FP32 else 0)
 
 
-def llama_activations(cfg: LlamaConfig, seq: int, act: int) -> Activations:
+def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:
     """Saved bytes per sequence of :class:`fsdp_cli.models.llama.Llama` as its code runs (a closed
     form of what :func:`probe_activations` measures; a test holds the two within 5%)."""
     d, f, v = cfg.dim, cfg.feed_forward_dim(), cfg.vocab_size
@@ -116,7 +117,7 @@ def llama_activations(cfg: LlamaConfig, seq: int, act: int) -> Activations:
 
 
 def module_spec(
-    model: Any, wrap: WrapConfig, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
+    model: Any, wrap: WrapOptions, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
 ) -> ModelSpec:
     """Describe a model built on the meta device (see the module docstring)."""
     from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units

@@ -5,16 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fsdp_cli.config.schema import (
-    ActivationCheckpointing,
-    DDPConfig,
-    FSDP2Config,
-    FSDPConfig,
-    ShardingStrategy,
-    TrainConfig,
-)
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import DDPConfig, FSDP2Config, FSDPConfig, ShardingStrategy, TrainConfig
 from fsdp_cli.config.validate import validate
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.plan.memory import MemoryPlan, plan_memory
 from fsdp_cli.plan.model import ModelSpec
 
@@ -42,7 +37,7 @@ def _divisors(n: int) -> list[int]:
 def candidates(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
     """FSDP2 over every tp (within a node) x HSDP replication x activation checkpointing x
     reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for ``cfg``'s devices and nodes."""
-    world = int(cfg.devices) * cfg.num_nodes
+    world = ResolvedRun.of(cfg).layout.world_size
     base = cfg.strategy if isinstance(cfg.strategy, FSDP2Config) else FSDP2Config()
     out: list[tuple[str, TrainConfig]] = []
     for tp in _divisors(int(cfg.devices)):

@@ -37,9 +37,9 @@ from fsdp_cli.compat.lightning_internals import (
     set_fsdp1_activation_checkpointing,
     setup_activation_checkpointing,
 )
-from fsdp_cli.config.schema import WrapConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.options import WrapOptions
 from fsdp_cli.parallel.wrap import block_classes, resolve_classes
 
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # torch's member names
@@ -52,7 +52,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
     Additional arguments:
         hybrid_shard_size: with ``HYBRID_SHARD``: ranks per shard group (default: the processes of
             one node); the world is split into world/hybrid_shard_size replicas.
-        wrap: a :class:`~fsdp_cli.config.schema.WrapConfig` (the model's repeated block, or named
+        wrap: a :class:`~fsdp_cli.parallel.options.WrapOptions` (the model's repeated block, or named
             classes) resolved against the model at setup; takes the place of ``auto_wrap_policy``.
         activation_checkpointing_policy: also accepts a list of class names.
         checkpoint_format: ``"sharded"`` or ``"full"`` (replaces ``state_dict_type``, same meaning).
@@ -62,7 +62,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         self,
         *,
         hybrid_shard_size: int | None = None,
-        wrap: WrapConfig | None = None,
+        wrap: WrapOptions | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         checkpoint_format: str | None = None,
@@ -120,7 +120,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
             else:
                 replicate = self.world_size // (self.hybrid_shard_size or self.num_processes)
         dims = ParallelDims.resolve(world_size=self.world_size, replicate=replicate)
-        mesh = dims.build_fsdp1_mesh(self.root_device.type)
+        mesh = dims.build_fsdp1_mesh(self.root_device.type, hybrid=self.sharding_strategy.name in HYBRID)
         self.kwargs["device_mesh"] = mesh
         self.run_mesh = mesh
 

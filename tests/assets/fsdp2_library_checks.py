@@ -26,6 +26,7 @@ from fsdp_cli.strategies import FSDP2Strategy
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 SEED = 5
+CFG_LAYERS = range(CFG.n_layers)
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -119,6 +120,38 @@ class ShardingAfterForward(L.Callback):
             f"reshard_after_forward={self.resharded}: blocks are {state} after forward",
             all(sharded) == self.resharded and any(sharded) == self.resharded,
             str(sharded),
+        )
+
+
+class ActivationsBetweenBlocks(L.Callback):
+    """In the first forward: what each block hands to the next. With sequence parallelism each
+    tensor-parallel rank holds its slice of the sequence (Shard(1) of [batch, seq, dim]); without,
+    the whole sequence."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        self.sequence_parallel = sequence_parallel
+        self.seen: list[tuple[tuple[int, ...], object]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for block in pl_module.model.layers.values():
+            block.register_forward_hook(self.record)
+
+    def record(self, module, args, output) -> None:
+        if len(self.seen) < len(CFG_LAYERS):
+            placements = output.placements if isinstance(output, DTensor) else None
+            local = output.to_local() if isinstance(output, DTensor) else output
+            self.seen.append((tuple(local.shape), placements))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        seq = 16  # data(): seq_len
+        expected_len, expected_placement = (seq // 2, (Shard(1),)) if self.sequence_parallel else (seq, None)
+        check(
+            f"sequence_parallel={self.sequence_parallel}: each block's output holds "
+            f"{'half' if self.sequence_parallel else 'all'} of the sequence",
+            len(self.seen) == len(CFG_LAYERS)
+            and all(shape[1] == expected_len for shape, _ in self.seen)
+            and all(p in (expected_placement, None) for _, p in self.seen),
+            str(self.seen),
         )
 
 
@@ -219,6 +252,11 @@ def main(workdir: Path) -> None:
     # 3. ZeRO-2: parameters stay gathered from forward to backward.
     zero2 = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1, reshard_after_forward=False)
     trainer(zero2, 1, [ShardingAfterForward(resharded=False)]).fit(module(), datamodule=data(2))
+
+    # 4. Tensor parallel over both ranks, with and without sequence parallelism.
+    for sequence_parallel in (True, False):
+        tp2 = FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=sequence_parallel)
+        trainer(tp2, 1, [ActivationsBetweenBlocks(sequence_parallel)]).fit(module(), datamodule=data(1))
 
 
 if __name__ == "__main__":

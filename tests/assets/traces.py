@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
+ALL_GATHER = "c10d::_allgather_base_"
 ALL_REDUCE = "c10d::allreduce_"
 BROADCAST = "c10d::broadcast_"
 

@@ -95,7 +95,7 @@ def verify(path: Path, deep: bool) -> int:
     return 1 if damaged else 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Inspect and convert fsdp-train checkpoints (offline)."
     )
@@ -118,21 +118,31 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="--to hf: the model folder whose config.json describes the checkpoint (default: the run's model.path)",
     )
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            info = describe(args.path)
-            if args.json:
-                print(json.dumps(info, indent=2, default=str))
-            else:
-                _print_table(info)
-        elif args.command == "verify":
-            sys.exit(verify(args.path, args.deep))
-        else:
-            from fsdp_cli.checkpoint.convert import convert as run_convert
+    return parser
 
-            out = run_convert(args.src, args.dst, args.to, hf_config=args.hf_config)
-            print(f"{PROG}: wrote {args.to} checkpoint {out}")
+
+def run_command(args: argparse.Namespace) -> int:
+    """Carry out one parsed command; its exit status."""
+    if args.command == "inspect":
+        info = describe(args.path)
+        if args.json:
+            print(json.dumps(info, indent=2, default=str))
+        else:
+            _print_table(info)
+        return 0
+    if args.command == "verify":
+        return verify(args.path, args.deep)
+    from fsdp_cli.checkpoint.convert import convert as run_convert
+
+    out = run_convert(args.src, args.dst, args.to, hf_config=args.hf_config)
+    print(f"{PROG}: wrote {args.to} checkpoint {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = run_command(args)
     except (CheckpointFormatError, FileExistsError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -147,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    if code or args.command == "verify":  # verify answers with its status, 0 included
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ The Hydra plugin itself is the thin subclass in ``hydra_plugins/fsdp_cli_sweep``
 instantiates launchers whose module is under ``hydra_plugins``); the work is done here.
 
 A job whose combination cannot run is not dropped: it keeps its job number, its folder and its
-``.hydra/`` files, and Hydra's ``run_job`` runs :func:`fsdp_cli.cli.sweep_job.skip_job` in place
+``.hydra/`` files, and Hydra's ``run_job`` runs :func:`fsdp_cli.sweep.job.skip_job` in place
 of the task function, which writes a ``summary.json`` saying ``skipped`` and why. Its return
 value is the worst objective, so the basic sweeper goes on and Optuna keeps a value for the trial.
 
@@ -58,7 +58,7 @@ class SweepLauncherBase(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from fsdp_cli.cli.sweep_job import check_job, skip_job
+        from fsdp_cli.sweep.job import check_job, skip_job
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         setup_globals()

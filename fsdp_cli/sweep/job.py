@@ -1,7 +1,7 @@
 """One job of a sweep (``fsdp-train -m ...``): whatever it does, the sweep goes on.
 
 * :func:`check_job` and :func:`skip_job` are what the sweep launcher
-  (:mod:`fsdp_cli.cli.sweep_launcher`) calls: it checks every job of a batch before the first one
+  (:mod:`fsdp_cli.sweep.launcher`) calls: it checks every job of a batch before the first one
   starts, and runs :func:`skip_job` in place of each that cannot run.
 * :func:`run_sweep_job` guards the job itself, under any launcher (ours, Hydra's basic one,
   submitit): a config error makes it ``skipped``, any other exception or exit ``failed``; either
@@ -28,12 +28,12 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fsdp_cli.cli.resolve import resolve_config
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
-from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.config.resolved import ResolvedRun, model_label
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
+from fsdp_cli.resolve import resolve_config, resolve_run
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     STATUS_FAILED,
@@ -41,13 +41,13 @@ from fsdp_cli.rundir.status import (
     STATUS_SKIPPED,
     STOP_CODES,
 )
-from fsdp_cli.rundir.summary import write_summary
+from fsdp_cli.rundir.summary import RunSummary, write_summary
 
 PROG = "fsdp-train"
 ERROR_LOG = "error.log"
 """The traceback of a job that failed in this process (the ranks' own go to ``logs/``)."""
 
-Launch = Callable[[TrainConfig], tuple[int, dict[str, Any] | None]]
+Launch = Callable[[ResolvedRun], tuple[int, dict[str, Any] | None]]
 """Runs a resolved job: its exit status and summary (None when rank 0 is on another node)."""
 
 
@@ -57,8 +57,10 @@ def check_job(cfg: DictConfig) -> str | None:
     The sweep launcher calls this with Hydra's state already set to the job's (output directory,
     job number, ``hydra.job.env_set`` applied), so it sees exactly what the job will see."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        resolve_config(cfg, run_dir, os.environ, notify=lambda notice: None)  # the job prints them
+    try:  # (the job prints the notices)
+        resolve_config(
+            cfg, run_dir, os.environ, notify=lambda notice: None, multirun=True, overrides=_overrides()
+        )
     except ConfigError as err:
         return err.one_line()
     return None
@@ -68,7 +70,7 @@ def skip_job(reason: str, cfg: DictConfig) -> float:
     """Record a job that cannot run (its ``summary.json`` says ``skipped`` and why); start nothing."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"status": STATUS_SKIPPED, "reason": reason, **layout_of(cfg), "run_dir": str(run_dir)}
+    summary = RunSummary(status=STATUS_SKIPPED, reason=reason, **{**layout_of(cfg), "run_dir": str(run_dir)})
     write_summary(run_dir, summary)
     print(f"{PROG}: skipped: {reason}", file=sys.stderr, flush=True)
     return worst_value()
@@ -77,11 +79,11 @@ def skip_job(reason: str, cfg: DictConfig) -> float:
 def run_sweep_job(cfg: DictConfig, run_dir: Path, *, launch: Launch, notify: Callable[[str], None]) -> float:
     """Resolve, check and run one job; never raises, except to stop the whole sweep."""
     try:
-        typed = resolve_config(cfg, run_dir, os.environ, notify=notify)
+        run = resolve_run(cfg, run_dir, os.environ, notify=notify, multirun=True, overrides=_overrides())
     except ConfigError as err:  # under launchers that do not check before launching (basic, submitit)
         return skip_job(err.one_line(), cfg)
     try:
-        code, summary = launch(typed)
+        code, summary = launch(run)
     except SystemExit as err:
         if err.code in STOP_CODES:
             raise
@@ -92,7 +94,12 @@ def run_sweep_job(cfg: DictConfig, run_dir: Path, *, launch: Launch, notify: Cal
         # A combination only the built model could reject (a wrap class it does not have, ...).
         summary = {**summary, "status": STATUS_SKIPPED, "reason": summary.get("error")}
         write_summary(run_dir, summary)
-    return objective_value(summary, typed.sweep.objective.value)
+    return objective_value(summary, run.cfg.sweep.objective.value)
+
+
+def _overrides() -> list[str]:
+    """This job's overrides (Hydra's state is the job's while the launcher checks or runs it)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def objective_value(summary: Mapping[str, Any] | None, objective: str) -> float:
@@ -122,7 +129,8 @@ def direction_name(direction: Any) -> str:
 
 
 def layout_of(cfg: DictConfig) -> dict[str, Any]:
-    """The layout columns of a job that did not run, as far as its config resolves."""
+    """The layout columns of a job that did not run, as far as its config resolves (the same
+    columns a run that ran reports: :meth:`~fsdp_cli.config.resolved.ResolvedRun.summary_columns`)."""
     try:
         typed, _ = migrate(to_train_config(cfg))
     except ConfigError:
@@ -132,23 +140,22 @@ def layout_of(cfg: DictConfig) -> dict[str, Any]:
         "precision": typed.precision.name,
         "tp": typed.tp,
         "dp": None if typed.dp == "auto" else typed.dp,
+        "model": model_label(typed),
     }
     try:
-        resolved = resolve_layout(typed, os.environ)
-    except ConfigError:
+        return {**columns, **ResolvedRun.of(resolve_layout(typed, os.environ)).summary_columns()}
+    except (ConfigError, ValueError):  # a layout (or precision) that does not resolve
         return columns
-    world = int(resolved.devices) * resolved.num_nodes
-    return {**columns, "dp": resolved.dp, "precision": resolved.precision.name, "world_size": world}
 
 
 def _record_failure(run_dir: Path, err: BaseException, cfg: DictConfig) -> dict[str, Any]:
     error = f"exited with status {err.code}" if isinstance(err, SystemExit) else _one_line(err)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_LOG).write_text("".join(traceback.format_exception(err)))
-    summary = {"status": STATUS_FAILED, "error": error, **layout_of(cfg), "run_dir": str(run_dir)}
+    summary = RunSummary(status=STATUS_FAILED, error=error, **{**layout_of(cfg), "run_dir": str(run_dir)})
     write_summary(run_dir, summary)
     print(f"{PROG}: job failed: {error} (traceback in {run_dir / ERROR_LOG})", file=sys.stderr, flush=True)
-    return summary
+    return summary.as_dict()
 
 
 def _one_line(err: BaseException) -> str:

@@ -1,8 +1,11 @@
-"""From the composed config to the typed, resolved, validated config every rank reads.
+"""From the composed config to the typed, resolved, validated run every rank reads.
 
-:func:`resolve_config` is the one path both a single run and a sweep's pre-launch pass take, so
-the two always agree on what can run: a single run prints a failure as one line and exits 2; a
-sweep records the job as ``skipped`` with that same line and goes on.
+:func:`resolve_config` is the one path both a single run (``fsdp_cli.cli.main``) and a sweep's
+jobs (``fsdp_cli.sweep``) take, so the two always agree on what can run: a single run prints a
+failure as one line and exits 2; a sweep records the job as ``skipped`` with that same line and
+goes on. It sits below both and above the layers it draws on (config, launch layout, data
+preparation, resume, the memory plan); the caller says whether it is a sweep job and which
+overrides the command line gave, so nothing here reads Hydra's global state.
 
 No torch here: the checks answer in well under a second.
 """
@@ -10,18 +13,18 @@ No torch here: the checks answer in well under a second.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.config.callback_classes import check_callback_classes
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
@@ -29,6 +32,15 @@ from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
 
 PreLaunchCheck = Callable[[TrainConfig], None]
+
+
+class Advisory(ConfigError):
+    """A pre-launch verdict that skips a sweep's job but only warns a single run (an estimate:
+    the user may know better). ``warning``: what a single run prints."""
+
+    def __init__(self, key: str, value: object, problem: str, *, warning: str) -> None:
+        super().__init__(key, value, problem)
+        self.warning = warning
 
 
 def memory_plan_check(cfg: TrainConfig) -> None:
@@ -43,19 +55,17 @@ def memory_plan_check(cfg: TrainConfig) -> None:
         problem = plan_problem(cfg)
     except Exception:  # noqa: BLE001 - a plan that cannot be made never stops a run
         return
-    if problem is None:
-        return
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        raise ConfigError("memory plan", "does not fit", problem.removeprefix("memory plan: "))
-    print(f"fsdp-train: warning: {problem}", file=sys.stderr, flush=True)
+    if problem is not None:
+        raise Advisory("memory plan", "does not fit", problem.removeprefix("memory plan: "), warning=problem)
 
 
-PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check,)
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check, check_callback_classes)
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
 The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in
 memory, ...): a check raises :class:`fsdp_cli.errors.ConfigError`, and a single run stops with its
-one line (exit 2) while a sweep records the job as ``skipped`` with it, before any job starts."""
+one line (exit 2) while a sweep records the job as ``skipped`` with it, before any job starts.
+An :class:`Advisory` skips a sweep's job too, but a single run only prints it as a warning."""
 
 
 def resolve_config(
@@ -64,6 +74,8 @@ def resolve_config(
     env: Mapping[str, str],
     *,
     notify: Callable[[str], None],
+    multirun: bool = False,
+    overrides: Sequence[str] = (),
 ) -> TrainConfig:
     """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> validate ->
     prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
@@ -71,28 +83,37 @@ def resolve_config(
 
     Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
     receives the notices worth a line each (old names, settings without effect, what ``resume``
-    found), the migration ones before validation since an error may be about the new name."""
+    found), the migration ones before validation since an error may be about the new name.
+    ``multirun``: a sweep's job (an :class:`Advisory` then skips it); ``overrides``: the job's
+    command-line overrides (whether the user chose the ``data`` group)."""
     typed, notices = migrate(to_train_config(cfg))
     for notice in notices:
         notify(notice)
     typed = resolve_layout(typed, env)
-    typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=_command_line_chooses_data())
+    typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
     typed = resolve_model_folder(typed)
     validate(typed)
     prepare_data(typed)
     typed, resume_notices = resolve_resume(typed)
     for check in PRE_LAUNCH_CHECKS:
-        check(typed)
+        try:
+            check(typed)
+        except Advisory as advice:
+            if multirun:
+                raise
+            notify(f"warning: {advice.warning}")
     for notice in [*advisories(typed), *resume_notices]:
         notify(notice)
     return typed
 
 
+def resolve_run(cfg: DictConfig, run_dir: Path, env: Mapping[str, str], **options: Any) -> ResolvedRun:
+    """:func:`resolve_config` (same arguments), as the frozen
+    :class:`~fsdp_cli.config.resolved.ResolvedRun` the launcher and the report take (every
+    derived value computed once, here)."""
+    return ResolvedRun.of(resolve_config(cfg, run_dir, env, **options))
+
+
 def chooses_data(task_overrides: list[str]) -> bool:
     """Whether overrides pick the ``data`` option or set a ``data.*`` key."""
     return any(o.lstrip("+~").startswith(("data=", "data.")) for o in task_overrides)
-
-
-def _command_line_chooses_data() -> bool:
-    # Hydra's defaults always select a data option: only the job's overrides say the user chose one.
-    return HydraConfig.initialized() and chooses_data(list(HydraConfig.get().overrides.task))

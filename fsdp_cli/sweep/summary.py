@@ -1,7 +1,7 @@
 """The end of a sweep: a rich table comparing every job, ``sweep_summary.csv`` and
-``sweep_summary.json`` in the sweep directory (and the plot, :mod:`fsdp_cli.rundir.sweep_plot`).
+``sweep_summary.json`` in the sweep directory (and the plot, :mod:`fsdp_cli.sweep.plot`).
 
-``python -m fsdp_cli.rundir.sweep_summary SWEEP_DIR`` rebuilds them for a finished sweep.
+``python -m fsdp_cli.sweep.summary SWEEP_DIR`` rebuilds them for a finished sweep.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.rundir.status import STATUS_COLOURS, STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
-from fsdp_cli.rundir.sweep_jobs import COLUMNS, JobResult, collect, counts
-from fsdp_cli.rundir.sweep_plot import write_png
+from fsdp_cli.sweep.jobs import COLUMNS, JobResult, collect, counts
+from fsdp_cli.sweep.plot import write_png
 
 CSV_FILE = "sweep_summary.csv"
 JSON_FILE = "sweep_summary.json"
@@ -114,10 +114,10 @@ def report(sweep_dir: Path, since: float | None = None) -> list[JobResult]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fsdp_cli.rundir.sweep_summary SWEEP_DIR``: the table and files of a finished sweep."""
+    """``python -m fsdp_cli.sweep.summary SWEEP_DIR``: the table and files of a finished sweep."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m fsdp_cli.rundir.sweep_summary SWEEP_DIR", file=sys.stderr)
+        print("usage: python -m fsdp_cli.sweep.summary SWEEP_DIR", file=sys.stderr)
         return 2
     jobs = report(Path(args[0]))
     if not jobs:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.rundir.status import STATUS_OK, STATUS_SKIPPED
-from fsdp_cli.rundir.sweep_jobs import JobResult, counts
+from fsdp_cli.sweep.jobs import JobResult, counts
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 

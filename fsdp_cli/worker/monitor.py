@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from fsdp_cli.launch.environment import WATCHDOG_ENV
 from fsdp_cli.launch.stacks import install_stack_dumps
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, Heartbeat
 
-WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
-"""Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _REARM_EVERY_S = 1.0
 

@@ -18,9 +18,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_cli.cli.sweep_job import direction_name
 from fsdp_cli.rundir.status import EXIT_FAILED, EXIT_OK, STATUS_FAILED
-from fsdp_cli.rundir.sweep_summary import report
+from fsdp_cli.sweep.job import direction_name
+from fsdp_cli.sweep.summary import report
 
 CLOCK_SLACK_S = 2.0
 """Job folders are told apart from an earlier sweep's by their start time; clocks of the nodes

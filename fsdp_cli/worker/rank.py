@@ -4,7 +4,7 @@ Started by torch.distributed.run as ``python -m fsdp_cli.worker <run_dir>/config
 called in-process by the entry point when it already is a torchrun/SLURM rank. Rank 0 writes
 ``metrics.jsonl`` and ``summary.json`` (also when the run fails); the other ranks' console
 output goes to ``<run_dir>/logs/rank<N>.log``. Before anything else a rank installs what lets the
-launcher supervise it (:class:`~fsdp_cli.launch.rank_monitor.RankMonitor`: stack dumps into its
+launcher supervise it (:class:`~fsdp_cli.worker.monitor.RankMonitor`: stack dumps into its
 log on request, a heartbeat); a failure is one line, in ``summary.json`` and for the agent.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.config.convert import load_train_config
-from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, TrainConfig
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError, RunFailure
-from fsdp_cli.launch.environment import die_with_parent, global_rank
-from fsdp_cli.launch.rank_monitor import WATCHDOG_ENV, RankMonitor, report_error_to_agent
+from fsdp_cli.launch.environment import WATCHDOG_ENV, die_with_parent, global_rank
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -33,7 +33,8 @@ from fsdp_cli.rundir.status import (
     STATUS_OK,
     STATUS_PREEMPTED,
 )
-from fsdp_cli.rundir.summary import median_of, steady_state, summary_exists, write_summary
+from fsdp_cli.rundir.summary import RunSummary, median_of, steady_state, summary_exists, write_summary
+from fsdp_cli.worker.monitor import RankMonitor, report_error_to_agent
 
 
 @dataclass
@@ -68,11 +69,12 @@ def run(cfg: TrainConfig) -> int:
         _redirect_output(rank_log(run_dir, rank))
     monitor = start_monitor(cfg, rank)
     started = time.time()
+    resolved = ResolvedRun.of(cfg)
     built: RankRun | None = None
     result: FitResult | None = None
     try:
-        built = build(cfg, monitor)
-        result = fit(cfg, built)
+        built = build(resolved, monitor)
+        result = fit(resolved, built)
         outcome = Outcome()
         if result.preempted:
             outcome = Outcome(
@@ -86,7 +88,7 @@ def run(cfg: TrainConfig) -> int:
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         outcome = _failed(err)
     monitor.exiting(ok=outcome.status != STATUS_FAILED)
-    summary = _summary(cfg, built, result, outcome, wall=time.time() - started)
+    summary = _summary(resolved, built, result, outcome, wall=time.time() - started)
     # Rank 0 writes the summary. When a run fails, another rank may get there first (and rank 0
     # may be stopped by the launcher before it can), so a failing rank writes one if none exists.
     # (A preempted run is not failing: every rank saved and stops, and rank 0 reports.)
@@ -129,8 +131,8 @@ def _failed(err: BaseException) -> Outcome:
     return outcome
 
 
-def build(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RankRun:
-    """Module, data, strategy, callbacks and trainer from the config."""
+def build(run: ResolvedRun, monitor: RankMonitor | None = None) -> RankRun:
+    """Module, data, strategy, callbacks and trainer from the resolved run."""
     import lightning as L
 
     _quiet_known_noise()
@@ -139,18 +141,15 @@ def build(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RankRun:
     from fsdp_cli.builders.model import build_module
     from fsdp_cli.builders.strategy import build_strategy
     from fsdp_cli.builders.trainer import build_trainer
-    from fsdp_cli.config.convert import to_container
 
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = build_module(cfg)
-    datamodule = build_datamodule(cfg, module)  # None: the module's own DataLoaders
+    L.seed_everything(run.cfg.seed, workers=True, verbose=False)
+    module = build_module(run)
+    datamodule = build_datamodule(run, module)  # None: the module's own DataLoaders
     own = datamodule is None
-    strategy = build_strategy(cfg)
-    strategy.checkpoint_manifest = {"config": to_container(cfg), "dp": int(cfg.dp), "tp": cfg.tp}
-    strategy.async_checkpointing = cfg.checkpoint.async_save
-    callbacks = build_callbacks(cfg, module, module_loaders=own, monitor=monitor)
+    strategy = build_strategy(run)
+    callbacks = build_callbacks(run, module, module_loaders=own, monitor=monitor)
     trainer = build_trainer(
-        cfg,
+        run,
         strategy,
         callbacks=callbacks.as_list(),
         accumulation=1 if own else datamodule.accumulation,
@@ -166,8 +165,9 @@ def build(cfg: TrainConfig, monitor: RankMonitor | None = None) -> RankRun:
     )
 
 
-def fit(cfg: TrainConfig, built: RankRun) -> FitResult:
+def fit(run: ResolvedRun, built: RankRun) -> FitResult:
     """Train (resuming where the config says), then save the final checkpoint if one is due."""
+    cfg = run.cfg
     trainer, checkpoints = built.trainer, built.callbacks.checkpoints
     checkpoints.install_signal_handler()
     trainer.fit(built.module, datamodule=built.datamodule, ckpt_path=_resume_path(cfg))
@@ -194,48 +194,41 @@ def _resume_path(cfg: TrainConfig) -> str | None:
 
 
 def _summary(
-    cfg: TrainConfig, built: RankRun | None, result: FitResult | None, outcome: Outcome, *, wall: float
-) -> dict[str, Any]:
+    run: ResolvedRun, built: RankRun | None, result: FitResult | None, outcome: Outcome, *, wall: float
+) -> RunSummary:
     metrics = built.callbacks.metrics if built is not None else None
     setup = built.callbacks.setup if built is not None else None
     skipped = built.callbacks.nonfinite.skipped if built is not None else []
     rows = metrics.rows if metrics is not None else []
     val_rows = metrics.val_rows if metrics is not None else []
     steady = steady_state(rows)
-    model = cfg.model
+    data = run.cfg.data
     tokens = built is None or built.datamodule is not None  # else batches from the module's loaders
-    return {
-        "status": outcome.status,
-        "error": outcome.error,
-        "exit_code": outcome.exit_code,
-        "strategy": cfg.strategy.name,
-        "accelerator": cfg.accelerator.value,
-        "world_size": int(cfg.devices) * cfg.num_nodes,
-        "dp": int(cfg.dp),
-        "tp": cfg.tp,
-        "precision": cfg.precision.name,
-        "model": _model_name(model),
-        "parameters": max(built.parameters_at_build, _parameter_count(built.module))
+    return RunSummary(
+        status=outcome.status,
+        error=outcome.error,
+        exit_code=outcome.exit_code,
+        **run.summary_columns(),
+        parameters=max(built.parameters_at_build, _parameter_count(built.module))
         if built is not None
         else None,
-        "global_batch_size": cfg.data.global_batch_size if tokens else None,
-        "seq_len": cfg.data.seq_len if tokens else None,
-        "steps": _steps_done(built, result, rows),
-        "final_loss": rows[-1]["loss"] if rows else None,
-        "val_loss": val_rows[-1].get("val_loss") if val_rows else None,
-        "tokens_per_s": median_of(steady, "tokens_per_s"),
-        "samples_per_s": median_of(steady, "samples_per_s"),
-        "step_time_s": median_of(steady, "step_time_s"),
-        "tflops_per_s": median_of(steady, "tflops_per_s"),
-        "mfu": median_of(steady, "mfu"),
-        "peak_memory_bytes": metrics.peak_memory_bytes if metrics is not None else [],
-        "checkpoint": result.checkpoint if result is not None else None,
-        "skipped_nonfinite_steps": len(skipped),
-        "skipped_nonfinite_at": list(skipped),
-        "setup": setup.info if setup is not None else None,
-        "wall_time_s": round(wall, 3),
-        "run_dir": str(cfg.run_dir),
-    }
+        global_batch_size=data.global_batch_size if tokens else None,
+        seq_len=data.seq_len if tokens else None,
+        steps=_steps_done(built, result, rows),
+        final_loss=rows[-1]["loss"] if rows else None,
+        val_loss=val_rows[-1].get("val_loss") if val_rows else None,
+        tokens_per_s=median_of(steady, "tokens_per_s"),
+        samples_per_s=median_of(steady, "samples_per_s"),
+        step_time_s=median_of(steady, "step_time_s"),
+        tflops_per_s=median_of(steady, "tflops_per_s"),
+        mfu=median_of(steady, "mfu"),
+        peak_memory_bytes=metrics.peak_memory_bytes if metrics is not None else [],
+        checkpoint=result.checkpoint if result is not None else None,
+        skipped_nonfinite_steps=len(skipped),
+        skipped_nonfinite_at=list(skipped),
+        setup=setup.info if setup is not None else None,
+        wall_time_s=round(wall, 3),
+    )
 
 
 def _steps_done(built: RankRun | None, result: FitResult | None, rows: list[dict[str, Any]]) -> int:
@@ -244,14 +237,6 @@ def _steps_done(built: RankRun | None, result: FitResult | None, rows: list[dict
     if built is not None:  # a failed run: the optimizer steps it took before failing
         return int(built.trainer.global_step)
     return rows[-1]["step"] if rows else 0
-
-
-def _model_name(model: Any) -> str:
-    if isinstance(model, CustomModelConfig):
-        return model.target
-    if isinstance(model, HFModelConfig):
-        return f"hf:{model.path}"
-    return model.name
 
 
 def _parameter_count(module: Any) -> int:

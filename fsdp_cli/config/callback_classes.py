@@ -1,0 +1,118 @@
+"""The ``callbacks`` entries checked against the classes they name, before any rank starts.
+
+A pre-launch check (:data:`fsdp_cli.resolve.PRE_LAUNCH_CHECKS`): it imports each target's
+module, so it runs on the resolve path only, never for ``--cfg job`` or the config errors of
+:mod:`fsdp_cli.config.validate` (which found the module without importing it). Importing a
+Lightning callback imports lightning and torch into the launching process: a few seconds, paid
+once and only by runs that configure callbacks. Nothing is constructed here (a callback's
+constructor may open files or connect somewhere); the ranks build them
+(:func:`fsdp_cli.builders.callbacks.build_user_callbacks`), and a constructor that still refuses
+its arguments there is the same one-line error from the rank.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fsdp_cli.config.schema import LoggerName, TrainConfig
+from fsdp_cli.errors import ConfigError
+
+NEEDS_A_LOGGER = ("LearningRateMonitor", "DeviceStatsMonitor")
+"""Lightning callbacks that refuse to start without a logger (they only write to one)."""
+
+
+def check_callback_classes(cfg: TrainConfig) -> None:
+    """Each entry's target exists, is a Lightning ``Callback`` (or a factory), and takes its arguments."""
+    for name, entry in cfg.callbacks.items():
+        if entry is not None:
+            _check_entry(cfg, f"callbacks.{name}", entry)
+
+
+def locate(key: str, path: str) -> Any:
+    """The object a dotted ``_target_`` names; a one-line :class:`ConfigError` when it is not there."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any failure to import is the user's to fix
+        raise ConfigError(
+            f"{key}._target_", path, f"importing {module_name} failed: {type(err).__name__}: {err}"
+        ) from None
+    if not hasattr(module, attr):
+        public = sorted(n for n in dir(module) if n[:1].isupper())
+        raise ConfigError(
+            f"{key}._target_",
+            path,
+            f"module {module_name} has no attribute {attr!r}",
+            allowed=", ".join(public[:12]) + (", ..." if len(public) > 12 else "") if public else None,
+        )
+    return getattr(module, attr)
+
+
+def _check_entry(cfg: TrainConfig, key: str, entry: Mapping[str, Any]) -> None:
+    from lightning.pytorch import Callback
+
+    path = str(entry["_target_"])
+    target = locate(key, path)
+    if inspect.isclass(target) and not issubclass(target, Callback):
+        raise ConfigError(
+            f"{key}._target_",
+            path,
+            f"{target.__name__} is not a Lightning Callback",
+            allowed="a subclass of lightning.pytorch.Callback, or a factory returning one",
+        )
+    if not callable(target):
+        raise ConfigError(f"{key}._target_", path, "is not a class or a function")
+    _check_arguments(key, target, entry)
+    needs_logger = inspect.isclass(target) and any(c.__name__ in NEEDS_A_LOGGER for c in target.__mro__)
+    if needs_logger and cfg.logger.name is LoggerName.none:
+        raise ConfigError(
+            f"{key}._target_",
+            path,
+            f"{target.__name__} writes to a logger, and logger=none",
+            allowed="logger=csv, tensorboard, mlflow or wandb",
+            hint="add logger=csv (metrics.csv in the run directory)",
+        )
+
+
+def _check_arguments(key: str, target: Any, entry: Mapping[str, Any]) -> None:
+    """The entry's arguments bind to the target's signature (Hydra's ``_args_``/``_partial_`` too):
+    an unknown keyword first (the likelier typo), then a missing required one."""
+    kwargs = {k: v for k, v in entry.items() if not (k.startswith("_") and k.endswith("_"))}
+    args = list(entry.get("_args_") or [])
+    path = str(entry["_target_"])
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without one: the rank will tell
+        return
+    params = signature.parameters
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name, value in kwargs.items():
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                raise ConfigError(
+                    f"{key}.{name}",
+                    value,
+                    f"{path} takes no argument {name!r}",
+                    allowed=", ".join(names) if names else "no arguments",
+                    hint=f"did you mean {key}.{close[0]}?" if close else None,
+                )
+    try:
+        if entry.get("_partial_"):
+            signature.bind_partial(*args, **kwargs)
+        else:
+            signature.bind(*args, **kwargs)
+    except TypeError as err:
+        missing = re.findall(r"'(\w+)'", str(err))
+        raise ConfigError(
+            key,
+            path,
+            str(err),
+            allowed=", ".join(names) if names else "no arguments",
+            hint=f"+{key}.{missing[0]}=VALUE" if "missing" in str(err) and missing else None,
+        ) from None

@@ -1,0 +1,112 @@
+"""A resolved run: the typed config and everything derived from it, computed once and frozen.
+
+The parent resolves the config (layout, precision, resume, ...) and writes ``config.yaml``; each
+rank reads it back and makes the same :class:`ResolvedRun` with :meth:`ResolvedRun.of`. Every
+layer below takes this object instead of re-deriving the world size, the shard groups, the
+dtypes in effect or the checkpoint format from the raw config (so they cannot disagree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_cli.config.schema import CheckpointFormat, CustomModelConfig, HFModelConfig, TrainConfig
+from fsdp_cli.config.strategies import StrategyEntry, entry_of, policy_dtypes
+from fsdp_cli.precision import ResolvedPrecision, resolve_precision
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are and how the mesh splits them (all concrete numbers)."""
+
+    accelerator: str
+    """``cpu`` or ``gpu``."""
+    devices: int
+    """Processes per node."""
+    num_nodes: int
+    dp: int
+    tp: int
+    replicate: int
+    """Data-parallel groups that hold the same parameters (HSDP replicas, DDP ranks)."""
+    shard: int
+    """Ranks one parameter is sharded over (1: not sharded)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.accelerator == "gpu"
+
+    def columns(self) -> dict[str, int]:
+        """The layout as a run's summary reports it."""
+        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp}
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    cfg: TrainConfig
+    """The typed config with every ``auto`` made concrete (what ``config.yaml`` holds)."""
+    entry: StrategyEntry
+    layout: Layout
+    precision: ResolvedPrecision
+    checkpoint_format: CheckpointFormat
+
+    @classmethod
+    def of(cls, cfg: TrainConfig | ResolvedRun) -> ResolvedRun:
+        """The run of a config whose layout is resolved (``devices``, ``dp``, ``precision`` concrete)."""
+        if isinstance(cfg, ResolvedRun):
+            return cfg
+        entry = entry_of(cfg)
+        devices, dp = int(cfg.devices), int(cfg.dp)
+        world = devices * cfg.num_nodes
+        split = entry.sharding(cfg.strategy, dp, devices, world)
+        layout = Layout(
+            accelerator=cfg.accelerator.value,
+            devices=devices,
+            num_nodes=cfg.num_nodes,
+            dp=dp,
+            tp=cfg.tp,
+            replicate=split.replicate,
+            shard=split.shard,
+        )
+        precision = resolve_precision(cfg.precision.name, policy_dtypes(entry.explicit_policy(cfg.strategy)))
+        return cls(
+            cfg=cfg,
+            entry=entry,
+            layout=layout,
+            precision=precision,
+            checkpoint_format=entry.checkpoint_format(cfg),
+        )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+    @property
+    def model_label(self) -> str:
+        """How reports name the model: the class path of a custom one, ``hf:PATH``, or the option."""
+        return model_label(self.cfg)
+
+    def summary_columns(self) -> dict[str, Any]:
+        """What every ``summary.json`` of this run says about it (a RunSummary's layout fields)."""
+        return {
+            "strategy": self.entry.name,
+            "accelerator": self.layout.accelerator,
+            **self.layout.columns(),
+            "precision": self.precision.name,
+            "model": self.model_label,
+            "run_dir": str(self.cfg.run_dir),
+        }
+
+
+def model_label(cfg: TrainConfig) -> str:
+    model = cfg.model
+    if isinstance(model, CustomModelConfig):
+        return model.target
+    if isinstance(model, HFModelConfig):
+        return f"hf:{model.path}"
+    return model.name

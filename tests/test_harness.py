@@ -1,0 +1,51 @@
+"""The test suite's own rules, checked in this process: the fast tier starts no process, and GPU
+tests skip only where there is no GPU (a broken CUDA install fails loudly instead)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gpu_count, start
+
+from fsdp_cli.launch import nvml
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        lambda: subprocess.run([sys.executable, "-c", "pass"], timeout=10),
+        lambda: os.system("true"),
+        lambda: multiprocessing.get_context("spawn").Process(target=print).start(),
+        lambda: multiprocessing.get_context("fork").Process(target=print).start(),
+    ],
+    ids=["subprocess", "os.system", "spawn", "fork"],
+)
+def test_a_test_not_marked_distributed_cannot_start_a_process(start: object) -> None:
+    with pytest.raises(pytest.fail.Exception, match="starts a process but is not marked distributed"):
+        start()  # type: ignore[operator]
+
+
+def test_a_refused_start_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the harness keeps a job's output
+    with pytest.raises(pytest.fail.Exception, match="not marked distributed"):
+        start(["true"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_cuda_device_means_skip_and_a_broken_install_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(nvml, "device_count", lambda: 0)
+    assert gpu_count({}) == 0  # no driver, no device: the GPU tests skip
+    monkeypatch.setattr(nvml, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"the driver lists 2 GPU\(s\) but torch .* can use none"):
+        gpu_count({})
+    assert gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0  # GPUs hidden on purpose
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert gpu_count({}) == 2
