@@ -28,7 +28,7 @@ from conftest import REPO, assert_ok, read_metrics, run, run_cli
 from torch import nn
 
 from fsdp_cli.checkpoint.io import FullCheckpointIO
-from fsdp_cli.checkpoint.optimizer_layout import named, numbered
+from fsdp_cli.checkpoint.optimizer_layout import module_order, named, named_by_index, numbered
 from fsdp_cli.errors import RunFailure
 
 
@@ -224,6 +224,11 @@ def test_full_optimizer_state_is_in_torchs_layout_and_is_named_again_by_position
     for p, q in zip(model.parameters(), plain_model.parameters()):
         for key, value in optimizer.state[p].items():
             assert torch.equal(value, plain.state[q][key]), key
+
+    # Offline (fsdp-ckpt, no model): named by the names a full file's manifest lists, and the
+    # names put back in the module's order from a state dict.
+    assert named_by_index(saved, names) == by_name
+    assert module_order(model.state_dict(), [by_name]) == names
 
     # ... and, numbered either way, it is named again by position in the param groups.
     groups = [g["params"] for g in by_name["param_groups"]]

@@ -39,7 +39,7 @@ from fsdp_cli.checkpoint.format import (
     checkpoint_format,
     remove_path,
 )
-from fsdp_cli.checkpoint.optimizer_layout import is_numbered, named, numbered
+from fsdp_cli.checkpoint.optimizer_layout import PARAMETER_NAMES_KEY, is_numbered, named, numbered
 from fsdp_cli.checkpoint.sharded_save import (
     KEPT,
     AsyncSaves,
@@ -288,7 +288,11 @@ class DistributedCheckpointing:
         self.wait_for_checkpoint()
         plain = isinstance(checkpoint, dict)
         if plain and self.is_global_zero:
-            checkpoint[MANIFEST_KEY] = self._manifest(checkpoint)
+            # The names the optimizer states' numbers stand for: fsdp-ckpt names them again offline.
+            names = (
+                {PARAMETER_NAMES_KEY: self._parameter_names()} if checkpoint.get("optimizer_states") else {}
+            )
+            checkpoint[MANIFEST_KEY] = {**self._manifest(checkpoint), **names}
         failure: Exception | None = None
         try:
             super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]

@@ -7,12 +7,19 @@ ModelParallel strategies do (parameters numbered in the module's ``parameters()`
 param groups numbered the same way), so ``optimizer.load_state_dict`` of a plain module reads it.
 A numbered state loaded into a sharded model is named again, matching saved and current
 parameters by position in the param groups, as ``Optimizer.load_state_dict`` itself does.
+
+Offline (``fsdp-ckpt``, no model at hand) the numbers are named by the parameter names a full
+file's manifest lists (:data:`PARAMETER_NAMES_KEY`: the module's parameters in order, what the
+numbers index), so that a full file converts to a sharded checkpoint keyed by name and back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+PARAMETER_NAMES_KEY = "parameter_names"
+"""The manifest field of a full file: the names its optimizer states' numbers stand for."""
 
 
 def is_numbered(state: Mapping[str, Any]) -> bool:
@@ -47,3 +54,28 @@ def named(state: Mapping[str, Any], current_groups: Sequence[Sequence[str]]) -> 
     names = {i: n for g, now in zip(saved_groups, current_groups) for i, n in zip(g["params"], now)}
     groups = [{**g, "params": list(now)} for g, now in zip(saved_groups, current_groups)]
     return {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
+
+
+def named_by_index(state: Mapping[str, Any], parameter_names: Sequence[str]) -> dict[str, Any]:
+    """Numbers -> names without a model: number ``i`` is ``parameter_names[i]`` (the inverse of
+    :func:`numbered` with the same names)."""
+
+    def name(i: int) -> str:
+        if not 0 <= i < len(parameter_names):
+            raise ValueError(
+                f"optimizer state numbers parameter {i}, but {len(parameter_names)} names are listed"
+            )
+        return parameter_names[i]
+
+    groups = [{**g, "params": [name(i) for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {name(i): v for i, v in state["state"].items()}, "param_groups": groups}
+
+
+def module_order(state_dict_keys: Iterable[str], states: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The parameters the named ``states`` cover, in the module's order (a model state dict lists
+    them in that order, among its buffers), then any the state dict lacks."""
+    covered = list(dict.fromkeys(n for state in states for g in state["param_groups"] for n in g["params"]))
+    wanted = set(covered)
+    ordered = [k for k in state_dict_keys if k in wanted]
+    placed = set(ordered)
+    return ordered + [n for n in covered if n not in placed]
