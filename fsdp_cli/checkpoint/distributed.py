@@ -253,10 +253,11 @@ class DistributedCheckpointing:
         """Whether the numbered optimizer states among ``states`` number the parameters by the
         module's order (as this package and Lightning's FSDP / ModelParallel strategies write
         them), rather than by their position in param groups listed in another order."""
+        numbered_states = [(o, s) for o, s in zip(map(_unwrap, self.optimizers), states) if is_numbered(s)]
+        if not numbered_states:  # (nothing to compare: Lightning's loader then checks the count itself)
+            return True
         index = {name: i for i, name in enumerate(self._parameter_names())}
-        for optimizer, state in zip(map(_unwrap, self.optimizers), states):
-            if not is_numbered(state):
-                continue
+        for optimizer, state in numbered_states:
             current = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
             expected = [[index.get(n) for n in g["params"]] for g in current]
             if [list(g["params"]) for g in state["param_groups"]] != expected:
