@@ -61,7 +61,11 @@ CLI_CASES = [
         "trainer.max_steps=3",
         ["profiler=torch", "at least 4"],
     ),
-    (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0", ["must be positive", "null"]),
+    (
+        ["trainer.gradient_clip_val=-1"],
+        "trainer.gradient_clip_val=-1",
+        ["must be a finite number >= 0", "0 or more, or null", "=0 turns clipping off"],
+    ),
     (["num_nodes=2"], "launcher.rdzv_endpoint=null", ["num_nodes=2", "node0:29500"]),
     (["model.n_heads=0"], "model.n_heads=0", ["at least 1"]),
     (
@@ -156,7 +160,11 @@ def test_fp16_mixed_refused_for_fsdp2_on_gpu() -> None:
 )
 def test_64_true_refused_by_every_sharded_strategy_and_ddp_takes_it(strategy: list[str]) -> None:
     """Lightning's FSDPStrategy and ModelParallelStrategy refuse float64 on every rank."""
-    target = ["model._target_=tests.assets.model_parallel_module.FeedForwardLM"] if "model=custom" in strategy else []
+    target = (
+        ["model._target_=tests.assets.model_parallel_module.FeedForwardLM"]
+        if "model=custom" in strategy
+        else []
+    )
     err = _check(*strategy, *target, "precision=64-true")
     name = strategy[0].split("=")[1]
     assert (err.key, err.value) == ("precision", "64-true"), err

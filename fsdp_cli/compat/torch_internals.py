@@ -3,7 +3,8 @@ FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch mode
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
 compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
 tensor an asynchronous functional collective returns before it is waited on, the plain
-tensors inside a wrapper tensor subclass (torchao's float8 weights), and what a rehearsal
+tensors inside a wrapper tensor subclass (torchao's float8 weights), the mixed-precision
+policy ``fully_shard`` recorded on a module, and what a rehearsal
 (:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.distributed import Backend
 from torch.distributed import _functional_collectives as _funcol
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -44,6 +46,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_funcol, "AsyncCollectiveTensor"),
     (_funcol, "wait_tensor"),
     (_python_dispatch, "is_traceable_wrapper_subclass"),
+    (FSDPModule, "_get_fsdp_state"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -93,6 +96,18 @@ def fsdp1_sharding_strategy(name: str) -> Any:
 def is_compiled_in_place(module: Module) -> bool:
     """Whether ``module.compile()`` replaced its forward (torch keeps it in ``_compiled_call_impl``)."""
     return module._compiled_call_impl is not None
+
+
+def fsdp2_mp_policies(module: FSDPModule) -> list[Any]:
+    """The MixedPrecisionPolicy ``fully_shard`` recorded for this unit's parameters (one per
+    parameter group; none for a unit without parameters of its own). torch >= 2.10 keeps a list
+    of groups (``_fsdp_param_groups``), older releases one (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = require(state, "_fsdp_param_group", "torch")
+        groups = [group] if group is not None else []
+    return [require(group, "mp_policy", "torch") for group in groups]
 
 
 def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
