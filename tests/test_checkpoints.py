@@ -213,7 +213,9 @@ def plain_state(path: Path, scratch: Path) -> tuple[dict[str, torch.Tensor], dic
         data = torch.load(whole, map_location="cpu", weights_only=True)
         return data["state_dict"], data["optimizer_states"]["0"]["state"]
     data = torch.load(path, map_location="cpu", weights_only=True)
-    return data["state_dict"], data["optimizer_states"][0]["state"]
+    # A full file numbers the parameters (torch's layout); its manifest lists the names they stand for.
+    names = data["fsdp_cli_manifest"]["parameter_names"]
+    return data["state_dict"], {names[i]: v for i, v in data["optimizer_states"][0]["state"].items()}
 
 
 def assert_plainly_equal(a: Path, b: Path, scratch: Path) -> None:

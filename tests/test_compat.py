@@ -195,6 +195,18 @@ def test_is_compiled_in_place_sees_module_compile() -> None:
     assert torch_internals.is_compiled_in_place(block)
 
 
+def test_fake_tensors_and_the_memory_trackers_a_rehearsal_uses() -> None:
+    import torch
+
+    fsdp2_tracker, tracker = torch_internals.memory_trackers()
+    assert fsdp2_tracker.__name__ == "FSDPMemTracker" and tracker.__name__ == "MemTracker"
+    with torch_internals.FakeTensorMode():
+        x = torch.randint(0, 5, (4,))
+        assert x.untyped_storage().nbytes() == 32  # shapes and sizes, no memory
+        with pytest.raises(torch_internals.NOT_FAKEABLE):
+            x.max().item()  # a value a fake tensor does not have
+
+
 def test_wait_if_async_collective_returns_a_plain_tensor_gradients_flow_through() -> None:
     import torch
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -239,15 +251,3 @@ def test_plain_tensors_opens_wrapper_subclasses() -> None:
     assert storage_bytes([weight]) == 32 * 32 * 4
     plain = torch.zeros(2)
     assert torch_internals.plain_tensors(plain) == [plain]
-
-
-def test_fake_tensors_and_the_memory_trackers_a_rehearsal_uses() -> None:
-    import torch
-
-    fsdp2_tracker, tracker = torch_internals.memory_trackers()
-    assert fsdp2_tracker.__name__ == "FSDPMemTracker" and tracker.__name__ == "MemTracker"
-    with torch_internals.FakeTensorMode():
-        x = torch.randint(0, 5, (4,))
-        assert x.untyped_storage().nbytes() == 32  # shapes and sizes, no memory
-        with pytest.raises(torch_internals.NOT_FAKEABLE):
-            x.max().item()  # a value a fake tensor does not have

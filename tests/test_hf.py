@@ -30,7 +30,7 @@ TRAIN = [
     f"seed={SEED}",
     "precision=32-true",
     "accelerator=cpu",
-    "trainer.gradient_clip_val=null",
+    "trainer.gradient_clip_val=0",
 ]
 WORDS = "the a quick lazy brown red fox dog cat jumps runs sleeps over under near far and then".split()
 

@@ -41,11 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     },
     "callbacks": {"launch", "models", "parallel", *LEAVES},
     "strategies": {"checkpoint", "parallel", *LEAVES},
-    "checkpoint": {
-        "callbacks",
-        "config",
-        *LEAVES,
-    },  # (the checkpoint callback asks how many steps a fit plans)
+    # (the checkpoint callback asks how many steps a fit plans; full files number the optimizer
+    # state by the model's parameter names as parallel.names reports them)
+    "checkpoint": {"callbacks", "config", "parallel", *LEAVES},
     "launch": {"config", "parallel", *LEAVES},
     "config": {"models", "data", "parallel", *LEAVES},
     "models": {"parallel", *LEAVES},

@@ -159,7 +159,10 @@ def test_submitit_local_runs_each_job_in_a_process_of_its_own(tmp_path: Path) ->
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=submitit_local", *CPU, "devices=2", "tp=1,3", "trainer.max_steps=3"]
-    r = run([*args, f"hydra.sweep.dir={sweep}"])
+    # From a directory of the user's, as sweeps are run: submitit starts its jobs with ``python -m``,
+    # which puts the working directory first on the path, and in a source checkout that is the
+    # package without its configs (shipped from configs/ in an install): see docs/sweeps.md.
+    r = run_cli([*args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, merge_output=True, timeout=300)
     logs = "".join(
         f"\n--- {p}\n{p.read_text()[-3000:]}" for p in sorted(sweep.glob(".submitit/*/*.[eo][ru][rt]"))
     )

@@ -61,7 +61,11 @@ CLI_CASES = [
         "trainer.max_steps=3",
         ["profiler=torch", "at least 4"],
     ),
-    (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0", ["must be positive", "null"]),
+    (
+        ["trainer.gradient_clip_val=-1"],
+        "trainer.gradient_clip_val=-1",
+        ["must be a finite number >= 0", "0 or more, or null", "=0 turns clipping off"],
+    ),
     (["num_nodes=2"], "launcher.rdzv_endpoint=null", ["num_nodes=2", "node0:29500"]),
     (["model.n_heads=0"], "model.n_heads=0", ["at least 1"]),
     (

@@ -42,6 +42,9 @@ class RunCallbacks:
     heartbeat: HeartbeatCallback | None = None
     user: list[L.Callback] = field(default_factory=list)
     """The config's ``callbacks`` entries."""
+    module_clip_val: float | None = None
+    """For a module with its own ``configure_gradient_clipping``: the value Lightning hands it
+    (``Trainer(gradient_clip_val=...)``); the module clips, not :attr:`clipping`."""
 
     def as_list(self) -> list[L.Callback]:
         # Clipping first: the metrics row of a step reports the norm clipping computed, and the
@@ -54,6 +57,31 @@ class RunCallbacks:
         last = [self.heartbeat] if self.heartbeat is not None else []
         ours = [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
         return [*ours, *self.user]
+
+
+BUILT_IN_CLIP_VAL = 1.0
+"""``trainer.gradient_clip_val=null`` for the modules fsdp-train trains itself (built-in, hf, nn.Module)."""
+
+
+def gradient_clip_val(run: ResolvedRun, module: Any) -> float | None:
+    """``trainer.gradient_clip_val`` resolved for ``module`` (None: no clipping). Unset, a
+    LightningModule trained as it is gets Lightning's Trainer default (no clipping) and
+    fsdp-train's causal-LM module (the built-in model, ``model=hf``, a plain nn.Module) 1.0; 0
+    turns clipping off, as in Lightning. (Resolved here, once per rank, not in the parent: which
+    one it is is known only once ``model._target_`` is built.)"""
+    from fsdp_cli.models.causal_lm import CausalLMModule
+
+    value = run.cfg.trainer.gradient_clip_val
+    if value is None and isinstance(module, CausalLMModule):
+        value = BUILT_IN_CLIP_VAL
+    return value or None
+
+
+def clips_itself(module: Any) -> bool:
+    """A module that overrides ``configure_gradient_clipping`` decides (Lightning calls it)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return module is not None and is_overridden("configure_gradient_clipping", module, L.LightningModule)
 
 
 def build_throughput(run: ResolvedRun, module: Any, device_name: str | None = None) -> Throughput:
@@ -93,9 +121,11 @@ def build_callbacks(
     ``monitor``: this rank's heartbeat."""
     cfg = run.cfg
     t = cfg.trainer
+    clip_val = gradient_clip_val(run, module)
+    own_clipping = clips_itself(module)
     clipping = (
-        GradientClipping(t.gradient_clip_val, t.gradient_clip_algorithm)
-        if t.gradient_clip_val is not None
+        GradientClipping(clip_val, t.gradient_clip_algorithm)
+        if clip_val is not None and not own_clipping
         else None
     )
     nonfinite = NonFiniteGuard(
@@ -123,6 +153,7 @@ def build_callbacks(
         nonfinite=nonfinite,
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
         user=build_user_callbacks(cfg),
+        module_clip_val=clip_val if own_clipping else None,
     )
 
 

@@ -63,6 +63,7 @@ def build_trainer(
     callbacks: list[L.Callback],
     accumulation: int,
     module_loaders: bool = False,
+    module_clip_val: float | None = None,
 ) -> L.Trainer:
     """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
     (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes.
@@ -71,10 +72,15 @@ def build_trainer(
     one a DistributedSampler over the strategy's data-parallel ranks (as ``Trainer`` does by
     default), so each data-parallel rank sees different samples and tensor-parallel peers the
     same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
+
+    ``module_clip_val``: for a module with its own ``configure_gradient_clipping``, the
+    ``gradient_clip_val`` Lightning passes to it.
     """
     cfg = run.cfg
     t = cfg.trainer
     kwargs = precision_arguments(run)
+    if module_clip_val is not None:
+        kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)

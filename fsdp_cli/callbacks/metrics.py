@@ -254,8 +254,14 @@ def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):
-        return outputs["loss"].detach()
-    return None
+    """The loss of what ``training_step`` returned, as Lightning reads it: a tensor, a dict's
+    ``"loss"``, or None (a skipped step; under manual optimization, whatever it returned). A
+    DTensor loss (computed under ``loss_parallel``) becomes the plain tensor it stands for, so
+    that the collectives below see an ordinary tensor."""
+    if isinstance(outputs, dict):
+        outputs = outputs.get("loss")
+    if not isinstance(outputs, torch.Tensor) or outputs.numel() != 1:
+        return None  # (manual optimization may return anything; only a scalar is a loss)
+    loss = outputs.detach()
+    full_tensor = getattr(loss, "full_tensor", None)  # a DTensor: replicated (or reduced) over its mesh
+    return full_tensor() if callable(full_tensor) else loss

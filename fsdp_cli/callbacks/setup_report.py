@@ -31,17 +31,10 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
     module = trainer.lightning_module
     params = list(module.parameters())
     stored = params[0].dtype if params else torch.float32
-    compute, reduce = stored, stored
-    mp = getattr(strategy, "mp_policy", None)
-    if mp is not None and getattr(mp, "param_dtype", None) is not None:
-        compute = mp.param_dtype
-        reduce = mp.reduce_dtype or mp.param_dtype
-    fsdp1_mp = getattr(strategy, "mixed_precision_config", None)
-    if fsdp1_mp is not None and fsdp1_mp.param_dtype is not None:
-        compute, reduce = fsdp1_mp.param_dtype, fsdp1_mp.reduce_dtype or fsdp1_mp.param_dtype
+    compute, reduce = _unit_precision(strategy.model or module, stored)
     autocast = _autocast_dtype(trainer)
     if autocast is not None:
-        compute = autocast
+        compute = _name(autocast)
     optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(stored)}
     report = getattr(strategy, "parallelize_report", None)
     info = {
@@ -49,8 +42,8 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "fsdp_units": list(report.fsdp_units) if report is not None else _fsdp_units(strategy),
         "dtypes": {
             "param": _name(stored),
-            "compute": _name(compute),
-            "reduce": _name(reduce),
+            "compute": compute,
+            "reduce": reduce,
             "optimizer_state": sorted(d for d in optim_dtypes if d),
         },
         "activation_checkpointing": report.ac_blocks if report is not None else _ac_blocks(module),
@@ -66,6 +59,32 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
     if weights is not None:
         info["weights"] = dataclasses.asdict(weights)
     return info
+
+
+def _unit_precision(model: nn.Module, stored: torch.dtype) -> tuple[str, str]:
+    """(compute, reduce) dtypes from the FSDP units of the live model: the policy ``fully_shard``
+    recorded on each FSDP2 unit, FSDP1's ``mixed_precision`` on each wrapped unit; whoever set it
+    (this package's strategies, or the user's own ``configure_model``). Units that disagree are
+    listed (``bfloat16/float32``); without a policy, the dtype the parameters are stored in."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    from fsdp_cli.compat.torch_internals import fsdp2_mp_policies
+
+    compute: set[str] = set()
+    reduce: set[str] = set()
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            policies = fsdp2_mp_policies(unit)
+        elif isinstance(unit, FullyShardedDataParallel):
+            policies = [unit.mixed_precision]
+        else:
+            continue
+        for policy in policies:
+            param = policy.param_dtype or stored
+            compute.add(_name(param))
+            reduce.add(_name(policy.reduce_dtype or param))
+    default = _name(stored)
+    return "/".join(sorted(compute)) or default, "/".join(sorted(reduce)) or default
 
 
 def _compiled_modules(module: nn.Module) -> int:

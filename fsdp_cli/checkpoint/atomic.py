@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.checkpoint import phases
-from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, fsync_dir, remove_path
+from fsdp_cli.checkpoint.format import DCP_METADATA, MANIFEST_FILE, PARTIAL_SUFFIX, fsync_dir, remove_path
 
 OLD_SUFFIX = ".old" + PARTIAL_SUFFIX
 """The previous checkpoint while the two-rename fallback replaces it."""
@@ -41,6 +41,21 @@ def replace_atomically(partial: Path, path: Path) -> None:
     else:
         os.replace(partial, path)
     fsync_dir(path.parent)
+
+
+def publish(partial: Path, path: Path) -> None:
+    """Make a finished sharded save visible: :func:`replace_atomically`, except into a folder
+    that exists and holds files but no checkpoint (Lightning's sharded saves write into such a
+    folder and keep what is there): the save's files are moved in, the manifest last."""
+    if path.is_dir() and not (path / DCP_METADATA).exists() and any(path.iterdir()):
+        names = sorted(p.name for p in partial.iterdir())
+        for name in sorted(names, key=lambda n: n == MANIFEST_FILE):
+            remove_path(path / name)
+            os.replace(partial / name, path / name)
+        remove_path(partial)
+        fsync_dir(path)
+        return
+    replace_atomically(partial, path)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -29,6 +29,13 @@ from fsdp_cli.checkpoint.format import (
     remove_path,
     write_json_atomic,
 )
+from fsdp_cli.checkpoint.optimizer_layout import (
+    PARAMETER_NAMES_KEY,
+    is_numbered,
+    module_order,
+    named_by_index,
+    numbered,
+)
 
 MODEL_PREFIX = "model."
 # Offline use is the point here; DCP's note that no process group exists is noise.
@@ -74,7 +81,7 @@ def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
             )
         manifest = data.pop(MANIFEST_KEY, None)
         state = data.pop("state_dict")
-        optim = [] if weights_only_model else list(data.pop("optimizer_states", []))
+        optim = [] if weights_only_model else [_named(s, manifest) for s in data.pop("optimizer_states", [])]
         data.pop("optimizer_states", None)
         return Checkpoint(state, optim, data, manifest)
     tensors = _load_dcp(path, only_model=weights_only_model)
@@ -113,9 +120,22 @@ def _load_dcp(path: Path, *, only_model: bool) -> dict[str, Any]:
     return {"state_dict": model}
 
 
+def _named(state: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """A full file's optimizer state (torch's numbered layout) keyed by parameter name, as a
+    sharded checkpoint keys it, by the names its manifest lists; a state already named, or one
+    whose numbers no manifest names (a file another tool wrote), as is."""
+    names = (manifest or {}).get(PARAMETER_NAMES_KEY)
+    return named_by_index(state, names) if names is not None and is_numbered(state) else state
+
+
 def save_full(ckpt: Checkpoint, dst: Path) -> None:
-    data = {**ckpt.meta, "state_dict": ckpt.state_dict, "optimizer_states": ckpt.optimizer_states}
+    # Optimizer states in torch's numbered layout, as training writes full files (module order).
+    names = module_order(ckpt.state_dict, [s for s in ckpt.optimizer_states if not is_numbered(s)])
+    states = [s if is_numbered(s) else numbered(s, names) for s in ckpt.optimizer_states]
+    data = {**ckpt.meta, "state_dict": ckpt.state_dict, "optimizer_states": states}
     data[MANIFEST_KEY] = _manifest_as(ckpt.manifest, "full")
+    if states:
+        data[MANIFEST_KEY][PARAMETER_NAMES_KEY] = names
     partial = _partial(dst)
     torch.save(data, partial)
     _publish(partial, dst)
@@ -124,6 +144,13 @@ def save_full(ckpt: Checkpoint, dst: Path) -> None:
 def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
+    if any(is_numbered(s) for s in ckpt.optimizer_states):
+        # A sharded checkpoint keys optimizer state by parameter name (that is how it reshards).
+        raise CheckpointFormatError(
+            f"its optimizer state numbers the parameters and its manifest does not name them "
+            f"(no '{PARAMETER_NAMES_KEY}'): it cannot be written as a sharded checkpoint; "
+            "resume from it (resume=PATH) and save sharded instead"
+        )
     partial = _partial(dst)
     tensors = {
         "state_dict": ckpt.state_dict,
@@ -186,6 +213,7 @@ def _manifest_as(manifest: dict[str, Any] | None, fmt: str, folder: Path | None 
     out = dict(manifest or {})
     out["format"] = fmt
     out.pop("files", None)
+    out.pop(PARAMETER_NAMES_KEY, None)  # (a full file's; save_full lists its own)
     if folder is not None:
         out["files"] = file_records(folder, sorted(p.name for p in folder.iterdir() if p.is_file()))
     return out

@@ -6,8 +6,14 @@ with the same parameter names. That is what lets a checkpoint saved at one layou
 another: DCP reshards on load, and full checkpoints are split by ``set_model_state_dict``.
 
 Saves are atomic: each writes under ``<name>.partial`` and is renamed once every rank has
-finished and the files are flushed (:mod:`fsdp_cli.checkpoint.sharded_save`); a save that fails
-fails on every rank with one line and leaves no ``.partial`` behind.
+finished and the files are flushed (:mod:`fsdp_cli.checkpoint.sharded_save`; full files through
+the strategy's CheckpointIO, :class:`~fsdp_cli.checkpoint.io.FullCheckpointIO` by default); a
+save that fails fails on every rank with one line and leaves no ``.partial`` behind.
+
+Lightning's contracts are kept: a full save and every checkpoint that is not a sharded one of
+ours go through the Lightning strategy's own ``save_checkpoint`` / ``load_checkpoint`` (its
+checks, its errors, its lazy loading of full files, its handling of its own sharded layout),
+with this mixin adding the manifest, the atomic write and the one-line failure on every rank.
 """
 
 from __future__ import annotations
@@ -26,24 +32,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_cli.checkpoint import phases
-from fsdp_cli.checkpoint.atomic import replace_atomically
 from fsdp_cli.checkpoint.format import (
     MANIFEST_KEY,
     META_FILE,
     PARTIAL_SUFFIX,
     checkpoint_format,
-    fsync_tree,
     remove_path,
 )
+from fsdp_cli.checkpoint.optimizer_layout import PARAMETER_NAMES_KEY, is_numbered, named, numbered
 from fsdp_cli.checkpoint.sharded_save import (
     KEPT,
     AsyncSaves,
     SaveTarget,
     describe_error,
-    disk_full_note,
     save_sharded,
 )
 from fsdp_cli.errors import RunFailure
+from fsdp_cli.parallel.names import canonical_name
 
 
 class DistributedCheckpointing:
@@ -55,7 +60,7 @@ class DistributedCheckpointing:
     ``async_checkpointing``: write sharded saves in the background.
     """
 
-    checkpoint_format: str = "sharded"
+    _checkpoint_format: str = "sharded"
     checkpoint_manifest: dict[str, Any] | None = None
     async_checkpointing: bool = False
     """Sharded saves are written in the background (``checkpoint.async_save``)."""
@@ -79,6 +84,17 @@ class DistributedCheckpointing:
         self.checkpoint_manifest = checkpoint_manifest
         self.async_checkpointing = async_checkpointing
 
+    @property
+    def checkpoint_format(self) -> str:
+        return self._checkpoint_format
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str) -> None:
+        from fsdp_cli.compat.lightning_internals import set_lightning_checkpoint_format
+
+        self._checkpoint_format = value
+        set_lightning_checkpoint_format(self, value)  # type: ignore[arg-type]
+
     def mesh_sizes(self) -> dict[str, int]:
         """The run's mesh as ``{dimension name: size}``, for the manifest and the setup report."""
         mesh = self.run_mesh
@@ -88,11 +104,17 @@ class DistributedCheckpointing:
 
     @property
     def checkpoint_io(self) -> Any:
-        # Full files are read with weights_only=True and mmap unless the user set another CheckpointIO.
-        if self._checkpoint_io is None:
-            from fsdp_cli.checkpoint.io import FullCheckpointIO
+        """Lightning's rule with our default: :class:`~fsdp_cli.checkpoint.io.FullCheckpointIO`
+        (atomic writes; reads with weights_only and mmap) where Lightning would use
+        TorchCheckpointIO, also as the base of a wrapping plugin given without one
+        (``AsyncCheckpointIO()``)."""
+        from fsdp_cli.checkpoint.io import FullCheckpointIO
+        from fsdp_cli.compat.lightning_internals import is_wrapping_checkpoint_io
 
+        if self._checkpoint_io is None:
             self._checkpoint_io = FullCheckpointIO()
+        elif is_wrapping_checkpoint_io(self._checkpoint_io):
+            self._checkpoint_io.checkpoint_io = FullCheckpointIO()  # ignored once it has a base
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -106,17 +128,26 @@ class DistributedCheckpointing:
         # Load into the sharded/wrapped model and the real optimizers, whatever the layout.
         return True
 
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return True
+    # lightning_restore_optimizer stays the Lightning strategy's: DDP's Lightning restores the
+    # optimizers through load_optimizer_state_dict; FSDP's and ModelParallel's load_checkpoint
+    # restores them itself.
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model)
         return self._gather_if_full(state)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Sharded: the state keyed by parameter name. Full (rank 0; empty elsewhere): whole
+        tensors in torch's standard layout, parameters numbered in the module's order."""
         optimizer = _unwrap(optimizer)
-        return self._gather_if_full(get_optimizer_state_dict(self.model, optimizer))
+        state = self._gather_if_full(get_optimizer_state_dict(self.model, optimizer))
+        if self.checkpoint_format != "full" or not state:
+            return state
+        return numbered(state, self._parameter_names())
+
+    def _parameter_names(self) -> list[str]:
+        module = self.lightning_module
+        return [canonical_name(n) for n, _ in module.named_parameters()] if module is not None else []
 
     def _gather_if_full(self, state: dict[str, Any]) -> dict[str, Any]:
         # The sharded state dict holds DTensors for FSDP1, FSDP2 and tensor parallel alike. For a
@@ -130,6 +161,15 @@ class DistributedCheckpointing:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        if self.checkpoint_format != "sharded":
+            self._save_full(checkpoint, filepath, storage_options)
+            return
+        # Lightning's own sharded saves refuse storage_options first, with these words.
+        if storage_options is not None:
+            raise TypeError(storage_options_refused(self))
+        # Written here, not by Lightning's save_checkpoint: its layout differs ("model" /
+        # "optimizer_N" keys, written in place), ours is atomic, carries a manifest and is the one
+        # every strategy of this package reads (see the module docstring).
         path = Path(self.broadcast(str(filepath)))
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         self.wait_for_checkpoint()  # one save at a time: a background one finishes (or fails) first
@@ -138,10 +178,7 @@ class DistributedCheckpointing:
             remove_path(partial)  # left by a save that was interrupted
         self.barrier("checkpoint-clean")
         step = int(checkpoint.get("global_step", -1))
-        if self.checkpoint_format == "sharded":
-            self._save_sharded(checkpoint, SaveTarget(partial, path, step, {}, manifest))
-        else:
-            self._save_full(checkpoint, SaveTarget(partial, path, step, {}, manifest), storage_options)
+        self._save_sharded(checkpoint, SaveTarget(partial, path, step, {}, manifest))
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background (``async_save``) checkpoint is visible; raises its failure."""
@@ -149,13 +186,35 @@ class DistributedCheckpointing:
             self._async_saves.wait()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded checkpoint of ours is loaded in place here; anything else (a full file, a
+        sharded checkpoint in Lightning's own layout) by :meth:`_load_full`, Lightning's loading.
+        A path that is no checkpoint is a ValueError that says why."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if checkpoint_format(path) == "sharded":
+        if checkpoint_format(path) == "sharded" and not _lightning_layout(path):
             return self._load_sharded(path)
+        return self._load_full(path, weights_only)
+
+    def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        # Lightning's own: DDP reads it through the CheckpointIO and restores through
+        # load_model_state_dict / load_optimizer_state_dict; FSDP reads it lazily and restores the
+        # model and optimizers itself (checking their number). The model-parallel strategies
+        # override this (see load_through_checkpoint_io).
+        return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
+
+    def load_through_checkpoint_io(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A full file read by the CheckpointIO (memory-mapped), restored by
+        load_model_state_dict / load_optimizer_state_dict (``lightning_restore_optimizer``).
+
+        For the ModelParallelStrategy-based classes instead of Lightning's loading, which reads
+        the file itself (a CheckpointIO plugin is never asked) and maps numbered optimizer
+        states to the module's parameter order: wrong (a shape error, or states swapped between
+        same-shaped parameters) when the optimizer's param groups list the parameters in
+        another order, as a plain optimizer's state_dict numbers them.
+        """
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if "state_dict" not in checkpoint:  # a sharded checkpoint was loaded in place already
+        if "state_dict" not in checkpoint:  # loaded in place already (sharded, or Lightning's loading)
             return
         set_model_state_dict(
             self.model,
@@ -164,6 +223,9 @@ class DistributedCheckpointing:
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._optimizers_restored:  # by _load_sharded, in place
+            self._optimizers_restored = False
+            return
         self._restore_optimizer_states(checkpoint.get("optimizer_states") or [])
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -172,14 +234,35 @@ class DistributedCheckpointing:
 
     # ------------------------------------------------------------------ internals
 
+    _optimizers_restored = False
+
     def _restore_optimizer_states(self, states: list[dict[str, Any]]) -> None:
-        for optimizer, state in zip(self.optimizers, states):
+        check_optimizer_count(len(self.optimizers), len(states))
+        for optimizer, state in zip(map(_unwrap, self.optimizers), states):
+            if is_numbered(state):  # torch's standard layout (a plain module's checkpoint, or ours)
+                current = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
+                state = named(state, [g["params"] for g in current])
             set_optimizer_state_dict(
                 self.model,
-                _unwrap(optimizer),
+                optimizer,
                 optim_state_dict=state,
                 options=StateDictOptions(full_state_dict=True),
             )
+
+    def numbered_in_module_order(self, states: list[dict[str, Any]]) -> bool:
+        """Whether the numbered optimizer states among ``states`` number the parameters by the
+        module's order (as this package and Lightning's FSDP / ModelParallel strategies write
+        them), rather than by their position in param groups listed in another order."""
+        numbered_states = [(o, s) for o, s in zip(map(_unwrap, self.optimizers), states) if is_numbered(s)]
+        if not numbered_states:  # (nothing to compare: Lightning's loader then checks the count itself)
+            return True
+        index = {name: i for i, name in enumerate(self._parameter_names())}
+        for optimizer, state in numbered_states:
+            current = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
+            expected = [[index.get(n) for n in g["params"]] for g in current]
+            if [list(g["params"]) for g in state["param_groups"]] != expected:
+                return False
+        return True
 
     def _manifest(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         from fsdp_cli.checkpoint.manifest import build_manifest
@@ -199,20 +282,34 @@ class DistributedCheckpointing:
         else:
             save_sharded(tensors, target)
 
-    def _save_full(self, checkpoint: dict[str, Any], target: SaveTarget, storage_options: Any | None) -> None:
-        error = None
-        if self.is_global_zero:
-            checkpoint[MANIFEST_KEY] = target.manifest
-            error = _write_full(self.checkpoint_io, checkpoint, target, storage_options)
-        # Rank 0 alone writes: every rank learns how it went, so all fail together or none.
-        error = self.broadcast(error)
-        if error is not None:
-            raise RunFailure(error)
-        phases.reached("after_rename", target.step)
+    def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
+        """Lightning's own save (its checks and errors, a sharded checkpoint of the same name
+        removed, rank 0 writing through the CheckpointIO), with the manifest inside the file; a
+        write that fails on rank 0 fails every rank, with one line."""
+        self.wait_for_checkpoint()
+        plain = isinstance(checkpoint, dict)
+        if plain and self.is_global_zero:
+            # The names the optimizer states' numbers stand for: fsdp-ckpt names them again offline.
+            names = (
+                {PARAMETER_NAMES_KEY: self._parameter_names()} if checkpoint.get("optimizer_states") else {}
+            )
+            checkpoint[MANIFEST_KEY] = {**self._manifest(checkpoint), **names}
+        failure: Exception | None = None
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        except Exception as err:  # noqa: BLE001 - every rank must learn it (below)
+            failure = err
+        reports = _all_gather_objects(None if failure is None else _failure_line(failure, filepath))
+        if failure is not None:
+            raise failure  # this rank's own error, as Lightning (or the CheckpointIO) raised it
+        if any(reports):  # rank 0 failed to write: the others fail with its line instead of waiting
+            raise RunFailure(next(r for r in reports if r))
+        phases.reached("after_rename", int(checkpoint.get("global_step", -1)) if plain else None)
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
+        check_optimizer_count(len(self.optimizers), _saved_optimizer_count(path))
         model_state = get_model_state_dict(self.model)
         dcp.load({"state_dict": model_state}, checkpoint_id=str(path))
         set_model_state_dict(self.model, model_state)
@@ -220,6 +317,7 @@ class DistributedCheckpointing:
             optim_state = get_optimizer_state_dict(self.model, optimizer)
             dcp.load({"optimizer_states": {str(index): optim_state}}, checkpoint_id=str(path))
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state)
+        self._optimizers_restored = bool(self.optimizers)
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
         meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
         return meta
@@ -247,16 +345,62 @@ def _gather_to_rank0(tree: Any, keep: bool) -> Any:
     return tree
 
 
-def _write_full(io: Any, checkpoint: dict[str, Any], target: SaveTarget, storage_options: Any) -> str | None:
-    """Rank 0: the whole checkpoint into ``.partial``, flushed, renamed; an error as one line."""
-    try:
-        target.partial.parent.mkdir(parents=True, exist_ok=True)
-        io.save_checkpoint(checkpoint, target.partial, storage_options=storage_options)
-        phases.reached("before_rename", target.step)
-        fsync_tree(target.partial)
-        replace_atomically(target.partial, target.final)
-    except Exception as err:  # noqa: BLE001 - every rank must learn it (see _save_full)
-        reason = "; ".join([*disk_full_note(target.partial.parent), f"rank 0: {describe_error(err)}"])
-        remove_path(target.partial)
-        return f"checkpoint save of step {target.step} to {target.final} failed: {reason}; {KEPT}"
-    return None
+def storage_options_refused(strategy: Any) -> str:
+    """Lightning's refusal of ``storage_options`` (by the name of the Lightning strategy class)."""
+    # The Lightning class this strategy extends (FSDP1Strategy -> FSDPStrategy), as Lightning names it.
+    name = next(c.__name__ for c in type(strategy).__mro__ if c.__module__.startswith("lightning."))
+    return (
+        f"`{name}.save_checkpoint(..., storage_options=...)` is not supported because `{name}` does not "
+        "use the `CheckpointIO` for sharded checkpoints; storage_options reach the CheckpointIO of "
+        "full (one-file) checkpoints under DDP"
+    )
+
+
+def check_optimizer_count(configured: int, saved: int) -> None:
+    """Lightning's check (and words): as many optimizer states as optimizers, never a silent subset."""
+    if saved and configured != saved:
+        raise RuntimeError(
+            f"You have configured {configured} optimizers but the checkpoint contains {saved} optimizers to "
+            "load. Please resume training with the same number of optimizers or edit the checkpoint "
+            "manually to remove states."
+        )
+
+
+def _saved_optimizer_count(path: Path) -> int:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return len({k.split(".")[1] for k in keys if k.startswith("optimizer_states.")})
+
+
+def _lightning_layout(path: Path) -> bool:
+    """A sharded checkpoint written by Lightning's own FSDPStrategy / ModelParallelStrategy
+    (tensors under ``model`` or ``optimizer_N``), which its strategies load."""
+    import re
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(re.match(r"(model|optimizer_\d+)\.", k) for k in keys)
+
+
+def _failure_line(err: BaseException, filepath: Any) -> str:
+    if isinstance(err, RunFailure):
+        return str(err)
+    return f"checkpoint save to {filepath} failed: rank {_rank()}: {describe_error(err)}; {KEPT}"
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather_objects(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -44,7 +44,11 @@ def checkpoint_format(path: str | Path) -> str:
         raise CheckpointFormatError(f"{path}: an incomplete save (interrupted before it was renamed)")
     if path.is_dir():
         if not (path / DCP_METADATA).is_file():
-            raise CheckpointFormatError(f"{path}: a folder without {DCP_METADATA}, not a sharded checkpoint")
+            # (Lightning's wording, "does not point to a valid checkpoint", is kept for its tests.)
+            raise CheckpointFormatError(
+                f"{path}: does not point to a valid checkpoint (a folder without {DCP_METADATA}, "
+                "not a sharded checkpoint)"
+            )
         return "sharded"
     return "full"
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_cli.checkpoint import phases
-from fsdp_cli.checkpoint.atomic import file_records, replace_atomically
+from fsdp_cli.checkpoint.atomic import file_records, publish
 from fsdp_cli.checkpoint.format import (
     DCP_METADATA,
     MANIFEST_FILE,
@@ -77,6 +77,7 @@ class SaveTarget:
 def save_sharded(tensors: dict[str, Any], target: SaveTarget) -> None:
     """Write ``tensors`` with DCP and make the checkpoint visible; every rank calls it."""
     writer = CheckpointWriter(target.partial, target.step)
+    target.partial.mkdir(parents=True, exist_ok=True)
     try:
         import torch.distributed.checkpoint as dcp
 
@@ -105,13 +106,15 @@ def _complete(target: SaveTarget, files: dict[str, Any]) -> str | None:
     """Rank 0: ``meta.pt``, the manifest listing every file, fsync, rename. An error as one line."""
     try:
         torch.save(target.meta, target.partial / META_FILE)
-        files.update(file_records(target.partial, [META_FILE, DCP_METADATA]))
+        # (.metadata is DCP's last write; a DCP replaced by a stand-in may not have written one.)
+        written = [name for name in (META_FILE, DCP_METADATA) if (target.partial / name).is_file()]
+        files.update(file_records(target.partial, written))
         write_json_atomic(
             target.partial / MANIFEST_FILE, {**target.manifest, "files": dict(sorted(files.items()))}
         )
         phases.reached("before_rename", target.step)
         fsync_tree(target.partial)
-        replace_atomically(target.partial, target.final)
+        publish(target.partial, target.final)
     except Exception as err:  # noqa: BLE001 - every rank must learn it, or they wait for rank 0 forever
         reason = "; ".join([*disk_full_note(target.partial.parent), f"rank 0: {describe_error(err)}"])
         remove_path(target.partial)

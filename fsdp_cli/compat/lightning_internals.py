@@ -13,6 +13,7 @@ import lightning as L
 from lightning.fabric.strategies import fsdp as _fabric_fsdp
 from lightning.fabric.utilities import optimizer as _fabric_optimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.plugins.io import wrapper as _io_wrapper
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
@@ -27,9 +28,13 @@ ENTRIES: list[tuple[Any, str]] = [
     (ModelParallelStrategy, "_setup_distributed"),
     (ModelParallelStrategy(), "_device_mesh"),
     (Strategy, "_reset_optimizers_and_schedulers"),
+    (ModelParallelStrategy(), "_forward_redirection"),
     (FSDPStrategy(), "_activation_checkpointing_kwargs"),
+    (FSDPStrategy(), "_state_dict_type"),
+    (ModelParallelStrategy(), "_save_distributed_checkpoint"),
     (L.LightningModule(), "_device_mesh"),
     (L.Trainer, "_signal_connector"),
+    (_io_wrapper, "_WrappingCheckpointIO"),
 ]
 for _owner, _name in ENTRIES:
     if _name == "_signal_connector":
@@ -61,6 +66,27 @@ def set_device_mesh(strategy: Strategy, mesh: Any) -> None:
     strategy._device_mesh = mesh
     if strategy.lightning_module is not None:
         strategy.lightning_module._device_mesh = mesh
+
+
+def is_wrapping_checkpoint_io(io: Any) -> bool:
+    """A CheckpointIO plugin around a base one (``AsyncCheckpointIO``), whose base the strategy
+    supplies when the user gave none (Lightning's Strategy.checkpoint_io does the same)."""
+    return isinstance(io, _io_wrapper._WrappingCheckpointIO)
+
+
+def set_lightning_checkpoint_format(strategy: Strategy, checkpoint_format: str) -> None:
+    """Keep the Lightning strategy's own format setting equal to ours (``sharded``/``full``): its
+    ``save_checkpoint`` (which ours calls for full files) reads it."""
+    if isinstance(strategy, FSDPStrategy):
+        strategy._state_dict_type = checkpoint_format
+    elif isinstance(strategy, ModelParallelStrategy):
+        strategy._save_distributed_checkpoint = checkpoint_format == "sharded"
+
+
+def forward_redirection(strategy: Strategy) -> Any:
+    """Lightning's ``_ForwardRedirection`` of this strategy: calls a LightningModule method (a
+    step) through a module's ``forward``, so that the module's forward hooks run."""
+    return strategy._forward_redirection
 
 
 def reset_optimizers(strategy: Strategy) -> None:

@@ -3,7 +3,8 @@ FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch mode
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
 compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
 tensor an asynchronous functional collective returns before it is waited on, the plain
-tensors inside a wrapper tensor subclass (torchao's float8 weights), and what a rehearsal
+tensors inside a wrapper tensor subclass (torchao's float8 weights), the mixed-precision
+policy ``fully_shard`` recorded on a module, and what a rehearsal
 (:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.distributed import Backend
 from torch.distributed import _functional_collectives as _funcol
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -35,15 +37,16 @@ ENTRIES: list[tuple[Any, str]] = [
     (_python_dispatch, "TorchDispatchMode"),
     (Module(), "_non_persistent_buffers_set"),
     (Module(), "_compiled_call_impl"),
-    (_funcol, "AsyncCollectiveTensor"),
-    (_funcol, "wait_tensor"),
-    (_python_dispatch, "is_traceable_wrapper_subclass"),
     (_fake_tensor, "FakeTensorMode"),
     (_fake_tensor, "DataDependentOutputException"),
     (_fake_tensor, "DynamicOutputShapeException"),
     (_fake_tensor, "UnsupportedOperatorException"),
     # Public, but only recent torch has it: init_process_group("fake") without a store.
     (Backend, "FAKE"),
+    (_funcol, "AsyncCollectiveTensor"),
+    (_funcol, "wait_tensor"),
+    (_python_dispatch, "is_traceable_wrapper_subclass"),
+    (FSDPModule, "_get_fsdp_state"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -95,6 +98,18 @@ def is_compiled_in_place(module: Module) -> bool:
     return module._compiled_call_impl is not None
 
 
+def fsdp2_mp_policies(module: FSDPModule) -> list[Any]:
+    """The MixedPrecisionPolicy ``fully_shard`` recorded for this unit's parameters (one per
+    parameter group; none for a unit without parameters of its own). torch >= 2.10 keeps a list
+    of groups (``_fsdp_param_groups``), older releases one (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = require(state, "_fsdp_param_group", "torch")
+        groups = [group] if group is not None else []
+    return [require(group, "mp_policy", "torch") for group in groups]
+
+
 def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
     """DistributedDataParallel's keyword for broadcasting buffers before each forward:
     ``forward_sync_buffers`` where torch has it (``broadcast_buffers`` is deprecated there),
@@ -102,23 +117,6 @@ def ddp_buffer_sync(sync_every_forward: bool) -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": sync_every_forward}
     return {"broadcast_buffers": sync_every_forward}
-
-
-def wait_if_async_collective(tensor: Any) -> Any:
-    """``tensor`` as a plain tensor if it is the in-flight result of an asynchronous collective
-    (an ``AsyncCollectiveTensor``, what tensor-parallel styles return), waiting for it; anything
-    else unchanged. The wait is an autograd op: gradients flow through it (``AsyncCollectiveTensor.wait()``
-    returns the bare result, cut off from the graph)."""
-    return _funcol.wait_tensor(tensor) if isinstance(tensor, _funcol.AsyncCollectiveTensor) else tensor
-
-
-def plain_tensors(tensor: Any) -> list[Any]:
-    """The tensors holding ``tensor``'s memory: itself, or for a wrapper tensor subclass (torchao's
-    float8 weights; it has no storage of its own) the tensors it wraps, recursively."""
-    if not _python_dispatch.is_traceable_wrapper_subclass(tensor):
-        return [tensor]
-    names, _ = tensor.__tensor_flatten__()
-    return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]
 
 
 FakeTensorMode = _fake_tensor.FakeTensorMode
@@ -144,3 +142,20 @@ def memory_trackers() -> tuple[Any, Any]:
         require(fsdp2_mem_tracker, "FSDPMemTracker", "torch"),
         require(mem_tracker, "MemTracker", "torch"),
     )
+
+
+def wait_if_async_collective(tensor: Any) -> Any:
+    """``tensor`` as a plain tensor if it is the in-flight result of an asynchronous collective
+    (an ``AsyncCollectiveTensor``, what tensor-parallel styles return), waiting for it; anything
+    else unchanged. The wait is an autograd op: gradients flow through it (``AsyncCollectiveTensor.wait()``
+    returns the bare result, cut off from the graph)."""
+    return _funcol.wait_tensor(tensor) if isinstance(tensor, _funcol.AsyncCollectiveTensor) else tensor
+
+
+def plain_tensors(tensor: Any) -> list[Any]:
+    """The tensors holding ``tensor``'s memory: itself, or for a wrapper tensor subclass (torchao's
+    float8 weights; it has no storage of its own) the tensors it wraps, recursively."""
+    if not _python_dispatch.is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]

@@ -459,9 +459,16 @@ class TrainerConfig:
     log_every_n_steps: int = field(default=1, metadata=at_least(1))
     """Write a metrics.jsonl row (and print a line) every N optimizer steps."""
     gradient_clip_val: float | None = field(
-        default=1.0, metadata=positive(hint="trainer.gradient_clip_val=null turns clipping off")
+        default=None,
+        metadata=at_least(
+            0, hint="trainer.gradient_clip_val=0 turns clipping off; null: the model's default"
+        ),
     )
-    """Clip the gradient norm to this value; null = no clipping."""
+    """Clip gradients to this value (their global norm; each element with
+    ``gradient_clip_algorithm=value``). null: the model's default, 1.0 for the built-in model,
+    ``model=hf`` and a plain nn.Module, none for a LightningModule trained as it is (Lightning's
+    Trainer default; a module's own ``configure_gradient_clipping`` gets this value, as from
+    ``Trainer(gradient_clip_val=...)``). 0: no clipping."""
     gradient_clip_algorithm: str = "norm"
     """norm: clip the global gradient norm; value: clip each gradient element."""
     deterministic: bool = False

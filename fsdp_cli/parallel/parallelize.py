@@ -29,7 +29,7 @@ from fsdp_cli.parallel.fsdp2 import apply_fsdp
 from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions
 from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
-from fsdp_cli.parallel.wrap import repeated_block_class, wrap_units
+from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
 
 
 @dataclass
@@ -92,8 +92,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
     # Units are chosen before any wrapper is inserted, from the model as the user wrote it.
     units = wrap_units(model, options.wrap)
     # Checkpointing and compile work per transformer block, whatever the FSDP units are.
-    block_cls = repeated_block_class(model)
-    blocks = [m for m in model.modules() if block_cls is not None and isinstance(m, block_cls)] or units
+    block_classes = repeated_block_classes(model)
+    blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
 
     if dims.tp_enabled:
         plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)

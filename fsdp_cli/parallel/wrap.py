@@ -4,6 +4,8 @@ The ``wrap`` group names them by class (bare ``TransformerBlock`` or dotted
 ``pkg.mod.TransformerBlock``), by size, or as "the model's repeated block". A class name that
 matches nothing fails before training with the model's candidate block classes, instead of the
 silent "could not find the transformer layer class to wrap" other tools leave users with.
+"The repeated block" is every stack of blocks the model has: an encoder-decoder model's encoder
+layers and decoder layers both become units.
 """
 
 from __future__ import annotations
@@ -29,16 +31,25 @@ def candidate_block_classes(model: nn.Module) -> list[str]:
 
 def repeated_block_class(model: nn.Module) -> type | None:
     """The element class of the largest ``ModuleList``/``ModuleDict`` (the transformer blocks)."""
-    best: tuple[int, type] | None = None
+    classes = repeated_block_classes(model)
+    return classes[0] if classes else None
+
+
+def repeated_block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The element classes of the model's stacks of blocks, largest stack first: every
+    ``ModuleList``/``ModuleDict`` of more than one module of one class, with parameters, that is
+    not inside a block of another stack. One class for a decoder-only transformer; the encoder's
+    and the decoder's layer for an encoder-decoder one (``nn.Transformer``)."""
+    stacks: list[tuple[int, nn.Module, type]] = []
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 1:
-            children = list(module.children())
-            kinds = {type(c) for c in children}
-            if len(kinds) == 1:
-                size = sum(p.numel() for p in module.parameters())
-                if best is None or size > best[0]:
-                    best = (size, kinds.pop())
-    return best[1] if best else None
+            kinds = {type(c) for c in module.children()}
+            size = sum(p.numel() for p in module.parameters())
+            if len(kinds) == 1 and size > 0:
+                stacks.append((size, module, kinds.pop()))
+    inside = {id(m) for _, stack, _ in stacks for block in stack.children() for m in block.modules()}
+    outer = sorted((s for s in stacks if id(s[1]) not in inside), key=lambda s: -s[0])
+    return tuple(dict.fromkeys(cls for _, _, cls in outer))
 
 
 def resolve_classes(model: nn.Module, names: list[str], key: str = "wrap.classes") -> tuple[type, ...]:
@@ -64,8 +75,7 @@ def block_classes(model: nn.Module, wrap: WrapOptions) -> tuple[type, ...]:
     if wrap.policy is WrapPolicy.classes:
         return resolve_classes(model, wrap.classes)
     if wrap.policy is WrapPolicy.block:
-        cls = repeated_block_class(model)
-        return (cls,) if cls is not None else ()
+        return repeated_block_classes(model)
     return ()
 
 

@@ -122,12 +122,12 @@ def module_spec(
     model: Any, wrap: WrapOptions, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
 ) -> ModelSpec:
     """Describe a model built on the meta device (see the module docstring)."""
-    from fsdp_cli.parallel.wrap import repeated_block_class, wrap_units
+    from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
 
     names = {id(m): n for n, m in model.named_modules()}
     units = [names[id(m)] for m in wrap_units(model, wrap)]
-    block_cls = repeated_block_class(model)
-    blocks = [n for n, m in model.named_modules() if block_cls is not None and isinstance(m, block_cls)]
+    block_classes = repeated_block_classes(model)
+    blocks = [n for n, m in model.named_modules() if block_classes and isinstance(m, block_classes)]
     modules = dict(model.named_modules())
     params = [
         ParamShape(name, tuple(p.shape), _tp_dim(name, p, tp_plan, modules))

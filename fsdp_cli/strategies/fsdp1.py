@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,8 +73,11 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         self._ac_names = _names(activation_checkpointing_policy)
         sharding = str(getattr(kwargs.get("sharding_strategy"), "name", kwargs.get("sharding_strategy", "")))
         hybrid = sharding.upper() in HYBRID
-        if hybrid and kwargs.get("device_mesh") is None and kwargs.get("process_group") is None:
+        mesh_given = kwargs.get("device_mesh") is not None or kwargs.get("process_group") is not None
+        if hybrid and not mesh_given and (auto_wrap_policy, wrap, hybrid_shard_size) != (None, None, None):
             # Placeholder so Lightning accepts HYBRID_SHARD; the real mesh is built in setup_environment.
+            # Without any of these Lightning's own check refuses HYBRID_SHARD (with its words);
+            # ``wrap`` counts as the auto_wrap_policy it becomes at setup.
             kwargs["device_mesh"] = _AUTO_MESH
         super().__init__(
             auto_wrap_policy=auto_wrap_policy,
@@ -91,9 +95,21 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
     def _device_id(self) -> int | torch.device:
         return self.root_device if self.root_device.type == "cpu" else self.root_device.index
 
+    _requested_mesh: Any = None
+    _mesh_pending = False
+
     def setup_environment(self) -> None:
-        mesh = self.kwargs.pop("device_mesh", None)
+        """Lightning's set-up (process group, timeout); the mesh is this class's, built when
+        first needed (:meth:`_build_mesh`), so Lightning does not build one from a tuple."""
+        self._requested_mesh = self.kwargs.pop("device_mesh", None)
         super().setup_environment()
+        self._mesh_pending = True
+
+    def _build_mesh(self) -> None:
+        if not self._mesh_pending:
+            return
+        self._mesh_pending = False
+        mesh = self._requested_mesh
         if self.kwargs.get("process_group") is not None or (mesh is not None and not isinstance(mesh, tuple)):
             self.kwargs["device_mesh"] = self.run_mesh = mesh  # the user's own process group or mesh
             return
@@ -114,6 +130,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
+        self._build_mesh()
         kwargs = {k: v for k, v in self.kwargs.items() if k != "auto_wrap_policy"}
         with enable_wrap(
             wrapper_cls=FullyShardedDataParallel,
@@ -160,6 +177,7 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
 
         module = self.lightning_module
         assert module is not None
+        self._build_mesh()
         if self.wrap is not None:
             classes = block_classes(module, self.wrap)
             self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(classes)) if classes else None
@@ -190,6 +208,24 @@ class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
         )
         setup_activation_checkpointing(model, fsdp1_activation_checkpointing(self))
         return model
+
+    def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's FSDPStrategy loading (lazy, the model and optimizers restored in place),
+        except for one case it gets wrong: optimizer states numbered by a plain optimizer whose
+        param groups list the parameters in another order than the module (Lightning maps
+        numbers to the module's order); those are restored here by position, as torch does."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # memory-mapped
+        states = checkpoint.get("optimizer_states") or []
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if not (fitting and self.optimizers and states) or self.numbered_in_module_order(states):
+            return super()._load_full(path, weights_only)
+        self.load_model_state_dict(checkpoint, strict=module.strict_loading)
+        checkpoint.pop("state_dict", None)
+        self._restore_optimizer_states(states)
+        return checkpoint
 
     def setup_optimizers(self, trainer: Any) -> None:
         from lightning.pytorch.strategies.strategy import Strategy

@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -26,7 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
+from fsdp_cli.checkpoint.distributed import DistributedCheckpointing, check_optimizer_count
 from fsdp_cli.compat.lightning_internals import optimizers_to_device, set_device_mesh, setup_distributed
 from fsdp_cli.parallel.dims import LIBRARY_NAMES, ParallelDims
 from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
@@ -161,11 +162,16 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         self._parallelized = True
 
     def parallelize_target(self) -> nn.Module:
-        """The module that is parallelized: the LightningModule's ``model`` attribute, or itself."""
+        """The module that is parallelized: the LightningModule's ``model`` attribute when it holds
+        all of the module's parameters, else the LightningModule itself (a module with an embedding
+        or a head beside ``self.model`` must have those sharded and synchronised too)."""
         module = self.lightning_module
         assert module is not None
         inner = getattr(module, "model", None)
-        return inner if isinstance(inner, nn.Module) else module
+        if not isinstance(inner, nn.Module):
+            return module
+        inside = {id(p) for p in inner.parameters()}
+        return inner if all(id(p) in inside for p in module.parameters()) else module
 
     def setup(self, trainer: Any) -> None:
         """Parallelize (if not yet done), materialise meta parameters, then set up optimizers.
@@ -243,9 +249,38 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
             rank_zero_info("FSDP2Strategy: restored the optimizer state deferred from checkpoint loading.")
+        if self._root_is_the_module():
+            with self.precision_plugin.train_step_context():
+                return self._as_root_forward("training_step", *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._root_is_the_module():
+            with self.precision_plugin.val_step_context():
+                return self._as_root_forward("validation_step", *args, **kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    def _root_is_the_module(self) -> bool:
+        return self._parallelized and self.parallelize_target() is self.lightning_module
+
+    def _as_root_forward(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``step`` as the forward of the LightningModule, when the module itself is the root
+        FSDP unit: FSDP2 gathers the root's own parameters (an embedding or a head outside the
+        blocks) in its forward hooks, which a step that calls its submodules directly would never
+        run. Lightning reroutes steps through a wrapper's forward the same way for DDP and FSDP1
+        (its Strategy does so only when the model is a wrapper, which a fully_shard'ed module is not)."""
+        from fsdp_cli.compat.lightning_internals import forward_redirection
+
+        return forward_redirection(self)(self.lightning_module, self.lightning_module, step, *args, **kwargs)
+
     # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True  # through load_optimizer_state_dict, deferred (below)
+
+    def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        return self.load_through_checkpoint_io(path, weights_only)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Defer the optimizer-state restore to the first training step.
@@ -254,6 +289,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         unsharded path has states left to defer.
         """
         states = checkpoint.get("optimizer_states") or []
+        check_optimizer_count(len(self.optimizers), len(states))  # now, not at the first step
         if states:
             self._pending_optimizer_states = list(states)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
@@ -25,6 +26,13 @@ class ModelParallelStrategy(DistributedCheckpointing, _LightningModelParallelStr
     def setup_environment(self) -> None:
         super().setup_environment()
         self.run_mesh = self.device_mesh
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True  # restored by load_optimizer_state_dict (see _load_full)
+
+    def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        return self.load_through_checkpoint_io(path, weights_only)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -154,6 +154,7 @@ def build(run: ResolvedRun, monitor: RankMonitor | None = None) -> RankRun:
         callbacks=callbacks.as_list(),
         accumulation=1 if own else datamodule.accumulation,
         module_loaders=own,
+        module_clip_val=callbacks.module_clip_val,
     )
     return RankRun(
         module=module,

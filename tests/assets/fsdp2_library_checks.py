@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_cli.checkpoint.io import FullCheckpointIO
+from fsdp_cli.checkpoint.optimizer_layout import named
 from fsdp_cli.config.schema import LlamaConfig, OptimConfig, SyntheticDataConfig
 from fsdp_cli.data.datamodule import TokenDataModule
 from fsdp_cli.models.causal_lm import CausalLMModule
@@ -183,7 +184,9 @@ class RecordStates(L.Callback):
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
         if dist.get_rank() == 0:
-            saved_state, now_state = self.saved["state"], now["state"]
+            # The full file numbers the parameters (torch's layout): named again by position.
+            groups = [g["params"] for g in now["param_groups"]]
+            saved_state, now_state = named(self.saved, groups)["state"], now["state"]
             same = saved_state.keys() == now_state.keys() and all(
                 torch.equal(saved_state[k][m], now_state[k][m])
                 for k in saved_state
