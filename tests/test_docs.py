@@ -247,11 +247,39 @@ def shortened(args: list[str], job: dict[str, Any], factor: int) -> list[str]:
     return [*kept, *(f"{k}={v}" for k, v in changed.items())]
 
 
+def trains_for_real(line: str, args: list[str]) -> bool:
+    """Whether a shown CPU command is run for real rather than as ``--dry-run``: the CPU recipes
+    (their loss must fall), sweeps (``--dry-run`` takes one job, and a sweep's own launcher,
+    sweeper and comparison are what it shows), and commands naming their run directory (a later
+    command continues that run: ``resume=auto`` must find and resume it). Every other command
+    shows one layout or one option of an ordinary run: it is checked and rank 0 rehearsed at its
+    world size in this process (the model built and parallelized by a rank's own code on the
+    fake backend, one fake step), and what it shows in training is trained for real by the tests
+    named in :data:`TRAINED_BY`."""
+    return (
+        _bare(line).removeprefix("fsdp-train ") in CPU_RECIPES
+        or "-m" in args
+        or any(a.startswith(("hydra.run.dir=", "resume=")) for a in args)
+    )
+
+
+TRAINED_BY = {
+    "tp=": "tests/test_fsdp2.py (dp=2 x tp=2 and tp=2 layouts against one process)",
+    "strategy.replicate_size=": "tests/test_fsdp2.py (HSDP 2x2 against one process)",
+    "strategy=ddp": "tests/test_checkpoints.py, tests/test_precision.py (DDP runs)",
+    "logger=": "tests/test_callbacks_loggers_epochs.py (mlflow and wandb runs)",
+    "+callbacks.": "tests/test_callbacks_loggers_epochs.py (EarlyStopping, ModelCheckpoint, LR monitor)",
+    "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
+}
+"""What each kind of dry-run command shows in training, and where it is trained for real."""
+
+
 @pytest.mark.distributed
-def test_the_cpu_commands_shown_in_the_docs_train_for_real(tmp_path: Path) -> None:
+def test_the_cpu_commands_shown_in_the_docs_run(tmp_path: Path) -> None:
     """Each runs in one working directory, in the order shown (a resume finds the run before it),
     and exits 0 with an ok summary (a ``--dry-run``: with its rehearsal and no summary), or with
-    the error line the docs show for it. The CPU recipes train to a falling loss."""
+    the error line the docs show for it. The CPU recipes train to a falling loss. Commands
+    :func:`trains_for_real` leaves out run as ``--dry-run`` in this process."""
     docs_text = "\n".join(doc.read_text() for doc in DOCS)
     commands = cpu_commands(tmp_path)
     shown = [_bare(line) for line, _, _ in commands]
@@ -259,12 +287,21 @@ def test_the_cpu_commands_shown_in_the_docs_train_for_real(tmp_path: Path) -> No
     assert len(commands) >= 10, shown  # the selection found them
     for command in RUN_ELSEWHERE:
         assert any(_bare(line) == command for line in shown_commands()), command
+    real = [_bare(line) for line, _, args in commands if trains_for_real(line, args)]
+    assert len(real) >= 6 and len(real) < len(commands), real
     failures = []
     for i, (line, env, args) in enumerate(commands):
+        env = {**env, "CUDA_VISIBLE_DEVICES": ""}
         sweep = "-m" in args
         named = any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in args)
         run_dir = None if sweep or named else tmp_path / "runs" / str(i)
-        r = run_cli(args, run_dir, cwd=tmp_path, env={**env, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+        if trains_for_real(line, args):
+            r = run_cli(args, run_dir, cwd=tmp_path, env=env, timeout=600)
+        else:
+            if "--dry-run" not in args:
+                args = [*args, "--dry-run"]
+                assert any(key in a for a in args for key in TRAINED_BY), (line, "trained by no test")
+            r = cli_in_process(args, run_dir, cwd=tmp_path, env=env)
         errors = [e for e in r.stderr.splitlines() if e.startswith("fsdp-train: error: ")]
         if r.returncode == 2 and errors and errors[0] in docs_text:
             continue  # the mistake the docs show, with the docs' own line
