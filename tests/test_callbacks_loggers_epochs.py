@@ -102,8 +102,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             return [*callback_run_args(run_dir), f"resume='{saved}'"]
         if name == "epochs":
             return EPOCH_RUN
-        if name == "epochs_resumed":  # from step 4, mid-epoch 0
-            return [*EPOCH_RUN, f"resume={get('epochs')[0] / 'checkpoints' / 'step_00000004'}"]
         if name == "own_epochs":
             return OWN_EPOCH_RUN
         assert name == "own_epochs_resumed"
@@ -112,6 +110,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def get(name: str) -> tuple[Path, str]:
         if name not in done:
             run_dir = root / name
+            if name == "epochs_preempted":
+                done[name] = preempted_then_resumed(run_dir)
+                return done[name]
             result = run_cli(args_of(name, run_dir), run_dir, env=CPU)
             assert_ok(result, run_dir)
             done[name] = (run_dir, result.stderr)
@@ -202,28 +203,14 @@ def test_epochs_of_our_data_end_the_run_and_wandb_offline_gets_every_row(runs: A
     ]
 
 
-@pytest.mark.distributed
-def test_our_data_resumed_mid_epoch_repeats_the_uninterrupted_losses(runs: Any) -> None:
-    straight, _ = runs("epochs")
-    resumed, stderr = runs("epochs_resumed")
-    assert "resuming from" in stderr and "not resumable" not in stderr
-    expected = train_losses(straight)
-    # Steps 5-10 finish epoch 0, 11-20 are epoch 1: bitwise equal (the same layout).
-    assert train_losses(resumed) == {s: expected[s] for s in range(5, 21)}
-
-
-@pytest.mark.distributed
-def test_preempted_mid_epoch_then_resumed_ends_like_the_uninterrupted_run(runs: Any, tmp_path: Path) -> None:
-    """A stop signal in epoch 0 (SIGUSR1 to rank 1, as a scheduler sends before a time limit):
-    the run saves and exits as preempted; ``resume=auto`` continues to the same end, step 20,
-    with every step's loss the uninterrupted run's (the epoch it was stopped in is not counted
-    as finished)."""
+def preempted_then_resumed(run_dir: Path) -> tuple[Path, str]:
+    """EPOCH_RUN stopped in epoch 0 by SIGUSR1 to rank 1 (as a scheduler signals before a time
+    limit), then ``resume=auto``: (run dir, the resumed run's stderr). The stopped run must exit
+    as preempted (143) after step 3 and before epoch 0 ends (step 10)."""
     from conftest import complete_lines, start_cli, wait_for
 
     from fsdp_cli.rundir.heartbeat import read_heartbeats
 
-    straight, _ = runs("epochs")
-    run_dir = tmp_path / "preempted"
     proc = start_cli(EPOCH_RUN, run_dir, env=CPU)
     wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) >= 3, proc)
     os.kill(read_heartbeats(run_dir)[1].pid, signal.SIGUSR1)
@@ -231,7 +218,34 @@ def test_preempted_mid_epoch_then_resumed_ends_like_the_uninterrupted_run(runs: 
     assert proc.returncode == 143, err[-2000:]
     stopped = json.loads((run_dir / "summary.json").read_text())["steps"]
     assert 3 <= stopped < 10, stopped  # mid-epoch 0
-    assert_ok(run_cli([*EPOCH_RUN, "resume=auto"], run_dir, env=CPU), run_dir)
+    (run_dir / "stopped_at").write_text(str(stopped))
+    resumed = run_cli([*EPOCH_RUN, "resume=auto"], run_dir, env=CPU)
+    assert_ok(resumed, run_dir)
+    return run_dir, resumed.stderr
+
+
+@pytest.mark.distributed
+def test_our_data_resumed_mid_epoch_repeats_the_uninterrupted_losses(runs: Any) -> None:
+    """Resumed from the preemption's save in epoch 0: the steps after it (the rest of epoch 0,
+    then epoch 1) are bitwise the uninterrupted run's (the same layout)."""
+    straight, _ = runs("epochs")
+    resumed, stderr = runs("epochs_preempted")
+    stopped = int((resumed / "stopped_at").read_text())
+    assert f"resuming from {resumed / 'checkpoints' / f'step_{stopped:08d}'}" in stderr, stderr[-2000:]
+    assert "not resumable" not in stderr
+    expected = train_losses(straight)
+    after = {s: loss for s, loss in train_losses(resumed).items() if s > stopped}
+    assert after == {s: expected[s] for s in range(stopped + 1, 21)}
+
+
+@pytest.mark.distributed
+def test_preempted_mid_epoch_then_resumed_ends_like_the_uninterrupted_run(runs: Any) -> None:
+    """A stop signal in epoch 0: the run saves and exits as preempted; ``resume=auto``
+    continues to the same end, step 20, with every step's loss the uninterrupted run's (the
+    epoch it was stopped in is not counted as finished)."""
+    straight, _ = runs("epochs")
+    run_dir, _ = runs("epochs_preempted")
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20
     assert train_losses(run_dir) == train_losses(straight)
 
 
