@@ -229,3 +229,26 @@ def _process_table() -> list[_Process]:
 def processes_naming(text: str) -> list[int]:
     """Live processes whose command line contains ``text``."""
     return [p.pid for p in _process_table() if text in p.cmdline]
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie is dead: only its parent's wait is missing)."""
+    living = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            living.append(pid)
+    return living
+
+
+def gone(job: Job, pids: list[int], within: float = 30) -> float:
+    """Seconds until no process of ``job`` (nor any of ``pids``) is left; fails after ``within``."""
+    started = time.monotonic()
+    while alive(pids) or job.processes():
+        elapsed = time.monotonic() - started
+        assert elapsed < within, f"still alive after {elapsed:.0f} s: {alive(pids) or job.processes()}"
+        time.sleep(0.2)
+    return time.monotonic() - started

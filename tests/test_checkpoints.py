@@ -26,13 +26,14 @@ from conftest import (
     start_cli,
     wait_for,
 )
-from harness import Job, processes_naming
+from harness import Job, gone, processes_naming
 
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.checkpoint.run import newest_verified
 from fsdp_cli.cli.ckpt import main as ckpt_main
 from fsdp_cli.config.schema import CheckpointConfig
+from fsdp_cli.rundir.heartbeat import read_heartbeats
 
 STEP3, STEP6 = "step_00000003", "step_00000006"
 
@@ -74,9 +75,12 @@ def assert_same_state(a: Path, b: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp2", "fsdp2_tp2"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_resume_is_bitwise_exact(tmp_path: Path, layout_run: Any, name: str) -> None:
-    """6 steps straight == 3 steps, save, resume, 3 more: identical per-step losses in fp32."""
+    """6 steps straight == 3 steps, save, resume, 3 more: identical per-step losses in fp32.
+    (FSDP2 and FSDP2 x TP resume as exactly after a SIGKILL mid-save:
+    test_sigkill_during_a_save_leaves_the_previous_checkpoint, whose resumed runs compare the same
+    losses and weights.)"""
     straight = layout_run(name)
     resumed = tmp_path / "resumed"
     result = run_cli([*LAYOUTS[name], *PARITY, f"resume={ckpt(straight, STEP3)}"], resumed)
@@ -170,7 +174,9 @@ def test_resume_auto_with_nothing_saved_starts_fresh(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
+def test_manifest_describes_the_checkpoint(layout_run: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fsdp-ckpt inspect --json`` as a user runs it (the one test starting the command itself),
+    then its table, in-process."""
     run_dir = layout_run("fsdp2_tp2")
     result = run_cli(["inspect", str(ckpt(run_dir, STEP6)), "--json"], prog="fsdp-ckpt", timeout=120)
     assert result.returncode == 0, result
@@ -182,9 +188,10 @@ def test_manifest_describes_the_checkpoint(layout_run: Any) -> None:
     assert info["dtypes"] == ["float32"] and info["optimizer_state"] is True
     assert set(info["versions"]) == {"torch", "lightning", "fsdp_cli"}
     assert info["config"]["tp"] == 2 and info["config"]["strategy"]["name"] == "fsdp2"
-    table = run_cli(["inspect", str(ckpt(run_dir, STEP6))], prog="fsdp-ckpt", timeout=120)
-    assert table.returncode == 0, table
-    assert "tensor_parallel=2" in table.stdout and "trained with:" in table.stdout
+    capsys.readouterr()
+    assert fsdp_ckpt("inspect", str(ckpt(run_dir, STEP6))) == 0
+    table = capsys.readouterr().out
+    assert "tensor_parallel=2" in table and "trained with:" in table, table
 
 
 @pytest.mark.distributed
@@ -332,24 +339,29 @@ def test_replacing_a_checkpoint_leaves_no_moment_without_one(tmp_path: Path) -> 
 
 # --------------------------------------------------------------------------- kills at every phase of a save
 
-# phase: (layout, extra arguments, step to pause at, which rank to kill). Each run saves every
-# 2 or 3 steps and is SIGKILLed while saving; what is left must be loadable and continue exactly.
-KILL_PHASES = {
+# phase: (layout, extra arguments, step to pause at, ranks that pause there, what is killed: a
+# rank by number, torch's agent or fsdp-train itself). Each run saves every 2 or 3 steps and is
+# SIGKILLed while saving; what is left must be loadable and continue exactly. Resumed after the
+# kill, the fsdp2 and fsdp2_tp2 runs are also the exact-resume tests of those layouts.
+KILL_PHASES: dict[str, tuple[str, list[str], int, int, int | str]] = {
     # rank 1 dies with its shard written, .metadata not yet (rank 0 still writing its own)
-    "while_shards_are_written": ("fsdp2", ["+FSDP_CLI_TEST_PAUSE_PHASE=shards"], 6, 1),
+    "while_shards_are_written": ("fsdp2", ["+FSDP_CLI_TEST_PAUSE_PHASE=shards"], 6, 2, 1),
     # every rank has written its shard and rank 0 the manifest; the rename has not happened
-    "before_rename": ("fsdp2", ["checkpoint.every_n_steps=2"], 4, 1),
+    "before_rename": ("fsdp2_tp2", ["checkpoint.every_n_steps=2"], 4, 2, 1),
     # async: the shards are being written in the background while training goes on
     "async_while_shards_are_written": (
         "fsdp2",
         ["checkpoint.every_n_steps=2", "checkpoint.async_save=true", "+FSDP_CLI_TEST_PAUSE_PHASE=shards"],
         4,
+        2,
         1,
     ),
-    # the new checkpoint is visible, older ones not pruned yet
-    "after_rename": ("single", ["+FSDP_CLI_TEST_PAUSE_PHASE=after_rename"], 3, 0),
-    # a full (one-file) save, written but not renamed
-    "full_format": ("single", ["checkpoint=full"], 6, 0),
+    # the new checkpoint is visible, older ones not pruned yet; torch's agent alone is killed (the
+    # out-of-memory killer's pick): its ranks and fsdp-train end with it
+    "after_rename_agent_killed": ("ddp", ["+FSDP_CLI_TEST_PAUSE_PHASE=after_rename"], 3, 2, "agent"),
+    # a full (one-file) save, written by rank 0 but not renamed; fsdp-train alone is killed (a
+    # scheduler's hard kill): its agent and ranks end with it
+    "full_format_fsdp_train_killed": ("fsdp", [], 6, 1, "fsdp-train"),
 }
 
 
@@ -381,24 +393,41 @@ def _kill_and_wait(proc: Job, pid: int, run_dir: Path) -> int:
     return proc.returncode
 
 
+def _kill_launcher_and_wait(proc: Job, killed: str, run_dir: Path) -> int:
+    """SIGKILL fsdp-train or torch's agent alone: every process of the run, the ranks (which lead
+    sessions of their own, out of reach of the command's process group) included, ends with it
+    (tests/test_cleanup.py: what the harness does when a test ends)."""
+    beats = read_heartbeats(run_dir)
+    agent, ranks = beats[0].parent, {beat.pid for beat in beats.values()}
+    everything = proc.processes()
+    assert {proc.pid, agent, *ranks} <= set(everything), everything
+    os.kill(proc.pid if killed == "fsdp-train" else agent, signal.SIGKILL)
+    print(f"SIGKILL of {killed}: its run gone after {gone(proc, everything):.1f} s")
+    code = proc.wait(timeout=10)
+    assert processes_naming(str(run_dir)) == []
+    return code
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("phase", list(KILL_PHASES))
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(
     tmp_path: Path, layout_run: Any, phase: str
 ) -> None:
-    layout, extra, step, victim = KILL_PHASES[phase]
+    layout, extra, step, paused, killed = KILL_PHASES[phase]
     straight = layout_run(layout)
     run_dir, marker = tmp_path / "killed", tmp_path / "in_save"
     args, env = _phase_env([*LAYOUTS[layout], *PARITY, *extra], marker, step)
     proc = start_cli(args, run_dir, env=env)
-    ranks = 2 if "devices=2" in args else 1
-    markers = [marker.with_name(f"{marker.name}.rank{r}") for r in range(ranks)]
+    markers = [marker.with_name(f"{marker.name}.rank{r}") for r in range(paused)]
     pids = wait_for(lambda: all_or_none([read_pid(m) for m in markers]), proc)
     if phase.startswith("async"):
         # Training went on while the save was being written: rows past the save's step exist.
         wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) == 6, proc)
         assert not (run_dir / "checkpoints" / f"step_{step:08d}").exists()
-    assert _kill_and_wait(proc, pids[victim], run_dir) != 0
+    if isinstance(killed, int):
+        assert _kill_and_wait(proc, pids[killed], run_dir) != 0
+    else:
+        assert _kill_launcher_and_wait(proc, killed, run_dir) != 0, "fsdp-train reports the failure"
     left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     previous, _ = newest_verified(run_dir / "checkpoints")
     assert previous is not None, left
