@@ -267,10 +267,13 @@ def test_a_full_disk_during_a_save_fails_in_one_line_and_keeps_the_previous_chec
 
 def test_ctrl_c_stops_every_rank_and_is_reported_as_interrupted_not_failed(tmp_path: Path) -> None:
     """Ctrl-C in a terminal signals the foreground process group (fsdp-train and torch's agent;
-    the ranks run in sessions of their own and are stopped by the agent)."""
+    the ranks run in sessions of their own and are stopped by the agent). The directory holds an
+    earlier run's summary (a resume reuses its directory): the report is this run's, not that one."""
     import signal
 
     run_dir = tmp_path / "interrupted"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "preempted", "steps": 5, "exit_code": 143}))
     proc = start_cli(["devices=2", "accelerator=cpu", "trainer.max_steps=100000"], run_dir)
     wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) >= 2, proc)
     os.killpg(proc.pid, signal.SIGINT)

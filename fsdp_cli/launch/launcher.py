@@ -39,6 +39,7 @@ from fsdp_cli.rundir.failure import clear_failure, write_failure
 from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
 from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
 from fsdp_cli.rundir.status import EXIT_FAILED
+from fsdp_cli.rundir.summary import clear_summary
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
 """Tells the agent where the run's logs go (it writes its failure report there)."""
@@ -103,7 +104,10 @@ def worker_env(run: ResolvedRun) -> dict[str, str]:
 def launch(run: ResolvedRun) -> int:
     """Start the ranks and supervise them; returns their exit status (0 when all succeeded)."""
     cfg, run_dir = run.cfg, run.run_dir
-    clear_failure(run_dir)  # a resumed run reuses its directory (stale heartbeats name other agents)
+    # A resumed run reuses its directory: the last run's failure report (stale heartbeats name
+    # other agents) and summary must not stand for this one (a Ctrl-C'd rank writes none).
+    clear_failure(run_dir)
+    clear_summary(run_dir)
     proc = subprocess.Popen(torchrun_command(cfg, run_dir / CONFIG_FILE), env=worker_env(run))
     # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to
     # every rank: they checkpoint and exit with status "preempted".

@@ -113,5 +113,11 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def clear_summary(run_dir: Path) -> None:
+    """Remove the summary of an earlier run in this directory (a resume reuses it): whatever ends
+    this run, a summary read after it is this run's, never the one before."""
+    (Path(run_dir) / SUMMARY_FILE).unlink(missing_ok=True)
+
+
 def summary_exists(run_dir: Path) -> bool:
     return (Path(run_dir) / SUMMARY_FILE).exists()
