@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -336,6 +337,98 @@ def test_fsdp2_shards_the_whole_module_when_parameters_live_beside_its_model() -
     assert strategy.parallelize_target() is module.model
     module.embed = nn.Embedding(3, 2)
     assert strategy.parallelize_target() is module
+
+
+def _fsdp2_on_one_rank(module: nn.Module, **kwargs: Any) -> Any:
+    """An FSDP2Strategy set up as the Trainer sets it up, on the in-process gloo rank."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from fsdp_cli.strategies import FSDP2Strategy
+
+    strategy = FSDP2Strategy(**kwargs)
+    strategy.accelerator = CPUAccelerator()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.connect(module)
+    strategy.setup_environment()
+    return strategy
+
+
+def _lightning_module_with_model() -> Any:
+    import lightning as L
+
+    module = L.LightningModule()
+    module.model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return module
+
+
+def test_fsdp2_keeps_a_module_that_parallelized_itself(gloo_rank: None) -> None:
+    """Lightning code written for ModelParallelStrategy (``fully_shard`` / tensor parallel in
+    ``configure_model``) runs under FSDP2Strategy as it is: the strategy does not parallelize again
+    (with tensor_parallel_size > 1 it would ask a tensor-parallel plan of a model that has one
+    applied already)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_cli.parallel.fsdp2 import fsdp2_modules
+
+    module = _lightning_module_with_model()
+    strategy = _fsdp2_on_one_rank(module)
+    fully_shard(module.model[0], mesh=module.device_mesh["data_parallel"])  # the module's configure_model
+    strategy.setup(Mock())  # not fitting: no optimizers
+    assert fsdp2_modules(module) == [module.model[0]], "sharded again by the strategy"
+    assert strategy.parallelize_report is None
+
+    module = _lightning_module_with_model()
+    strategy = _fsdp2_on_one_rank(module, activation_checkpointing=True)
+    fully_shard(module.model[1], mesh=module.device_mesh["data_parallel"])
+    with pytest.warns(UserWarning, match="parallelization options are ignored"):
+        strategy.setup(Mock())  # not fitting: no optimizers
+
+
+def test_fsdp2_setup_refuses_fsdp1_modules_in_lightnings_words(gloo_rank: None) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = _lightning_module_with_model()
+    strategy = _fsdp2_on_one_rank(module)
+    module.model[0] = FullyShardedDataParallel(module.model[0], device_id=torch.device("cpu"))
+    with pytest.raises(
+        TypeError, match="The `FSDP2Strategy` only supports the new FSDP2 APIs in PyTorch >= 2.4"
+    ):
+        strategy.setup(Mock())  # not fitting: no optimizers
+
+
+def test_fsdp2_materializes_as_model_parallel_and_names_modules_left_uninitialized(gloo_rank: None) -> None:
+    """Without an ``init_weights()``, meta-device parameters are initialised as
+    ModelParallelStrategy does (``reset_parameters()``), with its warning for the modules that
+    have none: their memory is left as ``to_empty`` found it."""
+
+    class NoReset(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        module = _lightning_module_with_model()
+        module.model.append(NoReset())
+    strategy = _fsdp2_on_one_rank(module)
+    with pytest.warns(UserWarning, match=r"`reset_parameters\(\)` method for re-initialization: NoReset"):
+        strategy.setup(Mock())  # not fitting: no optimizers
+    assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 1), (2, 3), (4, 2)])
+def test_fsdp2_mesh_sizes_that_miss_the_world_size_fail_as_in_model_parallel(dp: int, tp: int) -> None:
+    from fsdp_cli.errors import ConfigError
+    from fsdp_cli.strategies import FSDP2Strategy
+
+    strategy = FSDP2Strategy(data_parallel_size=dp, tensor_parallel_size=tp)
+    strategy._setup_distributed = Mock()  # no process group: the sizes are checked before the mesh
+    strategy.cluster_environment = Mock(world_size=Mock(return_value=4), local_rank=Mock(return_value=0))
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    with pytest.raises(RuntimeError, match="multiplied should equal the world size") as info:
+        strategy.setup_environment()
+    assert isinstance(info.value, ConfigError) and "\n" not in str(info.value)
 
 
 def test_a_dtensor_loss_is_read_as_the_tensor_it_stands_for(gloo_rank: None) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.strategies import fsdp as _fabric_fsdp
+from lightning.fabric.utilities import init as _fabric_init
 from lightning.fabric.utilities import optimizer as _fabric_optimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.io import wrapper as _io_wrapper
@@ -25,6 +26,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_fabric_fsdp, "_activation_checkpointing_kwargs"),
     (_fabric_fsdp, "_setup_activation_checkpointing"),
     (_fabric_optimizer, "_optimizers_to_device"),
+    (_fabric_init, "_materialize_distributed_module"),
     (ModelParallelStrategy, "_setup_distributed"),
     (ModelParallelStrategy(), "_device_mesh"),
     (Strategy, "_reset_optimizers_and_schedulers"),
@@ -44,6 +46,9 @@ for _owner, _name in ENTRIES:
 activation_checkpointing_kwargs = _fabric_fsdp._activation_checkpointing_kwargs
 setup_activation_checkpointing = _fabric_fsdp._setup_activation_checkpointing
 optimizers_to_device = _fabric_optimizer._optimizers_to_device
+# ModelParallelStrategy's materialization of meta-device modules: ``to_empty`` on the root, then
+# ``reset_parameters()`` of every module holding tensors, with a warning naming those without one.
+materialize_distributed_module = _fabric_init._materialize_distributed_module
 
 
 def disable_lightning_sigterm_handling(trainer: L.Trainer) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing, check_optimizer_count
 from fsdp_cli.compat.lightning_internals import optimizers_to_device, set_device_mesh, setup_distributed
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import LIBRARY_NAMES, ParallelDims
 from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
 from fsdp_cli.parallel.parallelize import (
@@ -37,6 +38,11 @@ from fsdp_cli.parallel.parallelize import (
     call_parallelize_fn,
     parallelize,
 )
+
+
+class MeshSizesError(ConfigError, RuntimeError):
+    """Sizes that do not multiply to the world size: a ConfigError (one line, naming each factor)
+    raised as ModelParallelStrategy raises it, a RuntimeError."""
 
 
 class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
@@ -128,13 +134,25 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             dp, tp = self.num_nodes, self.num_processes
         elif tp == "auto":
             tp = self.world_size // int(dp)
-        return ParallelDims.resolve(
-            world_size=self.world_size,
-            dp=None if dp == "auto" else int(dp),
-            tp=int(tp),
-            replicate=replicate,
-            names=LIBRARY_NAMES,
-        )
+        try:
+            return ParallelDims.resolve(
+                world_size=self.world_size,
+                dp=None if dp == "auto" else int(dp),
+                tp=int(tp),
+                replicate=replicate,
+                names=LIBRARY_NAMES,
+            )
+        except ConfigError as err:
+            if err.key == LIBRARY_NAMES.replicate:
+                raise
+            # ModelParallelStrategy's error (a RuntimeError, its words), still one of our ConfigErrors.
+            sentence = (
+                f"the sizes `data_parallel_size={dp}` and `tensor_parallel_size={tp}` multiplied should "
+                f"equal the world size ({self.world_size})"
+            )
+            raise MeshSizesError(
+                err.key, err.value, f"{sentence}: {err.problem}", allowed=err.allowed, hint=err.hint
+            ) from None
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -178,14 +196,20 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
 
         Lightning's ModelParallelStrategy.setup would insist on a ``configure_model`` override and
         move every parameter to the GPU; this strategy parallelizes by itself and must leave
-        CPU-offloaded shards where FSDP put them.
+        CPU-offloaded shards where FSDP put them. A module whose ``configure_model`` applied
+        ``fully_shard`` or tensor parallel itself (Lightning's pattern for ModelParallelStrategy)
+        is left as it made itself, as ModelParallelStrategy leaves it.
         """
         from lightning.pytorch.trainer.states import TrainerFn
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        refuse_fsdp1_modules(self.model, type(self).__name__)
         if not self._parallelized:
-            self.parallelize()
+            if is_parallelized(self.model):
+                self._keep_the_modules_own_parallelization()
+            else:
+                self.parallelize()
         self._materialize(self.parallelize_target())
         self.model = self.precision_plugin.convert_module(self.model)
         if self._offloaded:
@@ -210,18 +234,32 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
 
     def _materialize(self, model: nn.Module) -> None:
         """Allocate parameters created on the meta device (``tensor_init_context(empty_init=True)``)
-        now that each rank holds only its shard, then initialise them with ``init_weights()``."""
+        now that each rank holds only its shard, then initialise them: with the model's
+        ``init_weights()`` (the built-in model's layout-independent init), else as
+        ModelParallelStrategy does, each module's ``reset_parameters()``, with Lightning's warning
+        naming the modules that have none (their memory stays uninitialised)."""
+        from fsdp_cli.compat.lightning_internals import materialize_distributed_module
+
+        init = getattr(model, "init_weights", None)
+        if not callable(init):
+            assert self.model is not None
+            materialize_distributed_module(self.model, self.root_device)
+            return
         if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
             return
         model.to_empty(device=self.root_device)
-        init = getattr(model, "init_weights", None)
-        if callable(init):
-            init(buffer_device=self.root_device) if _accepts(init, "buffer_device") else init()
+        init(buffer_device=self.root_device) if _accepts(init, "buffer_device") else init()
+
+    def _keep_the_modules_own_parallelization(self) -> None:
+        given = self.parallelize_fn is not None or self.options != ParallelizeOptions()
+        message = (
+            "FSDP2Strategy: the LightningModule's configure_model() parallelized it already (FSDP2 or "
+            "tensor-parallel parameters); the strategy's own parallelization is not applied"
+        )
+        if given:
+            rank_zero_warn(f"{message}, so its parallelize_fn and parallelization options are ignored.")
         else:
-            for module in model.modules():
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+            rank_zero_info(f"{message}.")
 
     # ------------------------------------------------------------------ steps
 
@@ -302,6 +340,24 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
         return DistributedCheckpointing.optimizer_state(self, optimizer)
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` or tensor parallel was applied to (part of) ``module`` already."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(fsdp2_modules(module)) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def refuse_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
+    """ModelParallelStrategy's check, in its words: FSDP1 wrappers cannot be set up by FSDP2."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(
+            "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
+            f" The `{strategy_name}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
+        )
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
