@@ -64,6 +64,9 @@ LAYOUTS = {
     ],
     "ddp": ["strategy=ddp"],
     "fsdp2_bf16_true": ["strategy=fsdp2", "precision=bf16-true"],
+    # torchao's float8 conversion (emulated off a GPU) before fully_shard, with float8 all-gathers:
+    # the shards stay in the parameter dtype, so the plan's bytes hold.
+    "fsdp2_float8": ["strategy=fsdp2", "precision=bf16-mixed", "strategy.float8=true"],
 }
 
 
@@ -88,6 +91,8 @@ def test_held_bytes_equal_the_plan_on_the_first_and_last_rank(name: str) -> None
         with torch.device("meta"):
             numel = sum(p.numel() for p in Llama(cfg.model).parameters())
         assert result.held_bytes.params == 4 * numel and result.fsdp_units == []
+    # Every linear layer of the 4 blocks (7 each) converted, the LM head left as it is.
+    assert result.float8_linears == (4 * 7 if name == "fsdp2_float8" else 0)
 
 
 def test_a_layout_the_model_cannot_take_is_refused_in_one_line() -> None:

@@ -109,7 +109,9 @@ def print_rehearsal(run: ResolvedRun, result: Any, plan: Any) -> None:
     # Plain prints for the lines: they stay whole (rich wraps at the console's width), for grep and logs.
     print(
         f"rehearsal: rank {result.rank} of {result.world_size} ({coordinates}), "
-        f"{len(result.fsdp_units)} FSDP units, {result.seconds:.1f} s",
+        f"{len(result.fsdp_units)} FSDP units, "
+        + (f"{result.float8_linears} float8 linear layers, " if result.float8_linears else "")
+        + f"{result.seconds:.1f} s",
         flush=True,
     )
     planned = plan.ranks[result.rank] if plan is not None else None

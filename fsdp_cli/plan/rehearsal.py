@@ -49,6 +49,8 @@ class Rehearsal:
     mesh_coordinates: dict[str, int]
     held_bytes: HeldBytes
     fsdp_units: list[str]
+    float8_linears: int = 0
+    """Linear layers converted to torchao's Float8Linear (``strategy.float8=true``)."""
     seconds: float = 0.0
     step: dict[str, Any] | None = None
     """The fake training step's measured peak (:mod:`fsdp_cli.plan.fake_step`)."""
@@ -79,6 +81,7 @@ def rehearse(run: ResolvedRun | TrainConfig, rank: int = 0, *, step: bool = True
                 mesh_coordinates=mesh_coordinates(built),
                 held_bytes=held_bytes(built),
                 fsdp_units=fsdp_units(built),
+                float8_linears=sum(type(m).__name__ == "Float8Linear" for m in built.target.modules()),
             )
             depth = built.blocks
         if step:
