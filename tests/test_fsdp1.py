@@ -23,27 +23,37 @@ from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.schema import DType, FSDPConfig, ShardingStrategy, WrapPolicy
 from tests.assets.traces import REDUCE_SCATTER, collectives_per_backward
 
+FSDP1 = ["strategy=fsdp", "devices=2"]
+# Each run costs ~10 s of start-up on 2 cores (the 4-rank one twice that): options that do not
+# interact share a run, and each is read from the live modules (setup report) or the trace.
 SHARDING = {
     "full_shard": None,  # the shared `fsdp` layout run
-    # Also accumulates 2 micro-batches and profiles: FSDP1's no_sync on all but the last.
+    # lightning_fairscale's strategy and keywords (see test_ddp_fully_sharded_runs_as_native_fsdp):
+    # reshard_after_forward=false is SHARD_GRAD_OP. Also accumulates 2 micro-batches and profiles:
+    # FSDP1's no_sync on all but the last.
     "shard_grad_op": [
+        "strategy=ddp_fully_sharded",
         "devices=2",
-        "strategy.sharding_strategy=SHARD_GRAD_OP",
+        "strategy.reshard_after_forward=false",
+        "strategy.cpu_offload=true",
+        "strategy.activation_checkpointing=[TransformerBlock]",
         "data.micro_batch_size=2",
         "trainer.profiler=torch",
     ],
-    "no_shard": ["devices=2", "strategy.sharding_strategy=NO_SHARD"],
+    "no_shard": [*FSDP1, "strategy.sharding_strategy=NO_SHARD"],
     "hybrid_shard_2x2": [
+        "strategy=fsdp",
         "devices=4",
         "strategy.sharding_strategy=HYBRID_SHARD",
         "strategy.hybrid_shard_size=2",
     ],
     # The default size (shard within the node, replicate across nodes): one node is one shard group,
     # still a 2-D mesh (FSDP1's hybrid strategies refuse a 1-D one). Two nodes: tests/test_clusters.py.
-    "hybrid_shard_one_node": ["devices=2", "strategy.sharding_strategy=HYBRID_SHARD"],
-    "hybrid_shard_zero2_one_node": ["devices=2", "strategy.sharding_strategy=HYBRID_SHARD_ZERO2"],
-    "size_wrap_and_activation_checkpointing": [
-        "devices=2",
+    "hybrid_shard_one_node": [*FSDP1, "strategy.sharding_strategy=HYBRID_SHARD"],
+    # Also wraps by size and checkpoints every block.
+    "hybrid_shard_zero2_one_node": [
+        *FSDP1,
+        "strategy.sharding_strategy=HYBRID_SHARD_ZERO2",
         "wrap=size",
         "wrap.min_num_params=20000",
         "strategy.activation_checkpointing_policy=[TransformerBlock]",
@@ -66,17 +76,33 @@ SIZE_WRAP_UNITS = [
 MANUAL = ["model=custom", "model._target_=tests.assets.manual_wrap.ManuallyWrappedLM", "data.vocab_size=256"]
 
 
+@pytest.fixture(scope="module")
+def sharding_run(tmp_path_factory: pytest.TempPathFactory, layout_run: Any) -> Any:
+    """``sharding_run(name)`` -> (run dir, stderr) of ``SHARDING[name]`` with ``PARITY`` settings,
+    run once on first use."""
+    root = tmp_path_factory.mktemp("sharding")
+    done: dict[str, tuple[Path, str]] = {}
+
+    def get(name: str) -> tuple[Path, str]:
+        if SHARDING[name] is None:
+            return layout_run("fsdp"), ""
+        if name not in done:
+            run_dir = root / name
+            result = run_cli([*SHARDING[name], *PARITY], run_dir)
+            assert_ok(result, run_dir)
+            done[name] = (run_dir, result.stderr)
+        return done[name]
+
+    return get
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SHARDING))
 def test_sharding_option_keeps_single_process_losses(
-    tmp_path: Path, reference_losses: list[float], layout_run: Any, name: str
+    reference_losses: list[float], sharding_run: Any, name: str
 ) -> None:
-    if SHARDING[name] is None:
-        run_dir = layout_run("fsdp")
-        summary = read_summary(run_dir)
-    else:
-        run_dir = tmp_path / name
-        summary = assert_ok(run_cli(["strategy=fsdp", *SHARDING[name], *PARITY], run_dir), run_dir)
+    run_dir, _ = sharding_run(name)
+    summary = read_summary(run_dir)
     assert_same_losses(reference_losses, run_dir)
     assert summary["strategy"] == "fsdp"
     setup = summary["setup"]
@@ -84,14 +110,15 @@ def test_sharding_option_keeps_single_process_losses(
         assert setup["mesh"] == {"replicate": 2, "shard": 2}
     if name.endswith("one_node"):
         assert setup["mesh"] == {"replicate": 1, "shard": 2}
-    if name == "size_wrap_and_activation_checkpointing":
-        assert setup["activation_checkpointing"] == 4
+    assert setup["activation_checkpointing"] == (
+        4 if name in ("shard_grad_op", "hybrid_shard_zero2_one_node") else 0
+    )
     if name in ("full_shard", "shard_grad_op", "no_shard"):
         assert_plan_matches_the_run(run_dir)
     if name == "shard_grad_op":
         scatters = collectives_per_backward(run_dir, REDUCE_SCATTER)
         assert sorted(scatters) == [0, 0, 5, 5] and scatters[0] != scatters[1], scatters
-    expected = SIZE_WRAP_UNITS if name.startswith("size_wrap") else BLOCK_UNITS
+    expected = SIZE_WRAP_UNITS if name == "hybrid_shard_zero2_one_node" else BLOCK_UNITS
     assert setup["fsdp_units"] == expected
     # Clipping by norm ran through the FSDP root (Lightning's FSDP plugin would refuse it).
     assert all(row["grad_norm"] > 0 for row in read_metrics(run_dir))
@@ -143,21 +170,16 @@ def test_unknown_wrap_class_lists_the_model_block_classes(tmp_path: Path) -> Non
 
 
 @pytest.mark.distributed
-def test_ddp_fully_sharded_runs_as_native_fsdp(tmp_path: Path, reference_losses: list[float]) -> None:
-    run_dir = tmp_path / "fairscale"
-    args = [
-        "strategy=ddp_fully_sharded",
-        "devices=2",
-        "strategy.cpu_offload=true",
-        "strategy.activation_checkpointing=[TransformerBlock]",
-        *PARITY,
-    ]
-    result = run_cli(args, run_dir)
-    summary = assert_ok(result, run_dir)
-    assert "strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP" in result.stderr
-    assert "strategy.activation_checkpointing is deprecated" in result.stderr
+def test_ddp_fully_sharded_runs_as_native_fsdp(reference_losses: list[float], sharding_run: Any) -> None:
+    """lightning_fairscale's strategy with its keywords (the shard_grad_op run above)."""
+    run_dir, stderr = sharding_run("shard_grad_op")
+    assert "strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP" in stderr
+    assert "strategy.activation_checkpointing is deprecated" in stderr
+    summary = read_summary(run_dir)
     assert summary["strategy"] == "fsdp" and summary["setup"]["activation_checkpointing"] == 4
-    assert "name: fsdp\n" in (run_dir / "config.yaml").read_text()
+    config = (run_dir / "config.yaml").read_text()
+    assert "name: fsdp\n" in config and "sharding_strategy: SHARD_GRAD_OP\n" in config, config
+    assert "cpu_offload: true\n" in config, config
     assert_same_losses(reference_losses, run_dir)
 
 

@@ -90,27 +90,9 @@ def test_default_run_is_fsdp2_over_two_cpu_processes(tmp_path: Path) -> None:
     assert len(rows) == 30 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
 
 
-def test_plain_nn_module_from_a_test_file_trains_under_fsdp2(tmp_path: Path) -> None:
-    run_dir = tmp_path / "custom"
-    args = [
-        "model=custom",
-        "model._target_=tests.assets.custom_models.TinyLM",
-        "+model.hidden=32",
-        "data.vocab_size=256",
-        "strategy=fsdp2",
-        "devices=2",
-        "trainer.max_steps=8",
-        "accelerator=cpu",
-    ]
-    summary = assert_ok(run_cli(args, run_dir), run_dir)
-    assert summary["model"] == "tests.assets.custom_models.TinyLM"
-    assert summary["parameters"] > 0
-    rows = read_metrics(run_dir)
-    assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"]
-
-
 def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None:
-    """Under an existing torchrun (or srun) job fsdp-train launches nothing: every process is a rank."""
+    """Under an existing torchrun (or srun) job fsdp-train launches nothing: every process is a
+    rank. The model is a plain nn.Module from a test file, trained under fsdp2 as a causal LM."""
     import sys
 
     run_dir = tmp_path / "torchrun"
@@ -124,14 +106,21 @@ def test_inside_torchrun_each_process_trains_as_its_rank(tmp_path: Path) -> None
         "--nproc-per-node=2",
         *(["--no-python"] if len(script) == 1 else []),
         *script,
+        "model=custom",
+        "model._target_=tests.assets.custom_models.TinyLM",
+        "+model.hidden=32",
+        "data.vocab_size=256",
         "strategy=fsdp2",
         "accelerator=cpu",
-        "trainer.max_steps=3",
+        "trainer.max_steps=8",
         f"hydra.run.dir={run_dir}",
     ]
     result = run(cmd, timeout=300, run_dir=run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(run_dir)
     assert (summary["status"], summary["world_size"], summary["dp"]) == ("ok", 2, 2)
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3], "one job of two ranks, not two jobs"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 9)), "one job of two ranks, not two jobs"
     assert (run_dir / "logs" / "rank1.log").exists()
+    assert (summary["strategy"], summary["model"]) == ("fsdp2", "tests.assets.custom_models.TinyLM")
+    assert summary["parameters"] > 0 and rows[-1]["loss"] < rows[0]["loss"]
