@@ -237,7 +237,7 @@ def test_plain_tensors_opens_wrapper_subclasses() -> None:
     import torch
 
     pytest.importorskip("torchao")
-    from fsdp_cli.callbacks.setup_report import storage_bytes
+    from fsdp_cli.compat.torch_internals import storage_bytes
     from fsdp_cli.parallel.float8 import apply_float8
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 8, bias=False))

@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from fsdp_cli.compat.torch_internals import storage_bytes
 from fsdp_cli.dtypes import dtype_name
 from fsdp_cli.parallel.names import canonical_name
 
@@ -170,22 +171,6 @@ def format_setup(info: dict[str, Any]) -> str:
         f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}"
     )
     return "\n".join(lines)
-
-
-def storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shard, wrapper
-    subclasses such as float8 weights by the tensors they wrap): what they hold in memory, views
-    of one buffer counted once, padding included."""
-    from fsdp_cli.compat.torch_internals import plain_tensors
-
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        for local in plain_tensors(t.to_local() if hasattr(t, "to_local") else t):
-            storage = local.untyped_storage()
-            seen[storage.data_ptr() or id(local)] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _optimizer_tensors(trainer: L.Trainer) -> list[torch.Tensor]:

@@ -159,3 +159,21 @@ def plain_tensors(tensor: Any) -> list[Any]:
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None skipped; DTensors by their local
+    shard, wrapper subclasses such as torchao's float8 weights by the tensors they wrap): what
+    they hold in memory, views of one buffer counted once, padding included. Storages are told
+    apart by torch's storage handle, which fake and meta tensors have too (their data pointers
+    are all 0): the live setup report and the rehearsal count alike."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        for inner in plain_tensors(t.to_local() if hasattr(t, "to_local") else t):
+            storage = inner.untyped_storage()
+            seen[StorageWeakRef(storage).cdata] = storage.nbytes()
+    return sum(seen.values())

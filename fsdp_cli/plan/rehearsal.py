@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fsdp_cli.compat.torch_internals import storage_bytes
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import HFModelConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
@@ -137,21 +138,6 @@ def _held_bytes(built: BuiltRank) -> HeldBytes:
         grads=storage_bytes(trainable),
         optimizer=optimizer_state_bytes(built.strategy.optimizers),
     )
-
-
-def storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shards, wrapper
-    subclasses such as torchao's float8 weights by the tensors they wrap)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from fsdp_cli.compat.torch_internals import plain_tensors
-
-    seen: dict[int, int] = {}
-    for t in tensors:
-        for inner in plain_tensors(t.to_local() if hasattr(t, "to_local") else t):
-            storage = inner.untyped_storage()
-            seen[StorageWeakRef(storage).cdata] = storage.nbytes()
-    return sum(seen.values())
 
 
 def optimizer_state_bytes(optimizers: list[Any]) -> int:
