@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_cli.models.args import OptimizerArgs, Scheduler
+from fsdp_cli.models.llama import at_least_fp32
 
 
 class CausalLMModule(L.LightningModule):
@@ -58,7 +59,7 @@ class CausalLMModule(L.LightningModule):
         logits = self(inputs)
         # Cross-entropy in fp32 at least (fp64 under 64-true): bf16 log-softmax over a large
         # vocabulary is lossy.
-        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        wide = at_least_fp32(logits)
         return F.cross_entropy(wide.flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
