@@ -11,6 +11,8 @@ from typing import Any
 
 WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
 """Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
+AGENT_PID_ENV = "FSDP_CLI_AGENT_PID"
+"""Set by our agent for the ranks it starts: its pid."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ def gpu_compute_capability(env: Mapping[str, str]) -> tuple[int, int] | None:
     """The lowest compute capability among the GPUs this process may use (None without NVML)."""
     found = [(c[0], c[1]) for c in _nvml().query(env, "capability")]
     return min(found) if found else None
+
+
+def agent_pid() -> int:
+    """The pid of the elastic agent that started this rank: its parent, or (a rank forked from the
+    agent's forkserver) the pid the agent left in :data:`AGENT_PID_ENV`."""
+    return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
 
 
 def die_with_parent(sig: int) -> None:

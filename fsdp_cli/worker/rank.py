@@ -279,9 +279,13 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
+    """A rank's whole life. ``forked``: forked from the agent's forkserver rather than started as
+    a new process (see :mod:`fsdp_cli.worker.preload`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    if forked:
+        _leave_the_forkserver()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
@@ -293,7 +297,27 @@ def main(argv: list[str] | None = None) -> None:
     # second per rank, which every run and every test pays.
     sys.stdout.flush()
     sys.stderr.flush()
+    if forked and code == EXIT_OK:
+        return  # torch's wrapper tells the agent, then the process ends without that teardown
     os._exit(code)
+
+
+def _leave_the_forkserver() -> None:
+    """A forked rank starts in the forkserver's session: like a rank torch starts itself, it gets
+    its own (its data-loader workers join it, and the launcher stops a rank by its group). It
+    cannot use CUDA if importing initialized it in the forkserver."""
+    from fsdp_cli.worker import preload
+
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    if preload.CUDA_INITIALIZED:
+        print(
+            "fsdp-train: error: CUDA was initialized while the forkserver imported torch and Lightning,"
+            " so forked ranks cannot use it; hint: launcher.start_method=subprocess",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_CONFIG_ERROR)
 
 
 if __name__ == "__main__":
