@@ -89,6 +89,28 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
+def die_with_process(pid: int, sig: int) -> None:
+    """Send ``sig`` to this process when process ``pid`` ends (at once if it has ended): for a
+    process whose parent is not the one it must not outlive. Watched by a daemon thread on a
+    pidfd (Linux); elsewhere, nothing."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), sig)
+        return
+    except (AttributeError, OSError):
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"fsdp-cli-watch-{pid}", daemon=True).start()
+
+
 def _nvml() -> Any:
     """:mod:`fsdp_cli.launch.nvml`, imported on first use."""
     from fsdp_cli.launch import nvml

@@ -22,7 +22,7 @@ from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError, RunFailure
-from fsdp_cli.launch.environment import WATCHDOG_ENV, die_with_parent, global_rank
+from fsdp_cli.launch.environment import WATCHDOG_ENV, agent_pid, die_with_parent, global_rank
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -304,12 +304,18 @@ def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
 
 def _leave_the_forkserver() -> None:
     """A forked rank starts in the forkserver's session: like a rank torch starts itself, it gets
-    its own (its data-loader workers join it, and the launcher stops a rank by its group). It
-    cannot use CUDA if importing initialized it in the forkserver."""
+    its own (its data-loader workers join it, and the launcher stops a rank by its group), and it
+    dies with the agent. It cannot use CUDA if importing initialized it in the forkserver."""
+    import signal
+
+    from fsdp_cli.launch.environment import die_with_process
     from fsdp_cli.worker import preload
 
     if os.getsid(0) != os.getpid():
         os.setsid()
+    # Its parent, the forkserver, lives as long as any rank does: the agent is what a rank must
+    # not outlive (as a rank torch starts itself dies with it, see start_monitor).
+    die_with_process(agent_pid(), signal.SIGKILL)
     if preload.CUDA_INITIALIZED:
         print(
             "fsdp-train: error: CUDA was initialized while the forkserver imported torch and Lightning,"
