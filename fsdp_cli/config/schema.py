@@ -545,8 +545,8 @@ class LauncherConfig:
     first step) or save a checkpoint; null = never."""
     start_method: RankStart = RankStart.forkserver
     """How the agent starts a node's ranks: ``forkserver`` forks them from one process that
-    imported torch, Lightning and fsdp_cli once (a 2-rank CPU run starts ~3 s sooner, 4 ranks on 2
-    cores ~10 s); ``subprocess`` starts each as a fresh Python that imports everything itself."""
+    imported torch, Lightning and fsdp_cli once (on 2 CPU cores a 2-rank run starts ~2 s sooner,
+    a 4-rank run ~8 s); ``subprocess`` starts each as a fresh Python that imports everything itself."""
 
 
 @dataclass

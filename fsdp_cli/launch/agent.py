@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_cli.launch.environment import AGENT_PID_ENV, die_with_parent
+from fsdp_cli.launch.environment import AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent
 from fsdp_cli.launch.launcher import LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 PROG = "fsdp-train"
-PRELOAD_MODULE = "fsdp_cli.worker.preload"
 
 # What a rank raises when a *peer* went away (gloo and NCCL wordings): never the cause when another
 # rank failed differently.

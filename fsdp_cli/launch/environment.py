@@ -13,6 +13,8 @@ WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
 """Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
 AGENT_PID_ENV = "FSDP_CLI_AGENT_PID"
 """Set by our agent for the ranks it starts: its pid."""
+PRELOAD_MODULE = "fsdp_cli.worker.preload"
+"""What the agent's forkserver imports before it forks ranks (``launcher.start_method=forkserver``)."""
 
 
 @dataclass(frozen=True)

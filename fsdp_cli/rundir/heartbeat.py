@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ class Heartbeat:
                 "pid": os.getpid(),
                 "parent": os.getppid() if parent is None else parent,
                 "host": socket.gethostname(),
+                # Imported before this rank started: forked from the agent's forkserver.
+                "preloaded": "lightning" in sys.modules,
                 "started": time.time(),
             }
         )

@@ -308,15 +308,14 @@ def _leave_the_forkserver() -> None:
     dies with the agent. It cannot use CUDA if importing initialized it in the forkserver."""
     import signal
 
-    from fsdp_cli.launch.environment import die_with_process
-    from fsdp_cli.worker import preload
+    from fsdp_cli.launch.environment import PRELOAD_MODULE, die_with_process
 
     if os.getsid(0) != os.getpid():
         os.setsid()
     # Its parent, the forkserver, lives as long as any rank does: the agent is what a rank must
     # not outlive (as a rank torch starts itself dies with it, see start_monitor).
     die_with_process(agent_pid(), signal.SIGKILL)
-    if preload.CUDA_INITIALIZED:
+    if getattr(sys.modules.get(PRELOAD_MODULE), "CUDA_INITIALIZED", False):
         print(
             "fsdp-train: error: CUDA was initialized while the forkserver imported torch and Lightning,"
             " so forked ranks cannot use it; hint: launcher.start_method=subprocess",
