@@ -251,7 +251,8 @@ SINGLE_PROCESS = ["strategy=ddp", "devices=1"]
 # Runs shared across test modules (started at most once per session, on first use).
 LAYOUTS = {
     "single": SINGLE_PROCESS,
-    "ddp": ["strategy=ddp", "devices=2"],
+    # The one shared run whose ranks torch starts as new processes (every other is forked).
+    "ddp": ["strategy=ddp", "devices=2", "launcher.start_method=subprocess"],
     "fsdp2": ["strategy=fsdp2", "devices=2"],
     "fsdp2_tp2": ["strategy=fsdp2", "devices=2", "tp=2"],
     "fsdp": ["strategy=fsdp", "devices=2", "checkpoint=full"],

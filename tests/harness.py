@@ -171,12 +171,16 @@ class Job:
     def kill(self) -> None:
         """SIGKILL every process of the job until none is left, then reap the command."""
         deadline = time.monotonic() + 30
+        killed: set[int] = set()
         while True:
             pids = self.processes()
             if self.proc.poll() is None:
                 pids.append(self.proc.pid)
-            if not pids:
+            # A killed process is gone once it is a zombie: while it exits (a large address space
+            # takes a while to free) its environment reads empty and it may match no mark.
+            if not pids and not alive(sorted(killed)):
                 break
+            killed.update(pids)
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,22 @@ def test_run_writes_config_metrics_and_summary(layout_run: Any, name: str) -> No
     assert len(summary["peak_memory_bytes"]) == world and min(summary["peak_memory_bytes"]) > 0
     assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
     assert Path(summary["checkpoint"]).exists()
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_tp2"])
+def test_ranks_are_forked_from_what_the_agent_imported_once(layout_run: Any, name: str) -> None:
+    """``launcher.start_method=forkserver`` (the default): every rank starts with torch and Lightning
+    already imported and names the agent that started it though its
+    parent is the forkserver; ``subprocess`` (the ddp run): each rank imports them itself, a child
+    of the agent. Each run's losses match one process (below)."""
+    headers = [
+        json.loads(path.read_text().splitlines()[0])
+        for path in sorted((layout_run(name) / ".heartbeat").glob("rank[0-9]*"))
+        if path.suffix != ".tmp"
+    ]
+    assert len(headers) == 2 and len({h["parent"] for h in headers}) == 1, headers
+    forked = name != "ddp"
+    assert [h["preloaded"] for h in headers] == [forked, forked], headers
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_tp2"])

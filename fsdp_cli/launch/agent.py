@@ -25,18 +25,17 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.run import get_args_parser, run
-
-from fsdp_cli.launch.environment import die_with_parent
+from fsdp_cli.launch.environment import AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent
 from fsdp_cli.launch.launcher import LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
-from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file
+from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 PROG = "fsdp-train"
 
@@ -132,6 +131,35 @@ def failure_report(
     }
 
 
+def with_peer_failures(
+    failures: Mapping[int, ProcessFailure], run_dir: Path, killed: frozenset[int] = frozenset()
+) -> dict[int, ProcessFailure]:
+    """``failures`` and the other ranks of this node that failed beside the one torch reports.
+    Ranks forked by torch (``launcher.start_method=forkserver``) are reported one only, the first
+    (torch stops the others at once). A rank that failed by itself left its one-line error in its
+    error file, in torch's log layout next to the reported one (``attempt_N/<local rank>/error.json``):
+    it is added with the status a failing rank exits with. A rank the launcher killed (a survivor
+    of a dead peer) is added as killed by SIGKILL. Pids come from the heartbeats."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    found = dict(failures)
+    if len(failures) != 1:
+        return found
+    ((rank, failure),) = failures.items()
+    attempt = Path(failure.error_file).parent.parent
+    beats = {r: b for r, b in read_heartbeats(run_dir).items() if b.parent == os.getpid()}
+    for r, beat in sorted(beats.items()):
+        local = failure.local_rank + r - rank
+        error_file = attempt / str(local) / "error.json"
+        if r == rank:
+            continue
+        if error_file.is_file():
+            found[r] = ProcessFailure(local, beat.pid, EXIT_FAILED, str(error_file))
+        elif beat.pid in killed:
+            found[r] = ProcessFailure(local, beat.pid, -signal.SIGKILL, str(error_file))
+    return found
+
+
 def _killed_by_launcher(run_dir: Path) -> frozenset[int]:
     try:
         return frozenset(int(x) for x in launcher_file(run_dir, KILLED_FILE, os.getpid()).read_text().split())
@@ -150,7 +178,8 @@ def _report(err: ChildFailedError) -> int:
     run_dir = Path(os.environ.get(RUN_DIR_ENV, "."))
     if launcher_file(run_dir, ABORT_FILE, os.getpid()).exists():
         return EXIT_FAILED  # the launcher ended a hung job and writes the report itself
-    report = failure_report(err.failures, _killed_by_launcher(run_dir))
+    killed = _killed_by_launcher(run_dir)
+    report = failure_report(with_peer_failures(err.failures, run_dir, killed), killed)
     if report["exit_code"] in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):
         return int(report["exit_code"])
     write_failure(run_dir, report)
@@ -159,9 +188,29 @@ def _report(err: ChildFailedError) -> int:
     return EXIT_FAILED
 
 
+def start_rank_server() -> None:
+    """Start the forkserver that torch's agent forks ranks from (``--start-method=forkserver``), now:
+    it imports what a rank needs (:mod:`fsdp_cli.worker.preload`) while this agent imports torch
+    and meets its peers. It ends when the agent does (its end of a pipe closes), and the ranks
+    forked from it with it (:func:`~fsdp_cli.launch.environment.die_with_parent`)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload([PRELOAD_MODULE])
+    forkserver.ensure_running()
+
+
 def main(argv: list[str]) -> int:
     # A launcher killed outright (SIGKILL) must not leave ranks training: stop them, as on preemption.
     die_with_parent(signal.SIGTERM)
+    # Ranks forked from the forkserver are its children, not ours: they name their agent from this.
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if "--start-method=forkserver" in argv:
+        start_rank_server()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     args = get_args_parser().parse_args(argv)
     # The agent's own per-event chatter ("Sending process ... closing signal") adds nothing the
     # failure report does not say.

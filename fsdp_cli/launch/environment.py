@@ -11,6 +11,10 @@ from typing import Any
 
 WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
 """Set by the launcher for its ranks: the launcher watches the heartbeats (value: ``launcher``)."""
+AGENT_PID_ENV = "FSDP_CLI_AGENT_PID"
+"""Set by our agent for the ranks it starts: its pid."""
+PRELOAD_MODULE = "fsdp_cli.worker.preload"
+"""What the agent's forkserver imports before it forks ranks (``launcher.start_method=forkserver``)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,12 @@ def gpu_compute_capability(env: Mapping[str, str]) -> tuple[int, int] | None:
     return min(found) if found else None
 
 
+def agent_pid() -> int:
+    """The pid of the elastic agent that started this rank: its parent, or (a rank forked from the
+    agent's forkserver) the pid the agent left in :data:`AGENT_PID_ENV`."""
+    return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
+
+
 def die_with_parent(sig: int) -> None:
     """Ask Linux to send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``),
     so that killing a launcher outright does not leave its children running. Elsewhere: nothing."""
@@ -79,6 +89,28 @@ def die_with_parent(sig: int) -> None:
         libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def die_with_process(pid: int, sig: int) -> None:
+    """Send ``sig`` to this process when process ``pid`` ends (at once if it has ended): for a
+    process whose parent is not the one it must not outlive. Watched by a daemon thread on a
+    pidfd (Linux); elsewhere, nothing."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), sig)
+        return
+    except (AttributeError, OSError):
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"fsdp-cli-watch-{pid}", daemon=True).start()
 
 
 def _nvml() -> Any:

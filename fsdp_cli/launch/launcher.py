@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.config.schema import RankStart, TrainConfig
 from fsdp_cli.launch.environment import WATCHDOG_ENV
 from fsdp_cli.launch.stacks import dump_stacks
 from fsdp_cli.launch.watchdog import (
@@ -49,6 +49,8 @@ POLL_S = 0.25
 """How often the launcher looks at the agent and the heartbeats."""
 MONITOR_INTERVAL_S = 0.1
 """How often torch's agent looks at its ranks (pinned: a rank's death is noticed within it)."""
+WORKER_SCRIPT = Path(__file__).resolve().parents[1] / "worker" / "__main__.py"
+"""What a forked rank runs (``python -m fsdp_cli.worker`` runs the same file)."""
 AGENT_EXIT_GRACE_S = 10.0
 """After killing a hung job's ranks, how long the agent gets to notice before it is killed too."""
 
@@ -73,14 +75,14 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",
         ]
-    cmd += [
-        f"--max-restarts={cfg.launcher.max_restarts}",
-        f"--monitor-interval={MONITOR_INTERVAL_S}",
-        "-m",
-        "fsdp_cli.worker",
-        str(config_path),
-    ]
-    return cmd
+    cmd += [f"--max-restarts={cfg.launcher.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
+    if cfg.launcher.start_method is RankStart.forkserver:
+        # Ranks run the worker's __main__ in processes forked from the agent's forkserver, which
+        # imported what a rank needs once (fsdp_cli.worker.preload).
+        cmd += ["--start-method=forkserver", "--run-path", str(WORKER_SCRIPT)]
+    else:
+        cmd += ["-m", "fsdp_cli.worker"]
+    return [*cmd, str(config_path)]
 
 
 def worker_env(run: ResolvedRun) -> dict[str, str]:

@@ -35,8 +35,15 @@ def own_beats(beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, RankBe
 
 
 def rank_pids(beats: Mapping[int, RankBeat], agent_pid: int) -> dict[int, int]:
-    """Ranks whose pid is still a child of our agent: a recycled pid is never signalled."""
-    return {rank: beat.pid for rank, beat in beats.items() if parent_pid(beat.pid) == agent_pid}
+    """Ranks whose pid is still a child of our agent, or of its forkserver: a recycled pid is
+    never signalled."""
+    return {rank: beat.pid for rank, beat in beats.items() if started_by(beat.pid, agent_pid)}
+
+
+def started_by(pid: int, agent_pid: int) -> bool:
+    """Whether ``pid`` is a child of ``agent_pid`` or of a child of it (the agent's forkserver)."""
+    parent = parent_pid(pid)
+    return parent == agent_pid or (parent is not None and parent_pid(parent) == agent_pid)
 
 
 def kill_groups(pids: Iterable[int]) -> None:

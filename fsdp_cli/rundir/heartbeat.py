@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ _RECORD = "{n:>12d} {step:>12d} {time:17.3f} {phase:<8.8s}\n"
 class Heartbeat:
     """Rank side: ``beat(step, phase)`` whenever the rank makes progress."""
 
-    def __init__(self, run_dir: str | Path, rank: int, local_rank: int) -> None:
+    def __init__(self, run_dir: str | Path, rank: int, local_rank: int, parent: int | None = None) -> None:
         directory = heartbeat_dir(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"rank{rank}"
@@ -58,8 +59,10 @@ class Heartbeat:
                 "rank": rank,
                 "local_rank": local_rank,
                 "pid": os.getpid(),
-                "parent": os.getppid(),
+                "parent": os.getppid() if parent is None else parent,
                 "host": socket.gethostname(),
+                # Imported before this rank started: forked from the agent's forkserver.
+                "preloaded": "lightning" in sys.modules,
                 "started": time.time(),
             }
         )

@@ -1,5 +1,8 @@
-"""``python -m fsdp_cli.worker RUN_DIR/config.yaml``: what torch.distributed.run starts per rank."""
+"""``python -m fsdp_cli.worker RUN_DIR/config.yaml``: what torch.distributed.run starts per rank (or,
+``launcher.start_method=forkserver``, runs in each rank it forks: ``--run-path`` this file)."""
+
+import multiprocessing
 
 from fsdp_cli.worker.rank import main
 
-main()
+main(forked=multiprocessing.parent_process() is not None)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from fsdp_cli.launch.environment import WATCHDOG_ENV
+from fsdp_cli.launch.environment import WATCHDOG_ENV, agent_pid
 from fsdp_cli.launch.stacks import install_stack_dumps
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, Heartbeat
@@ -46,7 +46,7 @@ class RankMonitor:
         startup_timeout_s: float | None,
     ) -> None:
         self._log: IO[Any] = install_stack_dumps(rank_log(run_dir, rank))
-        self.heartbeat = Heartbeat(run_dir, rank, local_rank)
+        self.heartbeat = Heartbeat(run_dir, rank, local_rank, parent=agent_pid())
         watched = os.environ.get(WATCHDOG_ENV) == "launcher"
         self._limits = None if watched else (hang_timeout_s, startup_timeout_s)
         self._armed_at = 0.0

@@ -22,7 +22,7 @@ from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError, RunFailure
-from fsdp_cli.launch.environment import WATCHDOG_ENV, die_with_parent, global_rank
+from fsdp_cli.launch.environment import WATCHDOG_ENV, agent_pid, die_with_parent, global_rank
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -279,9 +279,13 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
+    """A rank's whole life. ``forked``: forked from the agent's forkserver rather than started as
+    a new process (see :mod:`fsdp_cli.worker.preload`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    if forked:
+        _leave_the_forkserver()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
@@ -293,7 +297,32 @@ def main(argv: list[str] | None = None) -> None:
     # second per rank, which every run and every test pays.
     sys.stdout.flush()
     sys.stderr.flush()
+    if forked and code == EXIT_OK:
+        return  # torch's wrapper tells the agent, then the process ends without that teardown
     os._exit(code)
+
+
+def _leave_the_forkserver() -> None:
+    """A forked rank starts in the forkserver's session: like a rank torch starts itself, it gets
+    its own (its data-loader workers join it, and the launcher stops a rank by its group), and it
+    dies with the agent. It cannot use CUDA if importing initialized it in the forkserver."""
+    import signal
+
+    from fsdp_cli.launch.environment import PRELOAD_MODULE, die_with_process
+
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    # Its parent, the forkserver, lives as long as any rank does: the agent is what a rank must
+    # not outlive (as a rank torch starts itself dies with it, see start_monitor).
+    die_with_process(agent_pid(), signal.SIGKILL)
+    if getattr(sys.modules.get(PRELOAD_MODULE), "CUDA_INITIALIZED", False):
+        print(
+            "fsdp-train: error: CUDA was initialized while the forkserver imported torch and Lightning,"
+            " so forked ranks cannot use it; hint: launcher.start_method=subprocess",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_CONFIG_ERROR)
 
 
 if __name__ == "__main__":
