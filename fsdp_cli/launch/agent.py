@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -147,7 +148,8 @@ def with_peer_failures(
         return found
     ((rank, failure),) = failures.items()
     attempt = Path(failure.error_file).parent.parent
-    beats = {r: b for r, b in read_heartbeats(run_dir).items() if b.parent == os.getpid()}
+    here = socket.gethostname()  # nodes may share the run directory, and pids repeat across hosts
+    beats = {r: b for r, b in read_heartbeats(run_dir).items() if b.parent == os.getpid() and b.host == here}
     for r, beat in sorted(beats.items()):
         local = failure.local_rank + r - rank
         error_file = attempt / str(local) / "error.json"
