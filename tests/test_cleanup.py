@@ -1,10 +1,11 @@
 """Nothing of a run outlives it: neither when fsdp-train or torch's agent is killed outright (a
 scheduler's hard kill, the out-of-memory killer), nor when a test ends (the harness kills it all).
 
-The ranks of a run lead sessions of their own (torch starts them with ``start_new_session``), so
-killing the command's process group never reaches them: they must die with their agent (the
-parent-death signal, launch/environment.py), and the test harness finds them by the marks every
-process of a job carries (tests/harness.py).
+The ranks of a run lead sessions of their own (torch starts a new process with
+``start_new_session``; a rank forked from the agent's forkserver calls ``setsid``), so killing the
+command's process group never reaches them: they must die with their agent (the parent-death
+signal, or a forked rank's watch on its agent, launch/environment.py), and the test harness finds
+them by the marks every process of a job carries (tests/harness.py).
 
 The hard kills of fsdp-train and of the agent alone are made during a checkpoint save, where what
 they leave on disk is checked too: test_checkpoints.py's

@@ -9,8 +9,9 @@
   next step", uses all of it. After :data:`PEER_EXIT_GRACE_S` the launcher kills the survivors
   that are still training itself.
 
-Ranks run in sessions of their own (torch starts each with ``start_new_session=True``), so a
-rank's process group is its pid and holds its data-loader workers: they are killed by group.
+Ranks run in sessions of their own (torch starts a new process with ``start_new_session=True``;
+a rank forked from the forkserver calls ``setsid`` first), so a rank's process group is its pid and
+holds its data-loader workers: they are killed by group.
 """
 
 from __future__ import annotations
