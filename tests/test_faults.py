@@ -16,7 +16,6 @@ import torch
 from conftest import (
     FAST,
     cli_in_process,
-    complete_lines,
     read_summary,
     run,
     run_cli,
@@ -26,6 +25,7 @@ from conftest import (
 from harness import processes_naming
 
 from fsdp_cli.checkpoint.convert import load
+from fsdp_cli.launch.stacks import proc_state
 from fsdp_cli.rundir.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.distributed
@@ -275,7 +275,8 @@ def test_ctrl_c_stops_every_rank_and_is_reported_as_interrupted_not_failed(tmp_p
     run_dir.mkdir()
     (run_dir / "summary.json").write_text(json.dumps({"status": "preempted", "steps": 5, "exit_code": 143}))
     proc = start_cli(["devices=2", "accelerator=cpu", "trainer.max_steps=100000"], run_dir)
-    wait_for(lambda: len(complete_lines(run_dir / "metrics.jsonl")) >= 2, proc)
+    # The summary counts the steps the heartbeats report (a metrics row is written just before).
+    wait_for(lambda: min((b.step for b in read_heartbeats(run_dir).values()), default=-1) >= 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
@@ -284,3 +285,30 @@ def test_ctrl_c_stops_every_rank_and_is_reported_as_interrupted_not_failed(tmp_p
     assert "resume=auto" in summary["error"] and summary["steps"] >= 2
     assert "interrupted" in out and "Traceback" not in out + err
     assert processes_naming(str(run_dir)) == []
+
+
+def test_ctrl_c_kills_a_rank_that_cannot_stop(tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP) in step 3 and rank 0 waits for it in the next collective:
+    neither can act on Ctrl-C. The launcher kills them after its grace period (torch's agent
+    alone would wait launcher.shutdown_timeout_s, 300 s) and reports the run interrupted."""
+    import signal
+
+    from fsdp_cli.launch.launcher import INTERRUPT_GRACE_S
+
+    run_dir = tmp_path / "stuck"
+    args = [*FAULTY, "devices=2", "+model.faults={1:stop}", "+model.at_steps=3"]
+    proc = start_cli(args, run_dir)
+    stopped = wait_for(
+        lambda: [
+            b.pid for b in read_heartbeats(run_dir).values() if b.step >= 2 and proc_state(b.pid) == "T"
+        ],
+        proc,
+    )
+    os.killpg(proc.pid, signal.SIGINT)
+    interrupted = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert INTERRUPT_GRACE_S <= time.monotonic() - interrupted < INTERRUPT_GRACE_S + 30
+    assert "still running 20 s after Ctrl-C: killing them" in err
+    assert read_summary(run_dir)["status"] == "interrupted"
+    assert proc_state(stopped[0]) is None and processes_naming(str(run_dir)) == []

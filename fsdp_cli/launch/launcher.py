@@ -38,7 +38,7 @@ from fsdp_cli.launch.watchdog import (
 from fsdp_cli.rundir.failure import clear_failure, write_failure
 from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
 from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
-from fsdp_cli.rundir.status import EXIT_FAILED
+from fsdp_cli.rundir.status import EXIT_FAILED, EXIT_INTERRUPTED
 from fsdp_cli.rundir.summary import clear_summary
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
@@ -51,6 +51,8 @@ MONITOR_INTERVAL_S = 0.1
 """How often torch's agent looks at its ranks (pinned: a rank's death is noticed within it)."""
 WORKER_SCRIPT = Path(__file__).resolve().parents[1] / "worker" / "__main__.py"
 """What a forked rank runs (``python -m fsdp_cli.worker`` runs the same file)."""
+INTERRUPT_GRACE_S = 20.0
+"""After Ctrl-C, how long the ranks get to stop by themselves before the launcher kills them."""
 AGENT_EXIT_GRACE_S = 10.0
 """After killing a hung job's ranks, how long the agent gets to notice before it is killed too."""
 
@@ -131,13 +133,18 @@ class Supervisor:
 
     def run(self) -> int:
         watching = True
+        interrupted: float | None = None
         while True:
             try:
                 return self.proc.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
                 pass
             except KeyboardInterrupt:
-                continue  # Ctrl-C reached the ranks too (same process group); wait for them to stop
+                # Ctrl-C reached the agent too (same process group), which stops the ranks.
+                interrupted = interrupted or time.monotonic()
+                continue
+            if interrupted is not None and time.monotonic() - interrupted > INTERRUPT_GRACE_S:
+                return self._end_interrupted_job()
             if not watching:
                 continue
             try:
@@ -165,6 +172,24 @@ class Supervisor:
         with open(launcher_file(self.run_dir, KILLED_FILE, self.proc.pid), "a") as fh:
             fh.write("".join(f"{pid}\n" for pid in pids))
         kill_groups(pids)
+
+    def _end_interrupted_job(self) -> int:
+        """Ranks that did not stop within :data:`INTERRUPT_GRACE_S` of a Ctrl-C (one stopped or
+        blocked in a collective whose peer already left never returns to Python): killed, and
+        the agent after them; the run is reported interrupted as any other Ctrl-C."""
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        print(
+            f"fsdp-train: ranks still running {INTERRUPT_GRACE_S:.0f} s after Ctrl-C: killing them",
+            file=sys.stderr,
+            flush=True,
+        )
+        kill_groups(rank_pids(beats, self.proc.pid).values())
+        try:
+            self.proc.wait(timeout=AGENT_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return EXIT_INTERRUPTED
 
     def _end_hung_job(self) -> int:
         stalled = self.hang.stalled_for_s

@@ -27,6 +27,7 @@ from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PREEMPTED,
     STATUS_FAILED,
@@ -291,7 +292,12 @@ def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
         print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     cfg = load_train_config(args[0])
-    code = record(run)(cfg)
+    try:
+        code = record(run)(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before Lightning's own handling took over
+        code = EXIT_INTERRUPTED
+    except SystemExit as stop:  # Lightning exits 1 after a graceful Ctrl-C
+        code = stop.code if isinstance(stop.code, int) else EXIT_FAILED
     # Everything is written and flushed by now (metrics, summary, checkpoints are closed or
     # fsynced). Skipping the interpreter's teardown of torch, gloo and Lightning saves over a
     # second per rank, which every run and every test pays.
