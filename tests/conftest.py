@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +23,13 @@ if str(REPO) not in sys.path:
 
 # Small and quick, but every layout below still has something to shard and split.
 FAST = ["trainer.max_steps=6", "data.global_batch_size=8", "data.seq_len=32"]
+
+
+# Jobs start with this process's SIGINT disposition. Started in the background by a shell without
+# job control (`cmd &` in a script), it is "ignore", which every job would inherit, and the Ctrl-C
+# tests would send a SIGINT nothing acts on. A terminal's Ctrl-C reaches programs that handle it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _JOBS: list[Job] = []
