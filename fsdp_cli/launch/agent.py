@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_cli.launch.environment import AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent
-from fsdp_cli.launch.launcher import LOG_DIR_ENV, RUN_DIR_ENV
+from fsdp_cli.launch.launcher import FORKSERVER_FLAG, LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
 from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
@@ -151,10 +151,10 @@ def with_peer_failures(
     here = socket.gethostname()  # nodes may share the run directory, and pids repeat across hosts
     beats = {r: b for r, b in read_heartbeats(run_dir).items() if b.parent == os.getpid() and b.host == here}
     for r, beat in sorted(beats.items()):
-        local = failure.local_rank + r - rank
-        error_file = attempt / str(local) / "error.json"
         if r == rank:
             continue
+        local = failure.local_rank + r - rank
+        error_file = attempt / str(local) / "error.json"
         if error_file.is_file():
             found[r] = ProcessFailure(local, beat.pid, EXIT_FAILED, str(error_file))
         elif beat.pid in killed:
@@ -193,8 +193,8 @@ def _report(err: ChildFailedError) -> int:
 def start_rank_server() -> None:
     """Start the forkserver that torch's agent forks ranks from (``--start-method=forkserver``), now:
     it imports what a rank needs (:mod:`fsdp_cli.worker.preload`) while this agent imports torch
-    and meets its peers. It ends when the agent does (its end of a pipe closes), and the ranks
-    forked from it with it (:func:`~fsdp_cli.launch.environment.die_with_parent`)."""
+    and meets its peers. It ends once the agent and every rank forked from it have ended (they
+    hold its pipe); the ranks end with the agent (:func:`~fsdp_cli.launch.environment.die_with_process`)."""
     import multiprocessing
     from multiprocessing import forkserver
 
@@ -207,7 +207,7 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGTERM)
     # Ranks forked from the forkserver are its children, not ours: they name their agent from this.
     os.environ[AGENT_PID_ENV] = str(os.getpid())
-    if "--start-method=forkserver" in argv:
+    if FORKSERVER_FLAG in argv:
         start_rank_server()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from fsdp_cli.config.resolved import ResolvedRun
@@ -49,6 +50,8 @@ POLL_S = 0.25
 """How often the launcher looks at the agent and the heartbeats."""
 MONITOR_INTERVAL_S = 0.1
 """How often torch's agent looks at its ranks (pinned: a rank's death is noticed within it)."""
+FORKSERVER_FLAG = "--start-method=forkserver"
+"""torchrun's option that forks the ranks (the agent starts the forkserver early when it sees it)."""
 WORKER_SCRIPT = Path(__file__).resolve().parents[1] / "worker" / "__main__.py"
 """What a forked rank runs (``python -m fsdp_cli.worker`` runs the same file)."""
 INTERRUPT_GRACE_S = 20.0
@@ -81,7 +84,7 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     if cfg.launcher.start_method is RankStart.forkserver:
         # Ranks run the worker's __main__ in processes forked from the agent's forkserver, which
         # imported what a rank needs once (fsdp_cli.worker.preload).
-        cmd += ["--start-method=forkserver", "--run-path", str(WORKER_SCRIPT)]
+        cmd += [FORKSERVER_FLAG, "--run-path", str(WORKER_SCRIPT)]
     else:
         cmd += ["-m", "fsdp_cli.worker"]
     return [*cmd, str(config_path)]
@@ -183,13 +186,17 @@ class Supervisor:
             file=sys.stderr,
             flush=True,
         )
-        kill_groups(rank_pids(beats, self.proc.pid).values())
+        self._kill_ranks_then_agent(rank_pids(beats, self.proc.pid).values())
+        return EXIT_INTERRUPTED
+
+    def _kill_ranks_then_agent(self, pids: Iterable[int]) -> None:
+        """SIGKILL the ranks' groups; the agent gets :data:`AGENT_EXIT_GRACE_S` to notice and exit."""
+        kill_groups(pids)
         try:
             self.proc.wait(timeout=AGENT_EXIT_GRACE_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        return EXIT_INTERRUPTED
 
     def _end_hung_job(self) -> int:
         stalled = self.hang.stalled_for_s
@@ -201,12 +208,7 @@ class Supervisor:
         stacks = dump_stacks(pids, log_dir(self.run_dir))
         # SIGKILL, not SIGTERM: a SIGTERM would start the preemption save, or be ignored by a rank
         # blocked in C code, costing the agent's whole shutdown timeout.
-        kill_groups(pids.values())
-        try:
-            self.proc.wait(timeout=AGENT_EXIT_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self._kill_ranks_then_agent(pids.values())
         report = hang_report(beats, stacks, stalled)
         write_failure(self.run_dir, report)
         print(f"fsdp-train: {report['error']}", file=sys.stderr, flush=True)

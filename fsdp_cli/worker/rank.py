@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
     except KeyboardInterrupt:  # Ctrl-C before Lightning's own handling took over
         code = EXIT_INTERRUPTED
     except SystemExit as stop:  # Lightning exits 1 after a graceful Ctrl-C
-        code = stop.code if isinstance(stop.code, int) else EXIT_FAILED
+        code = EXIT_OK if stop.code is None else stop.code if isinstance(stop.code, int) else EXIT_FAILED
     # Everything is written and flushed by now (metrics, summary, checkpoints are closed or
     # fsynced). Skipping the interpreter's teardown of torch, gloo and Lightning saves over a
     # second per rank, which every run and every test pays.
