@@ -3,6 +3,7 @@ rendezvous) and ranks started by SLURM's srun, each simulated here with one CPU 
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from pathlib import Path
@@ -14,15 +15,17 @@ from conftest import PARITY, read_metrics, read_summary, start_cli
 pytestmark = pytest.mark.distributed
 
 
-def free_port(low: int = 20000, high: int = 60000) -> int:
-    for port in range(low, high):
+def free_port(low: int = 0, high: int = 0) -> int:
+    """A port nothing listens on: the kernel's pick, or one at random in [low, high] (a test in
+    another worker, picking at the same time, gets another)."""
+    for port in random.sample(range(low, high + 1), high - low + 1) if low else [0]:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError("no free port")
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{low}, {high}]")
 
 
 def wait_for_listener(port: int, proc: Any, timeout: float = 120) -> None:
