@@ -183,7 +183,8 @@ processes of their own (a few GiB of memory)."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_WORKERS))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
