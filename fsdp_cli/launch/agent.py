@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_cli.launch.environment import AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent
+from fsdp_cli.launch.environment import AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent, exit_now
 from fsdp_cli.launch.launcher import FORKSERVER_FLAG, LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
@@ -230,4 +230,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

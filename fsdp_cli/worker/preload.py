@@ -6,14 +6,38 @@ Importing must not initialize CUDA: a process forked after that cannot use it.
 :data:`CUDA_INITIALIZED` records whether it happened, and a forked rank refuses to start then.
 """
 
-import lightning.pytorch  # noqa: F401
-import torch
+import atexit
+import os
+import sys
 
-import fsdp_cli.builders.callbacks
-import fsdp_cli.builders.data
-import fsdp_cli.builders.model
-import fsdp_cli.builders.strategy
-import fsdp_cli.builders.trainer
-import fsdp_cli.worker.rank  # noqa: F401
+from fsdp_cli.launch.environment import AGENT_PID_ENV
+
+_SERVER_PID = os.getpid()
+
+
+def _end_without_teardown() -> None:
+    """The server ends once the agent and its ranks have (its pipe reads EOF). Registered before
+    the imports below, this runs after their exit handlers and ends the server there: tearing down
+    an interpreter that imported torch and Lightning takes 1-4 s of CPU, after fsdp-train has
+    exited and with its stdout held open (``fsdp-train | tee log`` waited for it). A rank forked
+    from the server never runs it: it ends by os._exit."""
+    if os.getpid() == _SERVER_PID:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
+
+
+if os.environ.get(AGENT_PID_ENV) == str(os.getppid()):  # imported by the agent's forkserver
+    atexit.register(_end_without_teardown)
+
+import lightning.pytorch  # noqa: E402, F401
+import torch  # noqa: E402
+
+import fsdp_cli.builders.callbacks  # noqa: E402
+import fsdp_cli.builders.data  # noqa: E402
+import fsdp_cli.builders.model  # noqa: E402
+import fsdp_cli.builders.strategy  # noqa: E402
+import fsdp_cli.builders.trainer  # noqa: E402
+import fsdp_cli.worker.rank  # noqa: E402, F401
 
 CUDA_INITIALIZED = torch.cuda.is_initialized()
