@@ -23,7 +23,10 @@ def _end_without_teardown() -> None:
     from the server never runs it: it ends by os._exit."""
     if os.getpid() == _SERVER_PID:
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):  # gone, or a reader that left
+                pass
         os._exit(0)
 
 
