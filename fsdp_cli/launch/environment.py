@@ -78,11 +78,12 @@ def agent_pid() -> int:
     return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int, *, exit_handlers: bool = True) -> None:
     """End this process with ``code`` as a normal exit does (output flushed, every exit handler
     run: log files closed, multiprocessing's temporary directory removed), without tearing down
-    the interpreter. For the agent, which runs no user code: with torch imported, freeing every
-    module and object takes a second or more of CPU, which the launcher would wait for."""
+    the interpreter. For the agent and the forkserver, which run no user code: with torch
+    imported, freeing every module and object takes a second or more of CPU. ``exit_handlers``
+    False: from an exit handler that runs after the others."""
     import atexit
     import sys
 
@@ -91,7 +92,8 @@ def exit_now(code: int) -> None:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    atexit._run_exitfuncs()  # noqa: SLF001 (the handlers a normal exit runs)
+    if exit_handlers:
+        atexit._run_exitfuncs()  # noqa: SLF001 (the handlers a normal exit runs)
     os._exit(code)
 
 

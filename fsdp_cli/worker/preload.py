@@ -8,9 +8,8 @@ Importing must not initialize CUDA: a process forked after that cannot use it.
 
 import atexit
 import os
-import sys
 
-from fsdp_cli.launch.environment import AGENT_PID_ENV
+from fsdp_cli.launch.environment import AGENT_PID_ENV, exit_now
 
 _SERVER_PID = os.getpid()
 
@@ -22,12 +21,7 @@ def _end_without_teardown() -> None:
     exited and with its stdout held open (``fsdp-train | tee log`` waited for it). A rank forked
     from the server never runs it: it ends by os._exit."""
     if os.getpid() == _SERVER_PID:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (AttributeError, OSError, ValueError):  # gone, or a reader that left
-                pass
-        os._exit(0)
+        exit_now(0, exit_handlers=False)
 
 
 if os.environ.get(AGENT_PID_ENV) == str(os.getppid()):  # imported by the agent's forkserver
