@@ -2,7 +2,7 @@
 scheduler's hard kill, the out-of-memory killer), nor when a test ends (the harness kills it all).
 
 The ranks of a run lead sessions of their own (torch starts a new process with
-``start_new_session``; a rank forked from the agent's forkserver calls ``setsid``), so killing the
+``start_new_session``; a rank forked from the agent or its forkserver calls ``setsid``), so killing the
 command's process group never reaches them: they must die with their agent (the parent-death
 signal, or a forked rank's watch on its agent, launch/environment.py), and the test harness finds
 them by the marks every process of a job carries (tests/harness.py).

@@ -364,3 +364,40 @@ def test_agent_and_forkserver_end_without_tearing_down_their_interpreters(tmp_pa
         timeout=120,
     )
     assert (server.returncode, server.stdout) == (0, ""), server
+
+
+FORKED_RANK_START = """
+import logging, signal
+from fsdp_cli.launch.environment import AGENT_LOGGER
+from fsdp_cli.worker import rank
+
+def torch_agents_handler(signum, frame):  # what torch's agent installs before it forks ranks
+    raise RuntimeError(signum)
+
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(signum, torch_agents_handler)
+logging.getLogger(AGENT_LOGGER).setLevel(logging.CRITICAL)
+rank._leave_the_process_it_was_forked_from()
+print([signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)] == [signal.SIG_DFL] * 3)
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+print(logging.getLogger(AGENT_LOGGER).level == logging.NOTSET)
+"""
+
+
+@pytest.mark.distributed
+def test_a_forked_rank_leaves_the_agents_signal_handlers_and_log_levels(tmp_path: Path) -> None:
+    """A rank forked from the agent (``launcher.start_method=fork``) starts as a copy of it: torch's
+    agent turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into its own exception, and ours silences
+    torch's elastic logs. The rank starts with Python's defaults instead (a Ctrl-C is Lightning's
+    KeyboardInterrupt: test_faults' Ctrl-C test fails without this). The process here stands for
+    such a copy; its parent stands for the agent."""
+    import sys
+
+    from conftest import run
+
+    r = run(
+        [sys.executable, "-c", FORKED_RANK_START],
+        env={"FSDP_CLI_AGENT_PID": str(os.getpid())},
+        timeout=60,
+    )
+    assert (r.returncode, r.stdout.split()) == (0, ["True", "True", "True"]), r

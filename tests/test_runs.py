@@ -68,20 +68,26 @@ def test_run_writes_config_metrics_and_summary(layout_run: Any, name: str) -> No
     assert Path(summary["checkpoint"]).exists()
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_tp2"])
-def test_ranks_are_forked_from_what_the_agent_imported_once(layout_run: Any, name: str) -> None:
-    """``launcher.start_method=forkserver`` (the default): every rank starts with torch and Lightning
-    already imported and names the agent that started it though its
-    parent is the forkserver; ``subprocess`` (the ddp run): each rank imports them itself, a child
-    of the agent. Each run's losses match one process (below)."""
+@pytest.mark.parametrize(
+    ("name", "started"),
+    [("fsdp2", "fork"), ("fsdp2_tp2", "fork"), ("fsdp", "forkserver"), ("ddp", "subprocess")],
+)
+def test_ranks_are_forked_from_what_the_agent_imported_once(layout_run: Any, name: str, started: str) -> None:
+    """``launcher.start_method=fork`` (the default): every rank starts with torch and Lightning
+    already imported, forked by the agent itself; ``forkserver`` (the fsdp run): imported too,
+    forked by the agent's forkserver, and every rank still names the agent as the one that started
+    it; ``subprocess`` (the ddp run): each rank imports them itself, a child of the agent. Each
+    run's losses match one process (below and in test_fsdp1)."""
     headers = [
         json.loads(path.read_text().splitlines()[0])
         for path in sorted((layout_run(name) / ".heartbeat").glob("rank[0-9]*"))
         if path.suffix != ".tmp"
     ]
     assert len(headers) == 2 and len({h["parent"] for h in headers}) == 1, headers
-    forked = name != "ddp"
-    assert [h["preloaded"] for h in headers] == [forked, forked], headers
+    assert [h["preloaded"] for h in headers] == [started != "subprocess"] * 2, headers
+    by_agent = [h["forked_by"] == h["parent"] for h in headers]
+    assert by_agent == [started != "forkserver"] * 2, headers
+    assert len({h["forked_by"] for h in headers}) == 1, headers
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_tp2"])

@@ -19,6 +19,7 @@ a pid the launcher killed after a death) are set aside before ordering by time.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -28,8 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_cli.launch.environment import AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent, exit_now
-from fsdp_cli.launch.launcher import FORKSERVER_FLAG, LOG_DIR_ENV, RUN_DIR_ENV
+from fsdp_cli.config.schema import RankStart
+from fsdp_cli.launch.environment import AGENT_LOGGER, AGENT_PID_ENV, PRELOAD_MODULE, die_with_parent, exit_now
+from fsdp_cli.launch.launcher import FORK_FLAGS, LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
 from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
@@ -136,7 +138,7 @@ def with_peer_failures(
     failures: Mapping[int, ProcessFailure], run_dir: Path, killed: frozenset[int] = frozenset()
 ) -> dict[int, ProcessFailure]:
     """``failures`` and the other ranks of this node that failed beside the one torch reports.
-    Ranks forked by torch (``launcher.start_method=forkserver``) are reported one only, the first
+    Ranks forked by torch (``launcher.start_method=fork`` or ``forkserver``) are reported one only, the first
     (torch stops the others at once). A rank that failed by itself left its one-line error in its
     error file, in torch's log layout next to the reported one (``attempt_N/<local rank>/error.json``):
     it is added with the status a failing rank exits with. A rank the launcher killed (a survivor
@@ -207,7 +209,11 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGTERM)
     # Ranks forked from the forkserver are its children, not ours: they name their agent from this.
     os.environ[AGENT_PID_ENV] = str(os.getpid())
-    if FORKSERVER_FLAG in argv:
+    if FORK_FLAGS[RankStart.fork] in argv:
+        # Imported before torch's agent starts a thread (its rendezvous store): the ranks are
+        # forked from this process.
+        importlib.import_module(PRELOAD_MODULE)
+    elif FORK_FLAGS[RankStart.forkserver] in argv:
         start_rank_server()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -216,7 +222,7 @@ def main(argv: list[str]) -> int:
     args = get_args_parser().parse_args(argv)
     # The agent's own per-event chatter ("Sending process ... closing signal") adds nothing the
     # failure report does not say.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger(AGENT_LOGGER).setLevel(logging.CRITICAL)
     try:
         run(args)
     except SignalException as err:

@@ -14,7 +14,10 @@ WATCHDOG_ENV = "FSDP_CLI_WATCHDOG"
 AGENT_PID_ENV = "FSDP_CLI_AGENT_PID"
 """Set by our agent for the ranks it starts: its pid."""
 PRELOAD_MODULE = "fsdp_cli.worker.preload"
-"""What the agent's forkserver imports before it forks ranks (``launcher.start_method=forkserver``)."""
+"""What the agent (``launcher.start_method=fork``) or its forkserver (``forkserver``) imports
+before it forks ranks."""
+AGENT_LOGGER = "torch.distributed.elastic"
+"""The logger our agent silences (torch's per-event chatter); a rank forked from the agent resets it."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ def gpu_compute_capability(env: Mapping[str, str]) -> tuple[int, int] | None:
 
 
 def agent_pid() -> int:
-    """The pid of the elastic agent that started this rank: its parent, or (a rank forked from the
-    agent's forkserver) the pid the agent left in :data:`AGENT_PID_ENV`."""
+    """The pid of the elastic agent that started this rank: the pid the agent left in
+    :data:`AGENT_PID_ENV` (a rank forked from its forkserver is not its child), else its parent."""
     return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
 
 

@@ -50,8 +50,10 @@ POLL_S = 0.25
 """How often the launcher looks at the agent and the heartbeats."""
 MONITOR_INTERVAL_S = 0.1
 """How often torch's agent looks at its ranks (pinned: a rank's death is noticed within it)."""
-FORKSERVER_FLAG = "--start-method=forkserver"
-"""torchrun's option that forks the ranks (the agent starts the forkserver early when it sees it)."""
+FORK_FLAGS = {RankStart.fork: "--start-method=fork", RankStart.forkserver: "--start-method=forkserver"}
+"""torchrun's options that fork the ranks. Seeing one, the agent imports what a rank needs
+(:mod:`fsdp_cli.worker.preload`) before anything else: itself (``fork``), or in the forkserver it
+starts at once (``forkserver``)."""
 WORKER_SCRIPT = Path(__file__).resolve().parents[1] / "worker" / "__main__.py"
 """What a forked rank runs (``python -m fsdp_cli.worker`` runs the same file)."""
 INTERRUPT_GRACE_S = 20.0
@@ -81,10 +83,10 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
             f"--rdzv-id={rdzv_id}",
         ]
     cmd += [f"--max-restarts={cfg.launcher.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
-    if cfg.launcher.start_method is RankStart.forkserver:
-        # Ranks run the worker's __main__ in processes forked from the agent's forkserver, which
-        # imported what a rank needs once (fsdp_cli.worker.preload).
-        cmd += [FORKSERVER_FLAG, "--run-path", str(WORKER_SCRIPT)]
+    if cfg.launcher.start_method in FORK_FLAGS:
+        # Ranks run the worker's __main__ in processes forked from the agent (or its forkserver),
+        # which imported what a rank needs once (fsdp_cli.worker.preload).
+        cmd += [FORK_FLAGS[cfg.launcher.start_method], "--run-path", str(WORKER_SCRIPT)]
     else:
         cmd += ["-m", "fsdp_cli.worker"]
     return [*cmd, str(config_path)]

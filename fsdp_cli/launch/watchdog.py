@@ -10,7 +10,7 @@
   that are still training itself.
 
 Ranks run in sessions of their own (torch starts a new process with ``start_new_session=True``;
-a rank forked from the forkserver calls ``setsid`` first), so a rank's process group is its pid and
+a rank forked from the agent or its forkserver calls ``setsid`` first), so a rank's process group is its pid and
 holds its data-loader workers: they are killed by group.
 """
 

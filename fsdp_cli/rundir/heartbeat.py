@@ -60,8 +60,10 @@ class Heartbeat:
                 "local_rank": local_rank,
                 "pid": os.getpid(),
                 "parent": os.getppid() if parent is None else parent,
+                # The process it was started or forked by: the agent, or the agent's forkserver.
+                "forked_by": os.getppid(),
                 "host": socket.gethostname(),
-                # Imported before this rank started: forked from the agent's forkserver.
+                # Imported before this rank started: forked from the agent or its forkserver.
                 "preloaded": "lightning" in sys.modules,
                 "started": time.time(),
             }

@@ -1,5 +1,6 @@
 """``python -m fsdp_cli.worker RUN_DIR/config.yaml``: what torch.distributed.run starts per rank (or,
-``launcher.start_method=forkserver``, runs in each rank it forks: ``--run-path`` this file)."""
+``launcher.start_method=fork`` or ``forkserver``, runs in each rank it forks: ``--run-path`` this
+file)."""
 
 import multiprocessing
 

@@ -1,6 +1,7 @@
-"""What the agent's forkserver imports once, so that the ranks forked from it start without
-importing it again (``launcher.start_method=forkserver``): torch, Lightning (with what it pulls in:
-torchmetrics, and transformers when installed) and the rank's own code.
+"""What the agent imports once before it forks ranks (``launcher.start_method=fork``), or its
+forkserver does (``forkserver``), so that the ranks start without importing it again: torch,
+Lightning (with what it pulls in: torchmetrics, and transformers when installed) and the rank's
+own code.
 
 Importing must not initialize CUDA: a process forked after that cannot use it.
 :data:`CUDA_INITIALIZED` records whether it happened, and a forked rank refuses to start then.

@@ -22,7 +22,7 @@ from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError, RunFailure
-from fsdp_cli.launch.environment import WATCHDOG_ENV, agent_pid, die_with_parent, global_rank
+from fsdp_cli.launch.environment import AGENT_LOGGER, WATCHDOG_ENV, agent_pid, die_with_parent, global_rank
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -281,12 +281,12 @@ def _redirect_output(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
-    """A rank's whole life. ``forked``: forked from the agent's forkserver rather than started as
-    a new process (see :mod:`fsdp_cli.worker.preload`)."""
+    """A rank's whole life. ``forked``: forked from the agent (or its forkserver) rather than
+    started as a new process (see :mod:`fsdp_cli.worker.preload`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     if forked:
-        _leave_the_forkserver()
+        _leave_the_process_it_was_forked_from()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
@@ -308,23 +308,31 @@ def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
     os._exit(code)
 
 
-def _leave_the_forkserver() -> None:
-    """A forked rank starts in the forkserver's session: like a rank torch starts itself, it gets
-    its own (its data-loader workers join it, and the launcher stops a rank by its group), and it
-    dies with the agent. It cannot use CUDA if importing initialized it in the forkserver."""
+def _leave_the_process_it_was_forked_from() -> None:
+    """A forked rank starts as a copy of the agent (``launcher.start_method=fork``) or of its
+    forkserver. Like a rank torch starts itself, it gets a session of its own (its data-loader
+    workers join it, and the launcher stops a rank by its group), it dies with the agent, and it
+    starts with Python's own signal handling and logging levels, not the agent's (torch's agent
+    turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception of its own, and ours silences
+    torch's elastic logs). It cannot use CUDA if it was initialized before the fork."""
+    import logging
     import signal
 
     from fsdp_cli.launch.environment import PRELOAD_MODULE, die_with_process
 
     if os.getsid(0) != os.getpid():
         os.setsid()
-    # Its parent, the forkserver, lives as long as any rank does: the agent is what a rank must
-    # not outlive (as a rank torch starts itself dies with it, see start_monitor).
+    # A forkserver lives as long as any rank does: the agent is what a rank must not outlive (as
+    # a rank torch starts itself dies with it, see start_monitor).
     die_with_process(agent_pid(), signal.SIGKILL)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.getLogger(AGENT_LOGGER).setLevel(logging.NOTSET)
     if getattr(sys.modules.get(PRELOAD_MODULE), "CUDA_INITIALIZED", False):
         print(
-            "fsdp-train: error: CUDA was initialized while the forkserver imported torch and Lightning,"
-            " so forked ranks cannot use it; hint: launcher.start_method=subprocess",
+            "fsdp-train: error: CUDA was initialized while torch and Lightning were imported for the"
+            " ranks to be forked, so forked ranks cannot use it; hint: launcher.start_method=subprocess",
             file=sys.stderr,
             flush=True,
         )
