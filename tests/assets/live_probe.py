@@ -11,10 +11,11 @@ rank then writes ``<probe dir>/rank<R>.json``:
 * ``compute``: the dtypes of the LM head's input, weight and output during a training forward
   (outside any compiled block: a hook inside one would change what dynamo compiles); ``loss``:
   the dtype of the loss backward starts from;
-* ``backward_collectives``: for one profiled step, from a torch profile, the collectives launched
-  inside ``backward`` (``c10d``: the gradient reduce-scatter / all-reduce, with their input
-  dtypes where the profile has them) and the transfers gloo ran for them (``gloo``: the dtype
-  of the buffer actually reduced);
+* ``backward_collectives``: for one step's backward, the collectives the process group ran, read
+  from torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, which :func:`probe_env` sets): each
+  collective's name (``gloo:all_reduce``, ``gloo:all_gather``, ...) with the dtypes of its input
+  tensors, the buffers actually reduced or gathered, whether Python or C++ (DDP's reducer)
+  issued them;
 * ``float8_linears``: how many of the live modules are torchao's Float8Linear;
 * ``dynamo``: torch._dynamo's counters after the first step and at the end (frames compiled,
   graphs, graph breaks), to show a compiled model compiles once.
@@ -34,16 +35,19 @@ from torch import nn
 
 PROBE_DIR_ENV = "FSDP_CLI_TEST_PROBE_DIR"
 PROFILED_STEP = 2
-"""The batch whose backward is profiled: after the first steps' lazy initialisation and compile."""
+"""The batch whose backward's collectives are recorded: after the first steps' lazy
+initialisation and compile."""
+FLIGHT_RECORDER_ENTRIES = 4096
+"""Collectives the flight recorder keeps (a ring): more than any probed run issues."""
 
-_TRACE_DTYPES = {
-    "float": "float32",
-    "double": "float64",
-    "c10::BFloat16": "bfloat16",
-    "c10::Half": "float16",
-    "c10::Float8_e4m3fn": "float8_e4m3fn",
-    "unsigned char": "uint8",  # FSDP2 all-gathers float8 weights as bytes
+_FR_DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "BFloat16": "bfloat16",
+    "Half": "float16",
+    "Byte": "uint8",
 }
+"""The flight recorder's dtype names (c10's ScalarType names) as torch's."""
 
 
 def probe_env(root: Path) -> dict[str, str]:
@@ -57,7 +61,11 @@ def probe_env(root: Path) -> dict[str, str]:
     )
     repo = Path(__file__).resolve().parents[2]
     paths = [str(dist_info.parent), str(repo), os.environ.get("PYTHONPATH", "")]
-    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), PROBE_DIR_ENV: str(root / "probe")}
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        PROBE_DIR_ENV: str(root / "probe"),
+        "TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+    }
 
 
 def read_probe(root: Path, rank: int = 0) -> dict[str, Any]:
@@ -89,6 +97,31 @@ def head_linear(module: nn.Module) -> nn.Module:
     return linears[-1]
 
 
+def flight_recorder() -> list[dict[str, Any]]:
+    """The collectives this process's groups recorded, oldest first (private API: fine in a test
+    asset; it is what torch's own flight-recorder tooling reads)."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    entries = json.loads(_dump_fr_trace_json(True, False)).get("entries", [])
+    return sorted(entries, key=lambda e: e["record_id"])
+
+
+def last_record_id() -> int:
+    entries = flight_recorder()
+    return entries[-1]["record_id"] if entries else -1
+
+
+def collectives_since(record_id: int) -> dict[str, list[str]]:
+    """Each collective recorded after ``record_id`` -> the dtypes of its inputs."""
+    found: dict[str, set[str]] = {}
+    for e in flight_recorder():
+        if e["record_id"] > record_id:
+            found.setdefault(e["profiling_name"], set()).update(
+                _FR_DTYPES.get(d, d) for d in e["input_dtypes"]
+            )
+    return {name: sorted(dtypes) for name, dtypes in sorted(found.items())}
+
+
 def dynamo_counters() -> dict[str, Any]:
     from torch._dynamo.utils import counters  # private: fine in a test asset (see the issue brief)
 
@@ -105,8 +138,8 @@ class LiveProbe(L.Callback):
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
         self.info: dict[str, Any] = {}
-        self._profiler: Any = None
-        self._backward: Any = None
+        self._batch = -1
+        self._before_backward: int | None = None
         self._hook: Any = None
 
     # -- compute dtype: the head's forward, once
@@ -127,24 +160,19 @@ class LiveProbe(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
     ) -> None:
-        if idx == PROFILED_STEP:
-            self._profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
-            )
-            self._profiler.__enter__()
+        self._batch = idx
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
         self.info.setdefault("loss", dtype_name(loss.dtype))
-        if self._profiler is not None:
-            self._backward = torch.profiler.record_function("live_probe::backward")
-            self._backward.__enter__()
+        if self._batch == PROFILED_STEP and "backward_collectives" not in self.info:
+            self._before_backward = last_record_id()
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._backward is not None:
-            self._backward.__exit__(None, None, None)
-            self._backward = None
+        if self._before_backward is not None:
+            self.info["backward_collectives"] = collectives_since(self._before_backward)
+            self._before_backward = None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
@@ -164,31 +192,6 @@ class LiveProbe(L.Callback):
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             )
             self.info["dynamo"] = {"after_first_step": dynamo_counters()}
-        if idx == PROFILED_STEP and self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            self.info["backward_collectives"] = self._collectives()
-            self._profiler = None
-
-    def _collectives(self) -> dict[str, dict[str, list[str]]]:
-        """The collectives launched inside the profiled backward (``c10d::*``, with the dtype of
-        their tensor inputs where the profile records one) and the transfers gloo ran for them
-        meanwhile (``gloo:*``, on its own threads: the dtype of the buffer it reduced).
-
-        Read from the profile's events in memory, not from an exported trace: writing one out
-        with ``record_shapes`` is a known crash (torch issue 72858), and a rank here was once
-        killed by SIGSEGV right after the profiled step, where it exported the trace (one run in
-        about forty; the crash site itself was not recorded)."""
-        events = self._profiler.profiler.kineto_results.events()
-        windows = [e for e in events if e.name() == "live_probe::backward"]
-        assert len(windows) == 1, f"{len(windows)} backward windows in the profiled step"
-        start, end = windows[0].start_ns(), windows[0].start_ns() + windows[0].duration_ns()
-        found: dict[str, dict[str, set[str]]] = {"c10d": {}, "gloo": {}}
-        for e in events:
-            kind = e.name().split(":", 1)[0]
-            if kind in found and start <= e.start_ns() <= end:
-                dtypes = found[kind].setdefault(e.name(), set())
-                dtypes.update(_TRACE_DTYPES[t] for t in e.dtypes() if t in _TRACE_DTYPES)
-        return {kind: {n: sorted(d) for n, d in sorted(ops.items())} for kind, ops in found.items()}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info.setdefault("dynamo", {})["at_end"] = dynamo_counters()
