@@ -401,3 +401,36 @@ def test_a_forked_rank_leaves_the_agents_signal_handlers_and_log_levels(tmp_path
         timeout=60,
     )
     assert (r.returncode, r.stdout.split()) == (0, ["True", "True", "True"]), r
+
+
+PRELOADED_THEN_FORKED = """
+import gc, os, sys
+import fsdp_cli.worker.preload  # what the agent imports before it forks ranks
+
+class Cycle:
+    pass
+
+frozen = gc.get_freeze_count()
+assert gc.isenabled()
+if os.fork() == 0:  # a rank
+    garbage = Cycle()
+    garbage.self = garbage
+    del garbage
+    print(gc.isenabled(), frozen > 100_000, gc.get_freeze_count() > 100_000, gc.collect() >= 1)
+    sys.stdout.flush()
+    os._exit(0)
+os.wait()
+"""
+
+
+@pytest.mark.distributed  # a Python process that imports torch and Lightning
+def test_what_the_agent_preloads_is_frozen_and_its_ranks_still_collect_garbage(tmp_path: Path) -> None:
+    """The objects made by the agent's import of torch and Lightning (over 100,000) are frozen out
+    of the collector's passes, in the agent and in every rank forked from it; the collector stays
+    on in the rank and collects the rank's own garbage (a reference cycle here)."""
+    import sys
+
+    from conftest import run
+
+    r = run([sys.executable, "-c", PRELOADED_THEN_FORKED], timeout=120)
+    assert (r.returncode, r.stdout.split()) == (0, ["True", "True", "True", "True"]), r
