@@ -56,8 +56,6 @@ FORK_FLAGS = {RankStart.fork: "--start-method=fork", RankStart.forkserver: "--st
 starts at once (``forkserver``)."""
 WORKER_SCRIPT = Path(__file__).resolve().parents[1] / "worker" / "__main__.py"
 """What a forked rank runs (``python -m fsdp_cli.worker`` runs the same file)."""
-INTERRUPT_GRACE_S = 20.0
-"""After Ctrl-C, how long the ranks get to stop by themselves before the launcher kills them."""
 AGENT_EXIT_GRACE_S = 10.0
 """After killing a hung job's ranks, how long the agent gets to notice before it is killed too."""
 
@@ -135,6 +133,7 @@ class Supervisor:
         self.proc = proc
         self.hang = HangWatchdog(cfg.launcher.hang_timeout_s, cfg.launcher.startup_timeout_s)
         self.dead = DeadRankWatch()
+        self.interrupt_grace_s = cfg.launcher.interrupt_grace_s
 
     def run(self) -> int:
         watching = True
@@ -148,7 +147,7 @@ class Supervisor:
                 # Ctrl-C reached the agent too (same process group), which stops the ranks.
                 interrupted = interrupted or time.monotonic()
                 continue
-            if interrupted is not None and time.monotonic() - interrupted > INTERRUPT_GRACE_S:
+            if interrupted is not None and time.monotonic() - interrupted > self.interrupt_grace_s:
                 return self._end_interrupted_job()
             if not watching:
                 continue
@@ -179,12 +178,12 @@ class Supervisor:
         kill_groups(pids)
 
     def _end_interrupted_job(self) -> int:
-        """Ranks that did not stop within :data:`INTERRUPT_GRACE_S` of a Ctrl-C (one stopped or
+        """Ranks that did not stop within ``launcher.interrupt_grace_s`` of a Ctrl-C (one stopped or
         blocked in a collective whose peer already left never returns to Python): killed, and
         the agent after them; the run is reported interrupted as any other Ctrl-C."""
         beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
         print(
-            f"fsdp-train: ranks still running {INTERRUPT_GRACE_S:.0f} s after Ctrl-C: killing them",
+            f"fsdp-train: ranks still running {self.interrupt_grace_s:g} s after Ctrl-C: killing them",
             file=sys.stderr,
             flush=True,
         )
