@@ -1,7 +1,7 @@
 """Precision on real CPU ranks (gloo): every precision trains like fp32 within a stated tolerance
 for 20 steps, and the dtypes in effect are read from the live tensors inside the ranks
 (tests/assets/live_probe.py): parameters and gradients as stored, the LM head's compute, the
-optimizer state, and what the gradient reduction ran in (a profile of the backward's collectives).
+optimizer state, and what the gradient reduction ran in (the collectives of one backward, from torch's flight recorder).
 
 One run per (strategy, precision) answers the parity, dtype and report questions together.
 The expected dtypes are written out here, not looked up in fsdp_cli.

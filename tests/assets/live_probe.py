@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 PROBE_DIR_ENV = "FSDP_CLI_TEST_PROBE_DIR"
-PROFILED_STEP = 2
+RECORDED_BATCH = 2
 """The batch whose backward's collectives are recorded: after the first steps' lazy
 initialisation and compile."""
 FLIGHT_RECORDER_ENTRIES = 4096
@@ -166,7 +166,7 @@ class LiveProbe(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
         self.info.setdefault("loss", dtype_name(loss.dtype))
-        if self._batch == PROFILED_STEP and "backward_collectives" not in self.info:
+        if self._batch == RECORDED_BATCH and "backward_collectives" not in self.info:
             self._before_backward = last_record_id()
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
