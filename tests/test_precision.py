@@ -1,7 +1,8 @@
 """Precision on real CPU ranks (gloo): every precision trains like fp32 within a stated tolerance
 for 20 steps, and the dtypes in effect are read from the live tensors inside the ranks
 (tests/assets/live_probe.py): parameters and gradients as stored, the LM head's compute, the
-optimizer state, and what the gradient reduction ran in (the collectives of one backward, from torch's flight recorder).
+optimizer state, and what the gradient reduction ran in (the collectives of one backward, from
+torch's flight recorder).
 
 One run per (strategy, precision) answers the parity, dtype and report questions together.
 The expected dtypes are written out here, not looked up in fsdp_cli.
@@ -117,7 +118,7 @@ def collective_dtypes(probe: dict[str, Any], kind: str) -> list[str]:
     """The input dtypes of the collectives of one backward whose name holds ``kind`` ("reduce":
     DDP's bucket all-reduce, FSDP's gradient reduce-scatter (an all-reduce of the unsharded
     gradient on gloo); "gather": FSDP's re-gather of resharded parameters), from the flight recorder."""
-    ran = probe.get("backward_collectives")  # none: this torch has no flight recorder for gloo
+    ran = probe.get("backward_collectives")  # missing: the probe never saw the recorded backward
     assert ran, probe  # a backward with no collective would pass any dtype check below
     return sorted({d for name, dtypes in ran.items() if kind in name.replace("_", "") for d in dtypes})
 

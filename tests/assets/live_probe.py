@@ -12,7 +12,8 @@ rank then writes ``<probe dir>/rank<R>.json``:
   (outside any compiled block: a hook inside one would change what dynamo compiles); ``loss``:
   the dtype of the loss backward starts from;
 * ``backward_collectives``: for one step's backward, the collectives the process group ran, read
-  from torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, which :func:`probe_env` sets): each
+  from torch's flight recorder (:func:`probe_env` sets ``TORCH_FR_BUFFER_SIZE``, so that it records
+  whatever this torch's default, with room for a whole run): each
   collective's name (``gloo:all_reduce``, ``gloo:all_gather``, ...) with the dtypes of its input
   tensors, the buffers actually reduced or gathered, whether Python or C++ (DDP's reducer)
   issued them;
