@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_ok, gpu_count, read_metrics, requires_gpu, run_cli
+from test_precision import MIXED, observed
+
+from tests.assets.live_probe import probe_env, read_probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed, requires_gpu]
 
@@ -15,16 +18,25 @@ GPU = ["accelerator=gpu", "trainer.max_steps=20", "data.seq_len=128", "data.glob
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
 def test_bf16_mixed_on_every_visible_gpu(tmp_path: Path, strategy: str) -> None:
-    run_dir = tmp_path / strategy
-    summary = assert_ok(run_cli([f"strategy={strategy}", "precision=bf16-mixed", *GPU], run_dir), run_dir)
-    assert summary["world_size"] == gpu_count()
+    """bf16-mixed over NCCL on every visible GPU: each rank's dtypes read from its live tensors
+    (tests/assets/live_probe.py, as test_precision.py does on gloo): fp32 parameters, gradients
+    and Adam moments, bf16 matmuls, gradients reduced in fp32 (the dtype the NCCL collectives of
+    one backward ran in); the CUDA allocator's peak in the summary, and a falling loss."""
+    run_dir = tmp_path / strategy / "run"
+    result = run_cli(
+        [f"strategy={strategy}", "precision=bf16-mixed", *GPU], run_dir, env=probe_env(tmp_path / strategy)
+    )
+    summary = assert_ok(result, run_dir)
+    world = gpu_count()
+    assert summary["world_size"] == world
+    for rank in range(world):
+        probe = read_probe(tmp_path / strategy, rank)
+        assert observed(probe) == MIXED, (rank, probe)
     assert min(summary["peak_memory_bytes"]) > 0  # the CUDA allocator's peak, not host RSS
     rows = read_metrics(run_dir)
     assert rows[-1]["loss"] < rows[0]["loss"]
     if strategy == "fsdp2":
         assert summary["setup"]["param_device"] == ["cuda"]
-        assert summary["setup"]["dtypes"]["compute"] == "bfloat16"
-        assert summary["setup"]["dtypes"]["reduce"] == "float32"
 
 
 def test_fsdp1_cpu_offload_on_gpu(tmp_path: Path) -> None:

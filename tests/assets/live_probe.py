@@ -11,12 +11,12 @@ rank then writes ``<probe dir>/rank<R>.json``:
 * ``compute``: the dtypes of the LM head's input, weight and output during a training forward
   (outside any compiled block: a hook inside one would change what dynamo compiles); ``loss``:
   the dtype of the loss backward starts from;
-* ``backward_collectives``: for one step's backward, the collectives the process group ran, read
-  from torch's flight recorder (:func:`probe_env` sets ``TORCH_FR_BUFFER_SIZE``, so that it records
-  whatever this torch's default, with room for a whole run): each
-  collective's name (``gloo:all_reduce``, ``gloo:all_gather``, ...) with the dtypes of its input
-  tensors, the buffers actually reduced or gathered, whether Python or C++ (DDP's reducer)
-  issued them;
+* ``backward_collectives``: for one step's backward, the collectives the process groups ran,
+  read from torch's flight recorders (:func:`probe_env` sets ``TORCH_FR_BUFFER_SIZE``, so that
+  they record whatever this torch's default, with room for a whole run): each collective's name
+  (``gloo:all_reduce``, ``gloo:all_gather``; on GPUs ``nccl:reduce_scatter``, ...) with the dtypes
+  of its input tensors, the buffers actually reduced or gathered, whether Python or C++ (DDP's
+  reducer) issued them;
 * ``float8_linears``: how many of the live modules are torchao's Float8Linear;
 * ``dynamo``: torch._dynamo's counters after the first step and at the end (frames compiled,
   graphs, graph breaks), to show a compiled model compiles once.
@@ -98,25 +98,38 @@ def head_linear(module: nn.Module) -> nn.Module:
     return linears[-1]
 
 
+RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+"""torch's flight recorders (private API: fine in a test asset; it is what torch's own
+flight-recorder tooling reads): the one for CPU process groups (gloo), and NCCL's, which only CUDA
+builds have. Their record ids are counted apart."""
+
+
 def flight_recorder() -> list[dict[str, Any]]:
-    """The collectives this process's groups recorded, oldest first (private API: fine in a test
-    asset; it is what torch's own flight-recorder tooling reads)."""
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    """The collectives this process's groups recorded, each with the recorder that holds it."""
+    import torch._C._distributed_c10d as c10d
 
-    entries = json.loads(_dump_fr_trace_json(True, False)).get("entries", [])
-    return sorted(entries, key=lambda e: e["record_id"])
+    entries = []
+    for recorder in RECORDERS:
+        dump = getattr(c10d, recorder, None)
+        if dump is not None:
+            found = json.loads(dump(True, False)).get("entries", [])
+            entries += [{**e, "recorder": recorder} for e in found]
+    return entries
 
 
-def last_record_id() -> int:
-    entries = flight_recorder()
-    return entries[-1]["record_id"] if entries else -1
+def last_record_ids() -> dict[str, int]:
+    """Per recorder, the id of the newest entry."""
+    newest: dict[str, int] = {}
+    for e in flight_recorder():
+        newest[e["recorder"]] = max(newest.get(e["recorder"], -1), e["record_id"])
+    return newest
 
 
-def collectives_since(record_id: int) -> dict[str, list[str]]:
-    """Each collective recorded after ``record_id`` -> the dtypes of its inputs."""
+def collectives_since(newest: dict[str, int]) -> dict[str, list[str]]:
+    """Each collective recorded after ``newest`` (:func:`last_record_ids`) -> its input dtypes."""
     found: dict[str, set[str]] = {}
     for e in flight_recorder():
-        if e["record_id"] > record_id:
+        if e["record_id"] > newest.get(e["recorder"], -1):
             found.setdefault(e["profiling_name"], set()).update(
                 _FR_DTYPES.get(d, d) for d in e["input_dtypes"]
             )
@@ -140,7 +153,7 @@ class LiveProbe(L.Callback):
         self.out_dir = out_dir
         self.info: dict[str, Any] = {}
         self._batch = -1
-        self._before_backward: int | None = None
+        self._before_backward: dict[str, int] | None = None
         self._hook: Any = None
 
     # -- compute dtype: the head's forward, once
@@ -153,7 +166,7 @@ class LiveProbe(L.Callback):
             "input": dtype_name(args[0].dtype),
             "weight": dtype_name(module.weight.dtype),
             "output": dtype_name(output.dtype),
-            "autocast": torch.is_autocast_enabled("cpu"),
+            "autocast": torch.is_autocast_enabled(args[0].device.type),
         }
         self._hook.remove()
 
@@ -168,7 +181,7 @@ class LiveProbe(L.Callback):
     ) -> None:
         self.info.setdefault("loss", dtype_name(loss.dtype))
         if self._batch == RECORDED_BATCH and "backward_collectives" not in self.info:
-            self._before_backward = last_record_id()
+            self._before_backward = last_record_ids()
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._before_backward is not None:
