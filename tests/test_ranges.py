@@ -100,6 +100,14 @@ def test_null_is_allowed_where_the_type_allows_it_and_named_in_the_line() -> Non
     assert "hint: " in line, line
 
 
+def test_lightnings_limit_val_batches_0_is_refused_with_the_way_to_turn_validation_off() -> None:
+    """A Lightning user turns validation off with limit_val_batches=0; here validation is off
+    unless trainer.val_check_interval is set, and the line says so."""
+    line = _refused("trainer.limit_val_batches=0").one_line()
+    assert line.startswith("trainer.limit_val_batches=0: must be at least 1"), line
+    assert "hint: to turn validation off, leave trainer.val_check_interval null" in line, line
+
+
 def test_a_range_reaches_the_config_reference() -> None:
     reference = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
     assert "| `optim.eps` | float | `1e-08` | AdamW epsilon" in reference

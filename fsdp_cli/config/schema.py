@@ -491,7 +491,12 @@ class TrainerConfig:
     """Lightning's progress bar (the per-step log lines replace it)."""
     val_check_interval: int | None = field(default=None, metadata=at_least(1))
     """Run validation every N steps on held-out batches; null = no validation."""
-    limit_val_batches: int = field(default=4, metadata=at_least(1))
+    limit_val_batches: int = field(
+        default=4,
+        metadata=at_least(
+            1, hint="to turn validation off, leave trainer.val_check_interval null (the default)"
+        ),
+    )
     """Held-out batches per validation run."""
     profiler: Profiler = Profiler.none
     """none, simple (time per Lightning hook) or torch (a trace of a few steps per rank); written
