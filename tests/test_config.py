@@ -16,6 +16,7 @@ from fsdp_cli.config.schema import (
     LlamaConfig,
     SyntheticDataConfig,
     TrainConfig,
+    TrainerConfig,
 )
 from fsdp_cli.launch.layout import resolve_layout
 
@@ -86,6 +87,25 @@ def test_custom_model_keeps_target_and_kwargs() -> None:
     assert cfg.model.target == "pkg.mod.Factory"
     assert cfg.model.kwargs == {"hidden": 64, "vocab_size": 99}
     assert cfg.data.vocab_size == 99  # defaults to the model's vocabulary
+
+
+def test_lightning_trainer_names_point_at_keys_that_exist() -> None:
+    """Every Lightning ``Trainer`` argument the unknown-key hints answer is one of Lightning's,
+    is not a ``trainer`` key of ours, and every key its answer names exists here."""
+    import inspect
+    import re
+
+    import lightning as L
+
+    from fsdp_cli.config.unknown_keys import LIGHTNING_TRAINER_ARGUMENTS
+
+    lightning_args = set(inspect.signature(L.Trainer.__init__).parameters)
+    ours = {f.name for f in dataclasses.fields(TrainerConfig)}
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
+    for name, answer in LIGHTNING_TRAINER_ARGUMENTS.items():
+        assert name in lightning_args and name not in ours, name
+        for key in re.findall(r"\b(?:trainer|data|checkpoint|logger|hydra\.run)\.[a-z_]+", answer):
+            assert key.startswith("hydra.") or f"| `{key}` |" in reference, (name, key)
 
 
 def test_resolved_yaml_round_trips(tmp_path: Path) -> None:

@@ -43,7 +43,26 @@ CLI_CASES = [
     ),
     (["data.seq_len=4096"], "data.seq_len=4096", ["model.max_seq_len=512"]),
     (["strategy=fsdp3"], "strategy=fsdp3", ["unknown option", "allowed: ddp", "fsdp2", "hint"]),
-    (["trainer.max_step=3"], "trainer.max_step", ["not a key", "+trainer.max_step"]),
+    (["trainer.max_step=3"], "trainer.max_step", ["not a key", "did you mean trainer.max_steps"]),
+    (["max_steps=3"], "max_steps", ["not a key", "did you mean trainer.max_steps?"]),
+    # A Lightning Trainer argument: where the setting lives here.
+    (
+        ["trainer.accumulate_grad_batches=4"],
+        "trainer.accumulate_grad_batches",
+        ["not a key", "data.micro_batch_size", "data.global_batch_size"],
+    ),
+    # `+` appends to a typed section: the key would be dropped without a word, so it is refused.
+    (
+        ["+trainer.accumulate_grad_batches=4"],
+        "trainer.accumulate_grad_batches=4",
+        ["not a key", "allowed: max_steps,", "data.micro_batch_size", "+ adds keys only to"],
+    ),
+    (
+        ["+strategy.mp_policy.param_dtyp=bfloat16"],
+        "strategy.mp_policy.param_dtyp=bfloat16",
+        ["not a key", "allowed: param_dtype,", "did you mean strategy.mp_policy.param_dtype?"],
+    ),
+    (["+optim.foo=3"], "optim.foo=3", ["not a key", "allowed: lr,", "--cfg job prints every key"]),
     (
         ["strategy.activation_checkpointing=sometimes"],
         "strategy.activation_checkpointing=sometimes",

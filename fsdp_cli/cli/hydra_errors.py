@@ -9,6 +9,7 @@ to Hydra's own reporter, traceback and all. ``HYDRA_FULL_ERROR=1`` shows Hydra's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_cli.compat.hydra_internals import wrap_run_and_report
+from fsdp_cli.config.unknown_keys import unknown_key_hint
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 
 CONFIG_ERRORS = (
@@ -44,7 +46,12 @@ def one_line(err: BaseException) -> str:
     detail = _first_line(str(cause)) if cause is not None else _lines(text)[-1] if _lines(text) else ""
     if override:
         key = override.group(1)
-        return f"{key}: not a key of this config ({detail}); hint: to add a key use +{key}=VALUE; {HINT}"
+        schema = getattr(cause, "object_type", None)
+        if cause is not None and isinstance(schema, type) and dataclasses.is_dataclass(schema):
+            hint = unknown_key_hint(schema, str(cause.key), key)  # a typed section: + cannot add to it
+        else:
+            hint = f"to add a key use +{key}=VALUE; {HINT}"
+        return f"{key}: not a key of this config ({detail}); hint: {hint}"
     merging = re.search(r"Error merging override (\S+)", text)
     if merging:
         return f"{merging.group(1)}: {detail}; hint: {HINT}"

@@ -35,6 +35,7 @@ from fsdp_cli.config.schema import (
     WrapConfig,
 )
 from fsdp_cli.config.strategies import SCHEMAS as STRATEGY_SCHEMAS
+from fsdp_cli.config.unknown_keys import field_names, unknown_key_hint, unknown_keys
 from fsdp_cli.errors import ConfigError
 
 # The `name` key of each group's node selects its schema (strategies: their registry entries).
@@ -132,6 +133,17 @@ def _section(cfg: DictConfig, key: str) -> Any:
 
 
 def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
+    # A key Hydra appended (`+trainer.accumulate_grad_batches=4`) that the schema has no field
+    # for: converting would drop it without a word, so it is refused here.
+    if isinstance(node, Mapping):
+        for full, name, owner, value in unknown_keys(schema, node, key):
+            raise ConfigError(
+                full,
+                _plain(value),
+                "not a key of this config",
+                allowed=", ".join(field_names(owner)),
+                hint=unknown_key_hint(owner, name, full),
+            )
     try:
         if isinstance(node, DictConfig) and OmegaConf.get_type(node) is schema:
             return OmegaConf.to_object(node)  # composed against this schema: keys and types checked

@@ -1,0 +1,93 @@
+"""A key the schema does not have: found before launch, answered with where the setting lives.
+
+Two ways in. ``trainer.accumulate_grad_batches=4`` is refused by Hydra's composition (the key is
+not in the schema), and :mod:`fsdp_cli.cli.hydra_errors` prints the line. ``+trainer.accumulate_grad_batches=4``
+is accepted by Hydra (``+`` appends) but a typed section has no field to hold it:
+:func:`unknown_keys` finds it in :mod:`fsdp_cli.config.convert`, which refuses it rather than
+letting the conversion drop it. ``+`` adds keys only where the config takes free keyword
+arguments: a custom model (``model=custom``) and ``callbacks``.
+
+Our users come from Lightning scripts, so a key that is one of Lightning ``Trainer``'s arguments
+gets the way to say the same thing here; any other gets the nearest keys of its section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+LIGHTNING_TRAINER_ARGUMENTS: dict[str, str] = {
+    "accumulate_grad_batches": (
+        "accumulation follows from the batch sizes: data.micro_batch_size sequences per rank and "
+        "forward, data.global_batch_size per optimizer step"
+    ),
+    "precision": "precision=NAME is a config group of its own; fsdp-train --help lists the names",
+    "devices": "devices=N, a top-level key",
+    "num_nodes": "num_nodes=N, a top-level key",
+    "accelerator": "accelerator=cpu or accelerator=gpu, a top-level key",
+    "strategy": "strategy=NAME is a config group of its own (fsdp2, fsdp, model_parallel, ddp, ...)",
+    "check_val_every_n_epoch": "trainer.val_check_interval=N validates every N optimizer steps",
+    "num_sanity_val_steps": "no sanity validation runs before training here",
+    "callbacks": "+callbacks.NAME._target_=dotted.Class adds a callback",
+    "logger": "logger.name=csv, tensorboard, mlflow or wandb",
+    "default_root_dir": "hydra.run.dir=PATH chooses the run directory",
+    "enable_checkpointing": "checkpoint.save_last=false (with checkpoint.every_n_steps unset) saves no checkpoint",
+    "fast_dev_run": "trainer.max_steps=1",
+}
+"""Lightning ``Trainer`` arguments that ``trainer`` has no key of that name for -> how to say it here."""
+
+PLUS_NOTE = "+ adds keys only to a custom model's arguments and to callbacks"
+
+
+def field_names(schema: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def unknown_key_hint(schema: type, key: str, full_key: str) -> str:
+    """How to say what ``full_key`` (whose last part ``key`` is not a field of ``schema``) meant."""
+    section = full_key.rpartition(".")[0]
+    if section == "trainer" and key in LIGHTNING_TRAINER_ARGUMENTS:
+        return f"{LIGHTNING_TRAINER_ARGUMENTS[key]} ({PLUS_NOTE})"
+    if not section:  # a top-level key: a section may have it (max_steps -> trainer.max_steps)
+        hints = typing.get_type_hints(schema)
+        owners = [
+            f"{name}.{key}"
+            for name in field_names(schema)
+            if (section_schema := dataclass_of(hints[name])) and key in field_names(section_schema)
+        ]
+        if owners:
+            return f"did you mean {' or '.join(owners)}? ({PLUS_NOTE})"
+    close = difflib.get_close_matches(key, field_names(schema), n=2)
+    if close:
+        prefix = f"{section}." if section else ""
+        return f"did you mean {' or '.join(prefix + c for c in close)}? ({PLUS_NOTE})"
+    return f"fsdp-train --cfg job prints every key ({PLUS_NOTE})"
+
+
+def unknown_keys(schema: type, node: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, str, type, Any]]:
+    """``(full key, key, schema, value)`` for each key of ``node`` (and of its nested sections)
+    that ``schema`` has no field for."""
+    names, hints = field_names(schema), typing.get_type_hints(schema)
+    for key in node.keys():
+        full = f"{prefix}.{key}"
+        try:
+            value = node.get(key)
+        except Exception:  # noqa: BLE001 - a missing or unresolvable value: its own check reports it
+            value = None
+        if key not in names:
+            yield full, str(key), schema, value
+            continue
+        nested = dataclass_of(hints[key])
+        if nested is not None and isinstance(value, Mapping):
+            yield from unknown_keys(nested, value, full)
+
+
+def dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field holds (``X`` or ``X | None``), else None."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
