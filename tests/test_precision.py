@@ -123,17 +123,18 @@ def collective_dtypes(probe: dict[str, Any], kind: str) -> list[str]:
     return sorted({d for name, dtypes in ran.items() if kind in name.replace("_", "") for d in dtypes})
 
 
-def observed(probe: dict[str, Any]) -> Expected:
+def observed(probe: dict[str, Any], *, reduced: bool = True) -> Expected:
     """The dtypes one rank's probe saw, in the shape of :class:`Expected` (a list where it saw
-    several, so a mix cannot pass as one)."""
+    several, so a mix cannot pass as one). ``reduced=False``: a backward that may run no
+    collective (one process); ``reduce`` is then None when it ran none."""
     one = lambda values: values[0] if len(values) == 1 else values  # noqa: E731
-    reduce = collective_dtypes(probe, "reduce")
+    reduce = collective_dtypes(probe, "reduce") if reduced or probe.get("backward_collectives") else None
     return Expected(
         params=one(probe["params"]),
         compute=probe["compute"]["output"],
         grads=one(probe["grads"]),
         optimizer_state=one(probe["optimizer_state"]),
-        reduce=one(reduce),
+        reduce=one(reduce) if reduce is not None else None,
         loss=probe["loss"],
     )
 

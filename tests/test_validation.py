@@ -45,6 +45,9 @@ CLI_CASES = [
     (["strategy=fsdp3"], "strategy=fsdp3", ["unknown option", "allowed: ddp", "fsdp2", "hint"]),
     (["trainer.max_step=3"], "trainer.max_step", ["not a key", "did you mean trainer.max_steps"]),
     (["max_steps=3"], "max_steps", ["not a key", "did you mean trainer.max_steps?"]),
+    (["seq_len=64"], "seq_len", ["not a key", "did you mean data.seq_len?"]),  # a group's key
+    (["trainerr.max_steps=3"], "trainerr.max_steps", ["not a key", "did you mean trainer?"]),
+    (["trainer.max_time=9"], "trainer.max_time", ["a Lightning Trainer argument that fsdp-train sets"]),
     # A Lightning Trainer argument: where the setting lives here.
     (
         ["trainer.accumulate_grad_batches=4"],

@@ -20,6 +20,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_cli.compat.hydra_internals import wrap_run_and_report
+from fsdp_cli.config.convert import GROUP_SCHEMAS
 from fsdp_cli.config.unknown_keys import unknown_key_hint
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 
@@ -48,7 +49,9 @@ def one_line(err: BaseException) -> str:
         key = override.group(1)
         schema = getattr(cause, "object_type", None)
         if cause is not None and isinstance(schema, type) and dataclasses.is_dataclass(schema):
-            hint = unknown_key_hint(schema, str(cause.key), key)  # a typed section: + cannot add to it
+            # A typed section: + cannot add to it. (full_key: the override's part that failed.)
+            full_key = str(getattr(cause, "full_key", None) or key)
+            hint = unknown_key_hint(schema, str(cause.key), full_key, GROUP_SCHEMAS)
         else:
             hint = f"to add a key use +{key}=VALUE; {HINT}"
         return f"{key}: not a key of this config ({detail}); hint: {hint}"

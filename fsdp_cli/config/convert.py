@@ -46,6 +46,12 @@ DATA_SCHEMAS: dict[str, type] = {
     "tokens": TokensDataConfig,
     "jsonl": JsonlDataConfig,
 }
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "strategy": STRATEGY_SCHEMAS,
+    "model": MODEL_SCHEMAS,
+    "data": DATA_SCHEMAS,
+}
+"""The config groups whose option (its ``name``) selects the schema."""
 SECTION_SCHEMAS: dict[str, type] = {
     "precision": PrecisionConfig,
     "wrap": WrapConfig,
@@ -142,7 +148,7 @@ def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
                 _plain(value),
                 "not a key of this config",
                 allowed=", ".join(field_names(owner)),
-                hint=unknown_key_hint(owner, name, full),
+                hint=unknown_key_hint(owner, name, full, GROUP_SCHEMAS),
             )
     try:
         if isinstance(node, DictConfig) and OmegaConf.get_type(node) is schema:

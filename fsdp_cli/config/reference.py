@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.config import schema
-from fsdp_cli.config.convert import DATA_SCHEMAS, MODEL_SCHEMAS, STRATEGY_SCHEMAS
+from fsdp_cli.config.convert import GROUP_SCHEMAS
 from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
 from fsdp_cli.models import args
 from fsdp_cli.parallel import options
 from fsdp_cli.ranges import field_range
 
 COMMAND = "python -m fsdp_cli.config.reference > docs/config-reference.md"
-GROUP_SCHEMAS = {"strategy": STRATEGY_SCHEMAS, "model": MODEL_SCHEMAS, "data": DATA_SCHEMAS}
 
 INTRO = f"""# Config reference
 

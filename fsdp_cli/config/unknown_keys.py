@@ -4,17 +4,19 @@ Two ways in. ``trainer.accumulate_grad_batches=4`` is refused by Hydra's composi
 not in the schema), and :mod:`fsdp_cli.cli.hydra_errors` prints the line. ``+trainer.accumulate_grad_batches=4``
 is accepted by Hydra (``+`` appends) but a typed section has no field to hold it:
 :func:`unknown_keys` finds it in :mod:`fsdp_cli.config.convert`, which refuses it rather than
-letting the conversion drop it. ``+`` adds keys only where the config takes free keyword
-arguments: a custom model (``model=custom``) and ``callbacks``.
+letting the conversion drop it. In fsdp-train's own sections, ``+`` adds keys only where the
+config takes free keyword arguments: a custom model (``model=custom``) and ``callbacks``.
 
 Our users come from Lightning scripts, so a key that is one of Lightning ``Trainer``'s arguments
-gets the way to say the same thing here; any other gets the nearest keys of its section.
+gets the way to say the same thing here, or is named as one fsdp-train does not take; any other
+gets the nearest keys of its section.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -32,12 +34,41 @@ LIGHTNING_TRAINER_ARGUMENTS: dict[str, str] = {
     "check_val_every_n_epoch": "trainer.val_check_interval=N validates every N optimizer steps",
     "num_sanity_val_steps": "no sanity validation runs before training here",
     "callbacks": "+callbacks.NAME._target_=dotted.Class adds a callback",
-    "logger": "logger.name=csv, tensorboard, mlflow or wandb",
+    "logger": "logger=csv, tensorboard, mlflow or wandb is a config group of its own",
     "default_root_dir": "hydra.run.dir=PATH chooses the run directory",
-    "enable_checkpointing": "checkpoint.save_last=false (with checkpoint.every_n_steps unset) saves no checkpoint",
-    "fast_dev_run": "trainer.max_steps=1",
+    "enable_checkpointing": (
+        "checkpoint.save_last=false checkpoint.save_on_sigterm=false (with checkpoint.every_n_steps "
+        "unset) saves no checkpoint"
+    ),
+    "fast_dev_run": "trainer.max_steps=1 checkpoint.save_last=false",
+    "limit_train_batches": "trainer.max_steps bounds training",
 }
 """Lightning ``Trainer`` arguments that ``trainer`` has no key of that name for -> how to say it here."""
+
+LIGHTNING_TRAINER_ONLY = frozenset(
+    {
+        "barebones",
+        "benchmark",
+        "detect_anomaly",
+        "enable_autolog_hparams",
+        "enable_model_summary",
+        "inference_mode",
+        "limit_predict_batches",
+        "limit_test_batches",
+        "max_time",
+        "min_epochs",
+        "min_steps",
+        "model_registry",
+        "overfit_batches",
+        "plugins",
+        "reload_dataloaders_every_n_epochs",
+        "sync_batchnorm",
+        "use_distributed_sampler",
+    }
+)
+"""The other Lightning ``Trainer`` arguments: fsdp-train sets them itself or has no use for them
+(tests/test_config.py checks that every argument of the installed Lightning is ours, answered
+above or listed here)."""
 
 PLUS_NOTE = "+ adds keys only to a custom model's arguments and to callbacks"
 
@@ -46,25 +77,44 @@ def field_names(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
-def unknown_key_hint(schema: type, key: str, full_key: str) -> str:
-    """How to say what ``full_key`` (whose last part ``key`` is not a field of ``schema``) meant."""
+def unknown_key_hint(
+    schema: type, key: str, full_key: str, groups: Mapping[str, Mapping[str, type]] | None = None
+) -> str:
+    """How to say what ``full_key`` (whose last part ``key`` is not a field of ``schema``) meant.
+    ``groups``: the config groups' option schemas (``convert.GROUP_SCHEMAS``), for a top-level key
+    that one of them has."""
+    note = f" ({PLUS_NOTE})" if schema.__module__.startswith("fsdp_cli.") else ""
     section = full_key.rpartition(".")[0]
     if section == "trainer" and key in LIGHTNING_TRAINER_ARGUMENTS:
-        return f"{LIGHTNING_TRAINER_ARGUMENTS[key]} ({PLUS_NOTE})"
+        return f"{LIGHTNING_TRAINER_ARGUMENTS[key]}{note}"
+    if section == "trainer" and key in LIGHTNING_TRAINER_ONLY:
+        return f"a Lightning Trainer argument that fsdp-train sets itself or does not take{note}"
     if not section:  # a top-level key: a section may have it (max_steps -> trainer.max_steps)
-        hints = typing.get_type_hints(schema)
         owners = [
             f"{name}.{key}"
-            for name in field_names(schema)
-            if (section_schema := dataclass_of(hints[name])) and key in field_names(section_schema)
+            for name, schemas in section_schemas(schema, groups or {})
+            if any(key in field_names(c) for c in schemas)
         ]
         if owners:
-            return f"did you mean {' or '.join(owners)}? ({PLUS_NOTE})"
+            return f"did you mean {' or '.join(owners)}?{note}"
     close = difflib.get_close_matches(key, field_names(schema), n=2)
     if close:
         prefix = f"{section}." if section else ""
-        return f"did you mean {' or '.join(prefix + c for c in close)}? ({PLUS_NOTE})"
-    return f"fsdp-train --cfg job prints every key ({PLUS_NOTE})"
+        return f"did you mean {' or '.join(prefix + c for c in close)}?{note}"
+    return f"fsdp-train --cfg job prints every key{note}"
+
+
+def section_schemas(schema: type, groups: Mapping[str, Mapping[str, type]]) -> list[tuple[str, list[type]]]:
+    """Each section of ``schema`` with the schemas it can hold: the field's own dataclass, or for
+    a config group (typed ``Any``) each option's schema."""
+    hints = typing.get_type_hints(schema)
+    found = []
+    for name in field_names(schema):
+        own = dataclass_of(hints[name])
+        options = [own] if own is not None else list(groups[name].values()) if name in groups else []
+        if options:
+            found.append((name, options))
+    return found
 
 
 def unknown_keys(schema: type, node: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, str, type, Any]]:
@@ -87,7 +137,10 @@ def unknown_keys(schema: type, node: Mapping[str, Any], prefix: str) -> Iterator
 
 def dataclass_of(hint: Any) -> type | None:
     """The dataclass a field holds (``X`` or ``X | None``), else None."""
-    for candidate in (hint, *typing.get_args(hint)):
+    candidates = (
+        typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    )
+    for candidate in candidates:
         if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
             return candidate
     return None

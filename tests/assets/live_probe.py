@@ -14,7 +14,7 @@ rank then writes ``<probe dir>/rank<R>.json``:
 * ``backward_collectives``: for one step's backward, the collectives the process groups ran,
   read from torch's flight recorders (:func:`probe_env` sets ``TORCH_FR_BUFFER_SIZE``, so that
   they record whatever this torch's default, with room for a whole run): each collective's name
-  (``gloo:all_reduce``, ``gloo:all_gather``; on GPUs ``nccl:reduce_scatter``, ...) with the dtypes
+  (``gloo:all_reduce``, ``gloo:all_gather``; on GPUs ``nccl:_reduce_scatter_base``, ...) with the dtypes
   of its input tensors, the buffers actually reduced or gathered, whether Python or C++ (DDP's
   reducer) issued them;
 * ``float8_linears``: how many of the live modules are torchao's Float8Linear;
@@ -66,6 +66,7 @@ def probe_env(root: Path) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(p for p in paths if p),
         PROBE_DIR_ENV: str(root / "probe"),
         "TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),  # its name in older torch
     }
 
 
@@ -101,7 +102,8 @@ def head_linear(module: nn.Module) -> nn.Module:
 RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 """torch's flight recorders (private API: fine in a test asset; it is what torch's own
 flight-recorder tooling reads): the one for CPU process groups (gloo), and NCCL's, which only CUDA
-builds have. Their record ids are counted apart."""
+builds have. Each dump's record ids are compared with its own (a torch whose two dumps show the
+same recorder lists each collective twice, which the dtype sets absorb)."""
 
 
 def flight_recorder() -> list[dict[str, Any]]:
