@@ -139,20 +139,20 @@ def _section(cfg: DictConfig, key: str) -> Any:
 
 
 def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
-    # A key Hydra appended (`+trainer.accumulate_grad_batches=4`) that the schema has no field
-    # for: converting would drop it without a word, so it is refused here.
-    if isinstance(node, Mapping):
-        for full, name, owner, value in unknown_keys(schema, node, key):
-            raise ConfigError(
-                full,
-                _plain(value),
-                "not a key of this config",
-                allowed=", ".join(field_names(owner)),
-                hint=unknown_key_hint(owner, name, full, GROUP_SCHEMAS),
-            )
     try:
         if isinstance(node, DictConfig) and OmegaConf.get_type(node) is schema:
-            return OmegaConf.to_object(node)  # composed against this schema: keys and types checked
+            # Composed against this schema: types checked. A key Hydra appended to it
+            # (`+trainer.accumulate_grad_batches=4`) to_object would drop without a word.
+            # (The merge below refuses such keys itself.)
+            for full, name, owner, value in unknown_keys(schema, node, key):
+                raise ConfigError(
+                    full,
+                    _plain(value),
+                    "not a key of this config",
+                    allowed=", ".join(field_names(owner)),
+                    hint=unknown_key_hint(owner, name, full, GROUP_SCHEMAS),
+                )
+            return OmegaConf.to_object(node)
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

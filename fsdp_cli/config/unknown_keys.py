@@ -123,16 +123,19 @@ def unknown_keys(schema: type, node: Mapping[str, Any], prefix: str) -> Iterator
     names, hints = field_names(schema), typing.get_type_hints(schema)
     for key in node.keys():
         full = f"{prefix}.{key}"
-        try:
-            value = node.get(key)
-        except Exception:  # noqa: BLE001 - a missing or unresolvable value: its own check reports it
-            value = None
         if key not in names:
-            yield full, str(key), schema, value
+            yield full, str(key), schema, _value(node, key)
             continue
         nested = dataclass_of(hints[key])
-        if nested is not None and isinstance(value, Mapping):
-            yield from unknown_keys(nested, value, full)
+        if nested is not None and isinstance(child := _value(node, key), Mapping):
+            yield from unknown_keys(nested, child, full)
+
+
+def _value(node: Mapping[str, Any], key: str) -> Any:
+    try:
+        return node.get(key)
+    except Exception:  # noqa: BLE001 - a missing or unresolvable value: its own check reports it
+        return None
 
 
 def dataclass_of(hint: Any) -> type | None:
