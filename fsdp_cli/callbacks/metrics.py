@@ -32,6 +32,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from fsdp_cli.compat.lightning_internals import share_callback_metrics
 from fsdp_cli.rundir.files import METRICS_FILE
 from fsdp_cli.rundir.summary import dumps_strict
 
@@ -95,7 +96,7 @@ class MetricsCallback(L.Callback):
         if mean_loss is not None:
             row = self._row(trainer, step, mean_loss)
             self._write(trainer, row)
-            self._share(trainer, pl_module, row)
+            self._share(trainer, row)
 
     def _step_loss(self, trainer: L.Trainer, step: int, logged: bool) -> float | None:
         """The step's loss averaged over the ranks, on a logged step (None on the others)."""
@@ -140,18 +141,19 @@ class MetricsCallback(L.Callback):
             numbers = {k: v for k, v in row.items() if k != "step" and v is not None}
             trainer.logger.log_metrics(numbers, step=row["step"])
 
-    def _share(self, trainer: L.Trainer, pl_module: L.LightningModule, row: dict[str, Any]) -> None:
+    def _share(self, trainer: L.Trainer, row: dict[str, Any]) -> None:
         """The row's numbers into ``trainer.callback_metrics`` for callbacks that monitor them (not
         to the loggers again: :meth:`_write` sent them). A name the module logs itself is its own."""
         present = trainer.callback_metrics
+        shared: dict[str, torch.Tensor] = {}
         for key, value in row.items():
             if key == "step" or value is None or (key in present and key not in self._shared):
                 continue
             self._shared.add(key)
             # float64, as in metrics.jsonl: a monitored value (and a file name that shows it) is
             # exactly the row's; a plain float would become float32.
-            exact = torch.tensor(float(value), dtype=torch.float64)
-            pl_module.log(key, exact, on_step=True, on_epoch=False, logger=False, batch_size=1)
+            shared[key] = torch.tensor(float(value), dtype=torch.float64)
+        share_callback_metrics(trainer, shared)
 
     def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
         if self.tokens_per_step is not None:

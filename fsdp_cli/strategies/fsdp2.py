@@ -110,6 +110,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"
         self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
+        self._root_is_module = False  # decided once, when parallelized (read on every step)
         self._pending_optimizer_states: list[dict[str, Any]] | None = None
         self._sharded_modules: list[nn.Module] | None = None
 
@@ -178,6 +179,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         else:
             self.parallelize_report = parallelize(target, self.dims, self.options)
         self._parallelized = True
+        self._root_is_module = target is self.lightning_module
 
     def parallelize_target(self) -> nn.Module:
         """The module that is parallelized: the LightningModule's ``model`` attribute when it holds
@@ -299,7 +301,7 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         return super().validation_step(*args, **kwargs)
 
     def _root_is_the_module(self) -> bool:
-        return self._parallelized and self.parallelize_target() is self.lightning_module
+        return self._root_is_module
 
     def _as_root_forward(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``step`` as the forward of the LightningModule, when the module itself is the root

@@ -17,6 +17,13 @@ rank then writes ``<probe dir>/rank<R>.json``:
   (``gloo:all_reduce``, ``gloo:all_gather``; on GPUs ``nccl:_reduce_scatter_base``, ...) with the dtypes
   of its input tensors, the buffers actually reduced or gathered, whether Python or C++ (DDP's
   reducer) issued them;
+* ``step_work``: what the whole of one optimizer step issued (batch ``RECORDED_BATCH``, from its
+  ``on_train_batch_start`` to the next one's: forward, backward, optimizer, every callback, the
+  next batch's loading): the collectives the process groups ran (name -> count, from the flight
+  recorders), the host synchronisations (``aten._local_scalar_dense``: ``.item()``, ``float()``,
+  ``bool()`` of a tensor; a stall of the host behind the GPU there), every aten op dispatched, and
+  the Python function calls (``sys.setprofile``): the per-step work a framework adds over a
+  hand-written loop, counted rather than timed;
 * ``float8_linears``: how many of the live modules are torchao's Float8Linear;
 * ``dynamo``: torch._dynamo's counters after the first step and at the end (frames compiled,
   graphs, graph breaks), to show a compiled model compiles once.
@@ -33,6 +40,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PROBE_DIR_ENV = "FSDP_CLI_TEST_PROBE_DIR"
 RECORDED_BATCH = 2
@@ -150,6 +158,42 @@ def dynamo_counters() -> dict[str, Any]:
     }
 
 
+class StepWork(TorchDispatchMode):
+    """Counts what one stretch of a rank's main thread issues (see ``step_work`` above)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.host_syncs = self.python_calls = 0
+        self._before: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        self.host_syncs += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+    def _count_call(self, frame: Any, event: str, arg: Any) -> None:
+        self.python_calls += event == "call"
+
+    def start(self) -> None:
+        self._before = last_record_ids()
+        self.__enter__()
+        sys.setprofile(self._count_call)
+
+    def stop(self) -> dict[str, Any]:
+        sys.setprofile(None)
+        self.__exit__(None, None, None)
+        collectives: dict[str, int] = {}
+        for e in flight_recorder():
+            if e["record_id"] > self._before.get(e["recorder"], -1):
+                collectives[e["profiling_name"]] = collectives.get(e["profiling_name"], 0) + 1
+        return {
+            "collectives": dict(sorted(collectives.items())),
+            "host_syncs": self.host_syncs,
+            "ops": self.ops,
+            "python_calls": self.python_calls,
+        }
+
+
 class LiveProbe(L.Callback):
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -157,6 +201,7 @@ class LiveProbe(L.Callback):
         self._batch = -1
         self._before_backward: dict[str, int] | None = None
         self._hook: Any = None
+        self._step_work: StepWork | None = None
 
     # -- compute dtype: the head's forward, once
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -177,6 +222,12 @@ class LiveProbe(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
     ) -> None:
         self._batch = idx
+        if idx == RECORDED_BATCH + 1 and self._step_work is not None:
+            self.info["step_work"] = self._step_work.stop()
+            self._step_work = None
+        if idx == RECORDED_BATCH and "step_work" not in self.info:
+            self._step_work = StepWork()
+            self._step_work.start()
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
