@@ -111,7 +111,20 @@ CLI_CASES = [
     (
         ["checkpoint=full", "checkpoint.async_save=true"],
         "checkpoint.async_save=True",
-        ["checkpoint=full is one file", "hint"],
+        ["with checkpoint=full this run saves one file", "hint"],
+    ),
+    # model_parallel saves in the format its save_distributed_checkpoint says, whatever checkpoint=
+    # says: a background save there would have done nothing.
+    (
+        [
+            "strategy=model_parallel",
+            "model=custom",
+            "model._target_=tests.assets.model_parallel_module.FeedForwardLM",
+            "strategy.save_distributed_checkpoint=false",
+            "checkpoint.async_save=true",
+        ],
+        "checkpoint.async_save=True",
+        ["with strategy.save_distributed_checkpoint=false (strategy=model_parallel) this run saves one file"],
     ),
     (["launcher.hang_timeout_s=0"], "launcher.hang_timeout_s=0", ["must be positive", "null"]),
 ]

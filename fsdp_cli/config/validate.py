@@ -347,14 +347,22 @@ def check_optim(run: ResolvedRun) -> None:
 
 
 def check_async_save(run: ResolvedRun) -> None:
+    """Against the format this run really saves in (``strategy=model_parallel``'s
+    ``save_distributed_checkpoint`` decides it over ``checkpoint=``), not the group's."""
     cfg = run.cfg
-    if cfg.checkpoint.async_save and cfg.checkpoint.format is not CheckpointFormat.sharded:
+    if cfg.checkpoint.async_save and run.checkpoint_format is not CheckpointFormat.sharded:
+        decided_by = (
+            "checkpoint=full"
+            if cfg.checkpoint.format is not CheckpointFormat.sharded
+            else f"strategy.save_distributed_checkpoint=false (strategy={cfg.strategy.name})"
+        )
         raise ConfigError(
             "checkpoint.async_save",
             True,
-            f"background saves write sharded checkpoints; checkpoint={cfg.checkpoint.format.value} is one file",
-            allowed="checkpoint=sharded with async_save=true",
-            hint="use checkpoint=sharded (fsdp-ckpt convert makes a single file afterwards)",
+            f"background saves write sharded checkpoints; with {decided_by} this run saves one file",
+            allowed="a sharded checkpoint with async_save=true",
+            hint="use checkpoint=sharded and leave strategy.save_distributed_checkpoint unset "
+            "(fsdp-ckpt convert makes a single file afterwards), or checkpoint.async_save=false",
         )
 
 
