@@ -3,6 +3,7 @@
     python benchmarks/compare_loop.py                              # the whole matrix, 2 CPU processes
     python benchmarks/compare_loop.py --record docs/benchmark.md   # ... and write the table there
     python benchmarks/compare_loop.py --models builtin --sizes small --strategies fsdp2 --log-every 1
+    python benchmarks/compare_loop.py --quick                      # before stopping: 2 cells, ~2 minutes
 
 The matrix: the built-in Llama (``model=tiny`` resized) and a plain ``nn.Module`` from this folder
 (``benchmarks/gpt.py`` through ``model=custom``), at an overhead-bound size (dim 64, 2 blocks,
@@ -35,6 +36,7 @@ SIZES = {
     "small": {"dim": 64, "n_layers": 2, "seq": 128, "batch": 8, "steps": 200, "warmup": 20},
     "large": {"dim": 256, "n_layers": 4, "seq": 256, "batch": 8, "steps": 60, "warmup": 20},
 }
+QUICK_STEPS = 100  # --quick: 80 steps measured after the warm-up
 N_HEADS, N_KV_HEADS, VOCAB = 4, 2, 256
 MARK_BEGIN, MARK_END = "<!-- compare_loop:begin -->", "<!-- compare_loop:end -->"
 
@@ -194,6 +196,20 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def commit() -> str:
+    """The checkout's commit (with ``+changes`` when the work tree differs from it)."""
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return (
+        head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+        if head.returncode == 0
+        else "unknown"
+    )
+
+
 def record(path: Path, command: str, text: str, settings: str) -> None:
     """Replace the block between the markers in ``path`` with this run's table."""
     doc = path.read_text()
@@ -214,8 +230,23 @@ def main() -> None:
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmark_out"))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the overhead-bound FSDP2 cells only (both models, logging every step), 2 repeats of "
+        f"{QUICK_STEPS} steps: about two minutes, for a developer to run before stopping",
+    )
     parser.add_argument("--record", type=Path, default=None, help="write the table into this markdown file")
     args = parser.parse_args()
+    if args.quick:
+        args.models, args.sizes, args.strategies, args.log_every, args.repeats = (
+            "custom,builtin",
+            "small",
+            "fsdp2",
+            "1",
+            2,
+        )
+        SIZES["small"] = {**SIZES["small"], "steps": QUICK_STEPS}
     cells = [
         Cell(model, size, strategy, int(log))
         for model in args.models.split(",")
@@ -239,7 +270,12 @@ def main() -> None:
     print(text)
     if args.record is not None:
         precision = next(iter(pairs.values()))[0]["precision"]
-        settings = f"{args.devices} processes, {precision}, {args.repeats} interleaved repeats, {os.cpu_count()} cores"
+        settings = (
+            f"{args.devices} processes, {precision}, {args.repeats} interleaved repeats, {os.cpu_count()} cores, "
+            f"load average {min(p['load_avg'] for c in pairs.values() for p in c):.1f}-"
+            f"{max(p['load_avg'] for c in pairs.values() for p in c):.1f}; "
+            f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit()}"
+        )
         record(args.record, command, text, settings)
 
 
