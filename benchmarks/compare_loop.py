@@ -255,6 +255,7 @@ def main() -> None:
         for log in args.log_every.split(",")
     ]
     args.out.mkdir(parents=True, exist_ok=True)
+    measured = commit()  # the code measured is the checkout's at the start
     with tempfile.TemporaryDirectory() as tmp:
         pairs = measure(cells, args, Path(tmp))
     text = table(cells, pairs)
@@ -274,7 +275,7 @@ def main() -> None:
             f"{args.devices} processes, {precision}, {args.repeats} interleaved repeats, {os.cpu_count()} cores, "
             f"load average {min(p['load_avg'] for c in pairs.values() for p in c):.1f}-"
             f"{max(p['load_avg'] for c in pairs.values() for p in c):.1f}; "
-            f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit()}"
+            f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {measured}"
         )
         record(args.record, command, text, settings)
 
