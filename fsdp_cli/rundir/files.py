@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
@@ -37,3 +38,24 @@ def profiler_dir(run_dir: str | Path) -> Path:
 
 def heartbeat_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / HEARTBEAT_DIR
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never part of either: written to a temporary
+    name of this process (``<name>.<pid>.partial``), flushed to disk, renamed over ``path``, the
+    folder flushed too. The temporary file is removed if anything fails, an interrupt included."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
