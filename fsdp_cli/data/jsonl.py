@@ -22,7 +22,7 @@ from typing import Any
 
 from fsdp_cli.data.files import JSONL_SUFFIXES, check_enough_tokens, existing_files
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.rundir.files import write_atomically
+from fsdp_cli.rundir.files import check_writable_folder, write_atomically
 
 CACHE_DIR_NAME = ".fsdp_cli_tokens"
 CACHE_VERSION = 1
@@ -151,28 +151,10 @@ def cache_file(data: Any, key: str, spec: TokenizerSpec) -> Path:
     return folder / f"{files[0].stem}-{digest.hexdigest()[:16]}.{spec.dtype}.bin"
 
 
-def _cache_folder(folder: Path, setting: str | None) -> Path:
-    """``folder``, which the cache can be written in (created if missing); a :class:`ConfigError`
-    on ``data.cache_dir`` when it is a file or cannot be created."""
-    problem = None
-    if folder.exists() and not folder.is_dir():
-        problem = "is a file, not a folder"
-    else:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            problem = f"cannot be created ({err.strerror or err})"
-    if problem is None and not os.access(folder, os.W_OK | os.X_OK):
-        problem = "is not writable"
-    if problem is not None:
-        raise ConfigError(
-            "data.cache_dir",
-            setting if setting else str(folder),
-            f"{folder} {problem}" if not setting else problem,
-            hint="data.cache_dir=DIR (a folder this user can write; created if missing), or null for "
-            f"{CACHE_DIR_NAME} beside the data",
-        )
-    return folder
+def _cache_folder(folder: Path) -> None:
+    """A :class:`ConfigError` on ``data.cache_dir`` when the cache cannot be written in ``folder``."""
+    hint = f"data.cache_dir=DIR (a folder this user can write; created if missing), or null for {CACHE_DIR_NAME} beside the data"
+    check_writable_folder("data.cache_dir", folder, hint=hint)
 
 
 def cached_tokens(data: Any, key: str) -> tuple[Path, str]:
@@ -202,7 +184,7 @@ def prepare(data: Any, *, wait: bool = False) -> None:
         if key == "val_path" and data.val_path is None:
             continue
         out = cache_file(data, key, spec)
-        _cache_folder(out.parent, data.cache_dir)
+        _cache_folder(out.parent)
         if not out.is_file():
             if wait:
                 _wait_for(out)
@@ -222,6 +204,7 @@ def _tokenize(data: Any, key: str, spec: TokenizerSpec, out: Path) -> None:
     """Write the tokens under a name of this process (``<out>.<pid>.partial``), then its description
     and the rename: whatever stops it (a bad line, a full disk, Ctrl-C), nothing half-written stays."""
     files = existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     try:
         documents, tokens = _write_tokens(data, key, spec, files, partial)

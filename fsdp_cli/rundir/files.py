@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_cli.errors import ConfigError
+
 CONFIG_FILE = "config.yaml"
 """The fully resolved config every rank reads."""
 METRICS_FILE = "metrics.jsonl"
@@ -59,3 +61,24 @@ def write_atomically(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why a folder at ``path`` could not be created or written (a file there or above it, no
+    write permission where it would be created); None when it can. Creates nothing."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe.parent != probe:  # (exists() is False under a file too)
+        probe = probe.parent
+    if not probe.is_dir():
+        return "is a file, not a folder" if probe == Path(os.path.abspath(path)) else f"{probe} is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "is not writable" if probe == Path(os.path.abspath(path)) else f"{probe} is not writable"
+    return None
+
+
+def check_writable_folder(key: str, path: Path, hint: str) -> None:
+    """A :class:`ConfigError` on ``key`` when nothing can be written at ``path`` (see
+    :func:`folder_problem`): found before launch, not at the run's first save."""
+    problem = folder_problem(path)
+    if problem is not None:
+        raise ConfigError(key, str(path), f"nothing can be written there: {problem}", hint=hint)
