@@ -439,3 +439,19 @@ def test_a_save_whose_folder_cannot_be_made_fails_with_the_saves_one_line(tmp_pa
         f"checkpoint save of step 3 to {final} failed: rank 0: Not a directory [errno 20] "
         f"({target.partial}); the previous checkpoint is intact; free space or set checkpoint.dir elsewhere"
     )
+
+
+def test_a_save_whose_files_vanished_fails_with_the_saves_one_line(tmp_path: Path) -> None:
+    """The shards written, then the ``.partial`` folder removed under the save (what another run's
+    pruner used to do): one line naming the save, not a raw FileNotFoundError after training."""
+    from fsdp_cli.checkpoint.sharded_save import SaveTarget, finish
+
+    final = tmp_path / "step_00000005"
+    target = SaveTarget(final.with_name(final.name + ".partial"), final, 5, {}, {})
+    with pytest.raises(RunFailure) as err:
+        finish(["__0_0.distcp"], target)
+    assert str(err.value) == (
+        f"checkpoint save of step 5 to {final} failed: rank 0: No such file or directory [errno 2] "
+        f"({target.partial / '__0_0.distcp'}); the previous checkpoint is intact; free space or set "
+        "checkpoint.dir elsewhere"
+    )

@@ -104,12 +104,23 @@ def _make_folder(target: SaveTarget) -> None:
 
 
 def finish(written: list[str], target: SaveTarget) -> None:
-    """After every rank's shards are written: record them, rank 0 completes and renames."""
-    mine = file_records(target.partial, written)
-    everyone = _all_gather(mine, target.group)
+    """After every rank's shards are written: record them, rank 0 completes and renames. A rank
+    whose files are gone meanwhile (the folder removed under it) fails every rank with one line."""
+    try:
+        mine, problem = file_records(target.partial, written), None
+    except OSError as err:
+        mine, problem = {}, f"rank {_rank()}: {describe_error(err)}"
+    everyone = _all_gather((mine, problem), target.group)
+    problems = [p for _, p in everyone if p is not None]
+    if problems:
+        if target.is_rank0:
+            remove_path(target.partial)
+        raise RunFailure(
+            f"checkpoint save of step {target.step} to {target.final} failed: {problems[0]}; {KEPT}"
+        )
     error = None
     if target.is_rank0:
-        error = _complete(target, {name: rec for files in everyone for name, rec in files.items()})
+        error = _complete(target, {name: rec for files, _ in everyone for name, rec in files.items()})
     else:
         phases.reached("before_rename", target.step)
     error = _broadcast(error, target.group)
