@@ -1,4 +1,5 @@
-"""Every file and folder a run writes, by name, in one place."""
+"""Every file and folder a run writes, by name, in one place; how a file is replaced without a
+moment of half-written content, and whether a folder can be written at all (checked before launch)."""
 
 from __future__ import annotations
 
@@ -66,13 +67,14 @@ def write_atomically(path: Path, text: str) -> None:
 def folder_problem(path: Path) -> str | None:
     """Why a folder at ``path`` could not be created or written (a file there or above it, no
     write permission where it would be created); None when it can. Creates nothing."""
-    probe = Path(os.path.abspath(path))
+    target = probe = Path(os.path.abspath(path))
     while not probe.exists() and probe.parent != probe:  # (exists() is False under a file too)
-        probe = probe.parent
+        probe = probe.parent  # the folder it would be created in
+    where = "" if probe == target else f"{probe} "
     if not probe.is_dir():
-        return "is a file, not a folder" if probe == Path(os.path.abspath(path)) else f"{probe} is a file"
+        return f"{where}is a file" + (", not a folder" if probe == target else "")
     if not os.access(probe, os.W_OK | os.X_OK):
-        return "is not writable" if probe == Path(os.path.abspath(path)) else f"{probe} is not writable"
+        return f"{where}is not writable"
     return None
 
 
