@@ -323,6 +323,13 @@ def test_a_resumed_run_keeps_the_run_id_of_its_checkpoint(tmp_path: Path) -> Non
     assert resumed.run_id == "the-first-run"
     assert fresh.run_id and again.run_id and fresh.run_id != again.run_id != "the-first-run"
     assert checkpointing(run_of(fresh))["checkpoint_manifest"]["run_id"] == fresh.run_id
+    legacy = fake_sharded(tmp_path / "old", 2, None)  # saved before run ids
+    continued, notices = resolve_resume(composed(f"resume={legacy}"))
+    assert continued.run_id and continued.run_id != "the-first-run"
+    assert notices[-1] == (
+        f"note: {legacy} records no run id (saved before run ids): this run's saves get their own, "
+        "and retention leaves the older saves in checkpoint.dir for you to remove"
+    )
 
 
 MANIFESTS = {

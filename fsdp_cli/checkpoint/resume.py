@@ -61,7 +61,13 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     notices.append(f"note: resuming from {path}" + (f" (step {step})" if step is not None else ""))
     if isinstance(manifest, dict) and isinstance(manifest.get("config"), Mapping):
         notices.extend(compare(manifest["config"], to_container(cfg), path))
-    return _with_run_id(dataclasses.replace(cfg, resume=path), manifest), notices
+    resumed = _with_run_id(dataclasses.replace(cfg, resume=path), manifest)
+    if cfg.run_id is None and not _saved_run_id(manifest):
+        notices.append(
+            f"note: {path} records no run id (saved before run ids): this run's saves get their own, "
+            "and retention leaves the older saves in checkpoint.dir for you to remove"
+        )
+    return resumed, notices
 
 
 def _with_run_id(cfg: TrainConfig, manifest: Mapping[str, Any] | None) -> TrainConfig:
@@ -69,8 +75,12 @@ def _with_run_id(cfg: TrainConfig, manifest: Mapping[str, Any] | None) -> TrainC
     one, or one resuming a checkpoint without an id, gets a new id. One set already is kept."""
     if cfg.run_id is not None:
         return cfg
-    saved = manifest.get(RUN_ID_KEY) if manifest is not None else None
-    return dataclasses.replace(cfg, run_id=saved if isinstance(saved, str) and saved else new_run_id())
+    return dataclasses.replace(cfg, run_id=_saved_run_id(manifest) or new_run_id())
+
+
+def _saved_run_id(manifest: Any) -> str | None:
+    saved = manifest.get(RUN_ID_KEY) if isinstance(manifest, Mapping) else None
+    return saved if isinstance(saved, str) and saved else None
 
 
 def _checked(path: str, check: Any) -> Any:
