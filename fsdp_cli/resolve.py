@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.checkpoint.run import check_checkpoint_dir
 from fsdp_cli.config.callback_classes import check_callback_classes
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
@@ -30,6 +31,7 @@ from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
+from fsdp_cli.rundir.files import check_writable_folder
 
 PreLaunchCheck = Callable[[TrainConfig], None]
 
@@ -109,7 +111,7 @@ def resolve_config(
     overrides: Sequence[str] = (),
 ) -> TrainConfig:
     """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> validate ->
-    prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
+    check the output folders -> prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
     :data:`PRE_LAUNCH_CHECKS` (and for a sweep's job :data:`SWEEP_CHECKS`).
 
     Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
@@ -124,6 +126,7 @@ def resolve_config(
     typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
     typed = resolve_model_folder(typed)
     validate(typed)
+    check_output_folders(typed)
     prepare_data(typed)
     typed, resume_notices = resolve_resume(typed)
     for check in PRE_LAUNCH_CHECKS:
@@ -140,6 +143,15 @@ def resolve_config(
     for notice in [*advisories(typed), *resume_notices]:
         notify(notice)
     return typed
+
+
+def check_output_folders(cfg: TrainConfig) -> None:
+    """Where the run writes (its run dir, its checkpoints) can be written, before anything runs.
+    (Hydra creates the run dir before this; :mod:`fsdp_cli.cli.hydra_errors` answers when it cannot.)"""
+    check_writable_folder(
+        "hydra.run.dir", Path(cfg.run_dir), hint="hydra.run.dir=DIR (a folder this user can write)"
+    )
+    check_checkpoint_dir(cfg)
 
 
 def resolve_run(cfg: DictConfig, run_dir: Path, env: Mapping[str, str], **options: Any) -> ResolvedRun:

@@ -300,16 +300,19 @@ def test_retention_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None
     def make(name: str, age: int) -> None:
         (directory / name).mkdir()
         (directory / name / ".metadata").write_text("x")
+        if not name.endswith(".partial"):  # this run's saves (test_input_files: another run's)
+            (directory / name / "manifest.json").write_text(json.dumps({"step": 1, "run_id": "this-run"}))
         os.utime(directory / name, (time.time() - age, time.time() - age))
 
     make("step_00000002", 50)
-    make("step_00000001.partial", 60)  # an interrupted save, older than the newest complete one
+    make("step_00000001.partial", 60)  # an interrupted save of unknown owner: left alone
     make("step_00000004", 40)
     make("step_00000006", 30)
     make("step_00000008.partial", 0)  # a save still running: never counts, never deleted
-    callback = CheckpointCallback(CheckpointConfig(keep_last=2), directory, max_steps=10)
+    callback = CheckpointCallback(CheckpointConfig(keep_last=2), directory, max_steps=10, run_id="this-run")
     assert [p.name for p in callback.prune()] == ["step_00000002"]
     assert sorted(p.name for p in directory.iterdir()) == [
+        "step_00000001.partial",
         "step_00000004",
         "step_00000006",
         "step_00000008.partial",
@@ -317,7 +320,11 @@ def test_retention_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None
     # keep_last=0 is refused by validation; even so, the newest complete checkpoint is never deleted.
     callback.config = CheckpointConfig(keep_last=0)
     callback.prune()
-    assert sorted(p.name for p in directory.iterdir()) == ["step_00000006", "step_00000008.partial"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "step_00000001.partial",
+        "step_00000006",
+        "step_00000008.partial",
+    ]
 
 
 def test_replacing_a_checkpoint_leaves_no_moment_without_one(tmp_path: Path) -> None:

@@ -88,7 +88,8 @@ def fill_placeholders(override: str, tmp_path: Path) -> str:
         model = tmp_path / "model"
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text(json.dumps(LLAMA_1B_CONFIG))
-        (model / "model.safetensors").touch()
+        # A safetensors file with no tensors: the header the parent checks, no weights to read.
+        (model / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
         _save_tokenizer(model / "tokenizer.json")
         override = override.replace("MODEL_DIR", str(model))
     if "CORPUS" in override:

@@ -142,7 +142,9 @@ def build_callbacks(
         throughput=None if module_loaders else build_throughput(run, module),
         nonfinite=nonfinite,
     )
-    checkpoints = CheckpointCallback(cfg.checkpoint, checkpoint_dir(cfg), t.max_steps, run.checkpoint_format)
+    checkpoints = CheckpointCallback(
+        cfg.checkpoint, checkpoint_dir(cfg), t.max_steps, run.checkpoint_format, run_id=cfg.run_id
+    )
     checkpoints.before_save.append(nonfinite.check_before_save)
     return RunCallbacks(
         metrics=metrics,

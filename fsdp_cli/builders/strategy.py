@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 
 from fsdp_cli.builders.precision import fsdp2_mp_policy
+from fsdp_cli.checkpoint.run import RUN_ID_KEY
 from fsdp_cli.compat.torch_internals import ddp_buffer_sync
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import CheckpointFormat, LlamaConfig
@@ -27,7 +28,12 @@ def checkpointing(run: ResolvedRun) -> dict[str, Any]:
 
     return {
         "checkpoint_format": run.checkpoint_format.value,
-        "checkpoint_manifest": {"config": to_container(run.cfg), "dp": run.layout.dp, "tp": run.layout.tp},
+        "checkpoint_manifest": {
+            "config": to_container(run.cfg),
+            "dp": run.layout.dp,
+            "tp": run.layout.tp,
+            RUN_ID_KEY: run.cfg.run_id,  # whose saves retention may remove (CheckpointCallback.prune)
+        },
         "async_checkpointing": run.cfg.checkpoint.async_save,
     }
 

@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from fsdp_cli.compat.lightning_internals import share_callback_metrics
-from fsdp_cli.rundir.files import METRICS_FILE
+from fsdp_cli.rundir.files import METRICS_FILE, write_atomically
 from fsdp_cli.rundir.summary import dumps_strict
 
 
@@ -206,18 +206,47 @@ class MetricsCallback(L.Callback):
         return mean
 
     def _keep_rows_up_to(self, step: int) -> None:
-        """On resume, drop rows of steps after the checkpoint: they are about to be trained again."""
+        """On resume, drop rows of steps after the checkpoint: they are about to be trained again.
+        The file is replaced atomically (a crash meanwhile leaves the old one whole), and a row
+        that is not whole (a crash in the middle of writing it) is dropped with a note."""
         if not self.path.exists():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= step]  # validation rows too
-        if len(kept) != len(rows):
-            self.path.write_text("".join(line + "\n" for line in kept))
+        text = self.path.read_text(errors="replace")
+        kept, notes = rows_up_to(text, step)
+        for note in notes:
+            print(f"note: {self.path}: {note}", file=sys.stderr, flush=True)
+        new = "".join(line + "\n" for line in kept)
+        if new != text:
+            write_atomically(self.path, new)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def rows_up_to(text: str, step: int) -> tuple[list[str], list[str]]:
+    """The rows of a ``metrics.jsonl`` text at or before ``step`` (validation rows too), and a
+    note for each line dropped because it is not a whole row: the torn last line a crash leaves,
+    or a damaged one. Such lines never stop a resume."""
+    kept, notes = [], []
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row_step = row["step"]
+            if not isinstance(row_step, int):
+                raise TypeError(row_step)
+        except (ValueError, TypeError, KeyError):
+            torn = number == len(lines) and not text.endswith("\n")
+            what = "a torn last row (the run stopped while writing it)" if torn else "not a metrics row"
+            notes.append(f"line {number} is {what}; dropped: {line[:80]!r}")
+            continue
+        if row_step <= step:
+            kept.append(line)
+    return kept, notes
 
 
 def planned_steps(trainer: L.Trainer) -> int | None:

@@ -2,8 +2,10 @@
 
 * ``checkpoint.every_n_steps``: save after every N-th optimizer step (through the strategy, so
   in the configured format, atomically).
-* ``checkpoint.keep_last``: after each save, delete the oldest complete checkpoints beyond N; the
-  newest complete one is never deleted, and a save that did not finish never counts.
+* ``checkpoint.keep_last``: after each save, delete the oldest complete checkpoints of this run
+  beyond N (a save is this run's when its manifest carries the run's id, ``run_id``; a resumed run
+  keeps the id of the run it resumes); the newest complete one is never deleted, a save that did
+  not finish never counts, and another run's saves in the same folder are never touched.
 * SIGTERM (preemption), or SIGUSR1 (what Lightning's SLURM docs ask schedulers to send before a
   time limit, ``#SBATCH --signal=SIGUSR1@90``): the signal only sets a flag. Ranks agree on it
   without waiting, through a non-blocking exchange on a gloo group of its own, every step or,
@@ -29,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cli.callbacks.metrics import planned_steps
-from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, remove_path
-from fsdp_cli.checkpoint.run import checkpoint_name, complete_checkpoints
+from fsdp_cli.checkpoint.format import remove_path
+from fsdp_cli.checkpoint.run import checkpoint_name, own_checkpoints, own_leftovers
 from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
 from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
 from fsdp_cli.config.schema import CheckpointConfig, CheckpointFormat
@@ -46,9 +48,12 @@ class CheckpointCallback(L.Callback):
         directory: Path,
         max_steps: int,
         checkpoint_format: CheckpointFormat | None = None,
+        run_id: str | None = None,
     ) -> None:
         """``checkpoint_format``: the format the strategy writes (the run's resolved one);
-        None = ``config.format``."""
+        None = ``config.format``. ``run_id``: the id this run's manifests carry; retention
+        removes only saves with it (None: nothing is removed)."""
+        self.run_id = run_id
         self.config = config
         self.format = checkpoint_format or config.format
         self.directory = Path(directory)
@@ -136,16 +141,18 @@ class CheckpointCallback(L.Callback):
             self.prune()
 
     def prune(self) -> list[Path]:
-        """Delete complete checkpoints beyond ``keep_last`` (oldest first) and leftovers of
-        interrupted saves older than the newest complete checkpoint."""
-        complete = complete_checkpoints(self.directory)
+        """Delete this run's complete checkpoints beyond ``keep_last`` (oldest first) and this
+        run's leftovers of interrupted saves older than its newest checkpoint. A save belongs to
+        the run whose id its manifest carries: another run sharing the folder keeps all of its
+        own, finished or being written."""
+        own = own_checkpoints(self.directory, self.run_id)
         removed = []
-        for _, path in complete[: max(0, len(complete) - max(1, self.config.keep_last))]:
+        for _, path in own[: max(0, len(own) - max(1, self.config.keep_last))]:
             remove_path(path)
             removed.append(path)
-        if complete:
-            newest = complete[-1][1].stat().st_mtime
-            for leftover in self.directory.glob(f"*{PARTIAL_SUFFIX}"):
+        if own:
+            newest = own[-1][1].stat().st_mtime
+            for leftover in own_leftovers(self.directory, self.run_id, own):
                 if leftover.stat().st_mtime < newest:
                     remove_path(leftover)
         return removed

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError, read_manifest
-from fsdp_cli.checkpoint.run import checkpoint_dir, newest_verified
+from fsdp_cli.checkpoint.run import RUN_ID_KEY, checkpoint_dir, new_run_id, newest_verified
 from fsdp_cli.checkpoint.verify import verify_checkpoint
 from fsdp_cli.config.convert import to_container
 from fsdp_cli.config.schema import TrainConfig
@@ -35,19 +35,20 @@ SHAPE_KEYS = (
     "model.tie_embeddings",
 )
 # Keys that differ between any two runs and say nothing about compatibility.
-IGNORED = ("run_dir", "resume", "checkpoint.dir", "launcher.", "sweep.", "explicit_data")
+IGNORED = ("run_dir", "run_id", "resume", "checkpoint.dir", "launcher.", "sweep.", "explicit_data")
 
 
 def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
-    """The config with ``resume`` made concrete (a path or None), and notices for the user."""
+    """The config with ``resume`` made concrete (a path or None) and its ``run_id`` set (the
+    resumed checkpoint's, else a new one), and notices for the user."""
     if cfg.resume is None:
-        return cfg, []
+        return _with_run_id(cfg, None), []
     notices: list[str] = []
     if cfg.resume == "auto":
         found, notices = newest_verified(checkpoint_dir(cfg))
         if found is None:
             what = "no intact checkpoint" if notices else "no checkpoint"
-            return dataclasses.replace(cfg, resume=None), [
+            return _with_run_id(dataclasses.replace(cfg, resume=None), None), [
                 *notices,
                 f"note: resume=auto: {what} in {checkpoint_dir(cfg)}; starting fresh",
             ]
@@ -56,10 +57,30 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
         path = str(cfg.resume)
         _checked(path, verify_checkpoint)
     manifest = _checked(path, read_manifest)
-    notices.append(f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else ""))
-    if manifest and "config" in manifest:
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    notices.append(f"note: resuming from {path}" + (f" (step {step})" if step is not None else ""))
+    if isinstance(manifest, dict) and isinstance(manifest.get("config"), Mapping):
         notices.extend(compare(manifest["config"], to_container(cfg), path))
-    return dataclasses.replace(cfg, resume=path), notices
+    resumed = _with_run_id(dataclasses.replace(cfg, resume=path), manifest)
+    if cfg.run_id is None and not _saved_run_id(manifest):
+        notices.append(
+            f"note: {path} records no run id (saved before run ids): this run's saves get their own, "
+            "and retention leaves the older saves in checkpoint.dir for you to remove"
+        )
+    return resumed, notices
+
+
+def _with_run_id(cfg: TrainConfig, manifest: Mapping[str, Any] | None) -> TrainConfig:
+    """A resumed run continues the run it resumes (its saves are this run's to prune); a fresh
+    one, or one resuming a checkpoint without an id, gets a new id. One set already is kept."""
+    if cfg.run_id is not None:
+        return cfg
+    return dataclasses.replace(cfg, run_id=_saved_run_id(manifest) or new_run_id())
+
+
+def _saved_run_id(manifest: Any) -> str | None:
+    saved = manifest.get(RUN_ID_KEY) if isinstance(manifest, Mapping) else None
+    return saved if isinstance(saved, str) and saved else None
 
 
 def _checked(path: str, check: Any) -> Any:

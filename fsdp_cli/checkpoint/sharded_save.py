@@ -77,7 +77,7 @@ class SaveTarget:
 def save_sharded(tensors: dict[str, Any], target: SaveTarget) -> None:
     """Write ``tensors`` with DCP and make the checkpoint visible; every rank calls it."""
     writer = CheckpointWriter(target.partial, target.step)
-    target.partial.mkdir(parents=True, exist_ok=True)
+    _make_folder(target)
     try:
         import torch.distributed.checkpoint as dcp
 
@@ -87,13 +87,40 @@ def save_sharded(tensors: dict[str, Any], target: SaveTarget) -> None:
     finish(writer.written, target)
 
 
+def _make_folder(target: SaveTarget) -> None:
+    """Every rank creates the ``.partial`` folder; if any cannot (the folder turned into a file,
+    lost its permissions, vanished with its mount), all fail together with the save's one line
+    instead of a raw OSError on some ranks and a wait in DCP's collectives on the others."""
+    try:
+        target.partial.mkdir(parents=True, exist_ok=True)
+        mine = None
+    except OSError as err:
+        mine = f"rank {_rank()}: {describe_error(err)}"
+    problems = [p for p in _all_gather(mine, target.group) if p is not None]
+    if problems:
+        raise RunFailure(
+            f"checkpoint save of step {target.step} to {target.final} failed: {problems[0]}; {KEPT}"
+        )
+
+
 def finish(written: list[str], target: SaveTarget) -> None:
-    """After every rank's shards are written: record them, rank 0 completes and renames."""
-    mine = file_records(target.partial, written)
-    everyone = _all_gather(mine, target.group)
+    """After every rank's shards are written: record them, rank 0 completes and renames. A rank
+    whose files are gone meanwhile (the folder removed under it) fails every rank with one line."""
+    try:
+        mine, problem = file_records(target.partial, written), None
+    except OSError as err:
+        mine, problem = {}, f"rank {_rank()}: {describe_error(err)}"
+    everyone = _all_gather((mine, problem), target.group)
+    problems = [p for _, p in everyone if p is not None]
+    if problems:
+        if target.is_rank0:
+            remove_path(target.partial)
+        raise RunFailure(
+            f"checkpoint save of step {target.step} to {target.final} failed: {problems[0]}; {KEPT}"
+        )
     error = None
     if target.is_rank0:
-        error = _complete(target, {name: rec for files in everyone for name, rec in files.items()})
+        error = _complete(target, {name: rec for files, _ in everyone for name, rec in files.items()})
     else:
         phases.reached("before_rename", target.step)
     error = _broadcast(error, target.group)
@@ -184,6 +211,7 @@ class AsyncSaves:
         self.wait()
         target.group = self._save_group()
         writer = CheckpointWriter(target.partial, target.step)
+        _make_folder(target)
         # Copies the state to CPU memory before returning; the writing runs in DCP's thread.
         upload = dcp.async_save(tensors, storage_writer=writer, process_group=target.group)
         if self._executor is None:

@@ -52,6 +52,7 @@ def _verify_sharded(path: Path, deep: bool) -> Verified:
         return _verify_sharded_without_sizes(path, manifest)
     total = 0
     for name, record in sorted(files.items()):
+        _check_record(path, name, record)
         file = path / name
         if not file.is_file():
             raise CheckpointFormatError(f"{path}: {name} is missing (the manifest lists it)")
@@ -66,6 +67,28 @@ def _verify_sharded(path: Path, deep: bool) -> Verified:
     return Verified(path, "sharded", manifest.get("step"), len(files), total, deep)
 
 
+def _check_record(path: Path, name: str, record: Any) -> None:
+    """A manifest's file record: a plain name inside the checkpoint, with an integer size and a
+    checksum; anything else is a damaged (or foreign) manifest, one line naming the entry."""
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointFormatError(f"{path}: {MANIFEST_FILE} lists {name!r}, outside the checkpoint")
+    size = record.get("size") if isinstance(record, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or not isinstance(record.get("crc32"), str):
+        raise CheckpointFormatError(
+            f"{path}: {MANIFEST_FILE} has a malformed record for {name} ({record!r}; expected size and crc32)"
+        )
+
+
+def check_step(path: Path, manifest: dict[str, Any]) -> None:
+    """Every manifest fsdp-train writes records the step it was saved at; resume needs it."""
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointFormatError(
+            f"{path}: {MANIFEST_FILE} records no step ({'missing' if step is None else repr(step)}); "
+            "not written by fsdp-train, or edited"
+        )
+
+
 def _manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST_FILE
     if not file.is_file():
@@ -78,6 +101,7 @@ def _manifest(path: Path) -> dict[str, Any]:
         raise CheckpointFormatError(f"{path}: {MANIFEST_FILE} is unreadable ({err})") from None
     if not isinstance(manifest, dict):
         raise CheckpointFormatError(f"{path}: {MANIFEST_FILE} is not a JSON object")
+    check_step(path, manifest)
     return manifest
 
 

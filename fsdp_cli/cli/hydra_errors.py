@@ -76,6 +76,11 @@ def _one_line_reporter(
         except CONFIG_ERRORS as err:
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CONFIG_ERROR)
+        except OSError as err:
+            if _output_folder_error(err):  # before any job: Hydra creating or writing the run dir
+                print(f"{prog}: error: {output_folder_line(err)}", file=sys.stderr, flush=True)
+                sys.exit(EXIT_CONFIG_ERROR)
+            return original(func_raising(err))
         except ValueError as err:
             if _raised_by_hydra(err):  # e.g. "Config group override must be a string"
                 print(f"{prog}: error: {err}; hint: {HINT}", file=sys.stderr, flush=True)
@@ -85,6 +90,27 @@ def _one_line_reporter(
             return original(func_raising(sys.exc_info()[1]))
 
     return run_and_report
+
+
+def _output_folder_error(err: OSError) -> bool:
+    """Raised while Hydra's ``run_job`` creates the job's output folder or writes ``.hydra/`` in it."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "hydra.core.utils" and tb.tb_frame.f_code.co_name in (
+            "run_job",
+            "_save_config",
+        ):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def output_folder_line(err: OSError) -> str:
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in sys.argv[1:]) else "hydra.run.dir"
+    return (
+        f"{key}={err.filename}: nothing can be written there: {err.strerror or err}; "
+        f"hint: {key}=DIR (a folder this user can create and write)"
+    )
 
 
 def _raised_by_hydra(err: BaseException) -> bool:

@@ -1,8 +1,10 @@
 """What ``model.path`` names for ``model=hf``: a Hugging Face model folder, checked without torch.
 
-The parent reads ``config.json`` (:mod:`fsdp_cli.models.folder`) (sizes the cross-field checks need, and the vocabulary that
-``data.vocab_size`` defaults to) and lists the safetensors files, so a missing folder, missing
-weights or a size that does not split over ``tp`` is one line before any rank starts. Importing
+The parent reads ``config.json`` (:mod:`fsdp_cli.models.folder`) (its ``model_type``, the sizes
+the cross-field checks need, and the vocabulary that ``data.vocab_size`` defaults to), the index
+and the safetensors headers (never the weights), so a missing folder, a truncated or foreign
+weights file, a model transformers cannot build as a causal LM or a size that does not split over
+``tp`` is one line before any rank starts. Importing
 transformers would import torch, so it is only checked to be installed here.
 """
 
@@ -14,7 +16,13 @@ from typing import TYPE_CHECKING
 
 from fsdp_cli.config.schema import HFModelConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.models.folder import ModelFolder, read_model_folder, weight_files
+from fsdp_cli.models.folder import (
+    ModelFolder,
+    check_model_type,
+    check_weight_headers,
+    read_model_folder,
+    weight_files,
+)
 
 if TYPE_CHECKING:  # (type-only: validation hands the check the resolved run)
     from fsdp_cli.config.resolved import ResolvedRun
@@ -39,8 +47,9 @@ def check_hf_model(run: ResolvedRun) -> None:
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError("model", "hf", "needs the transformers package", hint=INSTALL_HINT)
     folder = read_model_folder(model.path)
+    check_model_type(folder)
     if model.pretrained:
-        weight_files(folder.path)
+        check_weight_headers(weight_files(folder.path))
     vocab, ids = folder.vocab_size, getattr(cfg.data, "vocab_size", None)
     if isinstance(vocab, int) and isinstance(ids, int) and ids > vocab:
         raise ConfigError(

@@ -619,6 +619,10 @@ class TrainConfig:
     """Set by the entry point: true when the command line chose the ``data`` group or a ``data.*``
     key. A LightningModule with its own ``train_dataloader`` then refuses those settings instead
     of ignoring the data group with a notice."""
+    run_id: str | None = None
+    """Set by the entry point: who this run's checkpoints belong to (recorded in each manifest; the
+    pruner removes only saves that carry it). A resumed run keeps the id of the checkpoint it
+    resumes, so it prunes that run's older saves; another run sharing ``checkpoint.dir`` has its own."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Lightning callbacks added beside fsdp-train's own, on every rank: ``NAME: {_target_:
     dotted.Class, ARG: VALUE, ...}`` (``+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor``);

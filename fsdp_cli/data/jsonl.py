@@ -22,6 +22,7 @@ from typing import Any
 
 from fsdp_cli.data.files import JSONL_SUFFIXES, check_enough_tokens, existing_files
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.rundir.files import check_writable_folder, write_atomically
 
 CACHE_DIR_NAME = ".fsdp_cli_tokens"
 CACHE_VERSION = 1
@@ -99,12 +100,30 @@ def _eot_name(folder: Path, tokenizer: Any) -> str | None:
     """``eos_token`` of a ``tokenizer_config.json`` beside the tokenizer, else a well-known name it has."""
     config = folder / "tokenizer_config.json"
     if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token")
+        eos = _tokenizer_config(config).get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str):
             return eos
     return next((n for n in EOT_CANDIDATES if tokenizer.token_to_id(n) is not None), None)
+
+
+def _tokenizer_config(file: Path) -> dict[str, Any]:
+    """A ``tokenizer_config.json``; a :class:`ConfigError` naming it when it is not a JSON object."""
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        problem = f"is not JSON ({err})"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = "is not a JSON object"
+    raise ConfigError(
+        "data.tokenizer",
+        str(file),
+        f"{file.name} {problem}",
+        hint="fix or remove the file, or name the end-of-text token: data.eot_token='<|endoftext|>'",
+    )
 
 
 def _encoder(spec: TokenizerSpec) -> Encoder:
@@ -130,6 +149,12 @@ def cache_file(data: Any, key: str, spec: TokenizerSpec) -> Path:
     digest.update(spec.file.read_bytes() if spec.file is not None else b"bytes")
     folder = Path(data.cache_dir) if data.cache_dir else files[0].resolve().parent / CACHE_DIR_NAME
     return folder / f"{files[0].stem}-{digest.hexdigest()[:16]}.{spec.dtype}.bin"
+
+
+def _cache_folder(folder: Path) -> None:
+    """A :class:`ConfigError` on ``data.cache_dir`` when the cache cannot be written in ``folder``."""
+    hint = f"data.cache_dir=DIR (a folder this user can write; created if missing), or null for {CACHE_DIR_NAME} beside the data"
+    check_writable_folder("data.cache_dir", folder, hint=hint)
 
 
 def cached_tokens(data: Any, key: str) -> tuple[Path, str]:
@@ -159,6 +184,7 @@ def prepare(data: Any, *, wait: bool = False) -> None:
         if key == "val_path" and data.val_path is None:
             continue
         out = cache_file(data, key, spec)
+        _cache_folder(out.parent)
         if not out.is_file():
             if wait:
                 _wait_for(out)
@@ -175,12 +201,42 @@ def _wait_for(path: Path) -> None:
 
 
 def _tokenize(data: Any, key: str, spec: TokenizerSpec, out: Path) -> None:
-    import numpy as np
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
+    """Write the tokens under a name of this process (``<out>.<pid>.partial``), then its description
+    and the rename: whatever stops it (a bad line, a full disk, Ctrl-C), nothing half-written stays."""
     files = existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    try:
+        documents, tokens = _write_tokens(data, key, spec, files, partial)
+        description = {
+            "source": [str(f.resolve()) for f in files],
+            "field": data.field,
+            "tokenizer": str(spec.file) if spec.file else None,
+            "eot_id": spec.eot_id,
+            "dtype": spec.dtype,
+            "documents": documents,
+            "tokens": tokens,
+        }
+        write_atomically(out.with_suffix(".json"), json.dumps(description, indent=2) + "\n")
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    print(
+        f"fsdp-train: tokenized {documents:,} documents into {tokens:,} tokens: {out} "
+        f"(reused while the input is unchanged; data=tokens data.path={out} data.dtype={spec.dtype} reads it directly)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _write_tokens(
+    data: Any, key: str, spec: TokenizerSpec, files: list[Path], partial: Path
+) -> tuple[int, int]:
+    """Tokenize ``files`` into ``partial`` (flushed to disk); (documents, tokens) written."""
+    import numpy as np
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
     encode = _encoder(spec)
     total_bytes = sum(f.stat().st_size for f in files)
     columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
@@ -198,23 +254,7 @@ def _tokenize(data: Any, key: str, spec: TokenizerSpec, out: Path) -> None:
             progress.advance(task, nbytes)
         sink.flush()
         os.fsync(sink.fileno())
-    os.replace(partial, out)
-    description = {
-        "source": [str(f.resolve()) for f in files],
-        "field": data.field,
-        "tokenizer": str(spec.file) if spec.file else None,
-        "eot_id": spec.eot_id,
-        "dtype": spec.dtype,
-        "documents": documents,
-        "tokens": tokens,
-    }
-    out.with_suffix(".json").write_text(json.dumps(description, indent=2) + "\n")
-    print(
-        f"fsdp-train: tokenized {documents:,} documents into {tokens:,} tokens: {out} "
-        f"(reused while the input is unchanged; data=tokens data.path={out} data.dtype={spec.dtype} reads it directly)",
-        file=sys.stderr,
-        flush=True,
-    )
+    return documents, tokens
 
 
 def _batches(files: list[Path], field: str, key: str) -> Iterator[tuple[list[str], int]]:
@@ -236,7 +276,16 @@ def _batches(files: list[Path], field: str, key: str) -> Iterator[tuple[list[str
 
 def _document(line: bytes, file: Path, number: int, field: str, key: str) -> str:
     try:
-        record = json.loads(line)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            key,
+            f"{file}:{number}",
+            f"not UTF-8 text (byte 0x{line[err.start]:02x} at byte {err.start + 1} of the line)",
+            hint="convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE)",
+        ) from None
+    try:
+        record = json.loads(text)
     except ValueError:
         raise ConfigError(
             key, f"{file}:{number}", "not a JSON line", hint="one JSON object per line"

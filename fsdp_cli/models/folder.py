@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.compat import installed_version
+from fsdp_cli.compat.transformers_names import ModelTypes, model_type_tables
 from fsdp_cli.errors import ConfigError
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -34,8 +36,10 @@ class ModelFolder:
     config: dict[str, Any]
 
     def get(self, name: str) -> Any:
+        text = self.config.get("text_config")
+        text = text if isinstance(text, dict) else {}
         for key in _ALIASES.get(name, (name,)):
-            value = self.config.get(key, self.config.get("text_config", {}).get(key))
+            value = self.config.get(key, text.get(key))
             if value is not None:
                 return value
         return None
@@ -78,17 +82,19 @@ def read_model_folder(path: str | None) -> ModelFolder:
         )
     try:
         config = json.loads(file.read_text())
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         raise ConfigError("model.path", path, f"config.json is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError("model.path", path, "config.json is not a JSON object")
     return ModelFolder(folder, config)
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a model folder in index order; a :class:`ConfigError` if there are none."""
+    """The safetensors files of a model folder in index order; a :class:`ConfigError` if there are
+    none, or the index is not one (not JSON, no ``weight_map``, a file outside the folder)."""
     index = folder / SAFE_INDEX
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        files = [folder / name for name in dict.fromkeys(_weight_map(folder).values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConfigError(
@@ -104,3 +110,134 @@ def weight_files(folder: Path) -> list[Path]:
         f"no {SAFE_WEIGHTS} or {SAFE_INDEX}" + (f" (only {pickles[0]})" if pickles else ""),
         hint="save the model with save_pretrained(..., safe_serialization=True), or model.pretrained=false for fresh weights",
     )
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """The index's tensor name -> file map, each file a plain name inside ``folder``."""
+    try:
+        index = json.loads((folder / SAFE_INDEX).read_text())
+    except (OSError, ValueError) as err:
+        raise _bad_file(folder, SAFE_INDEX, f"is not JSON ({err})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise _bad_file(folder, SAFE_INDEX, "has no weight_map (tensor name -> file name)")
+    for name in dict.fromkeys(weight_map.values()):
+        if not _inside(folder, name):
+            raise ConfigError(
+                "model.path",
+                str(folder),
+                f"{SAFE_INDEX} names {name!r}, outside the model folder",
+                hint="an index names its files by plain names, beside it in the folder",
+            )
+    return weight_map
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """``name`` is a relative path that stays inside ``folder`` (links resolved)."""
+    if not name or Path(name).is_absolute():
+        return False
+    return (folder / name).resolve().is_relative_to(folder.resolve())
+
+
+def _bad_file(folder: Path, name: str, problem: str) -> ConfigError:
+    return ConfigError(
+        "model.path",
+        str(folder),
+        f"{name} {problem}",
+        hint="write the folder again with save_pretrained (a copy may have been cut short)",
+    )
+
+
+# --------------------------------------------------------------------------- safetensors headers
+
+HEADER_LIMIT = 100_000_000
+"""The largest header the safetensors library reads (its own limit)."""
+
+
+def check_weight_headers(files: list[Path]) -> None:
+    """Every safetensors file's header parses and describes exactly the bytes the file holds: a
+    truncated copy, or a file that is not safetensors at all, is one line naming it. Reads the
+    headers only (a few kB per file), whatever the size of the weights."""
+    for file in files:
+        _check_header(file)
+
+
+def _check_header(file: Path) -> None:
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        prefix = fh.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if length < 2 or length > min(HEADER_LIMIT, size - 8):
+            what = f"{size} bytes" if length < 0 else f"a header of {length} bytes in a file of {size}"
+            raise _bad_file(file.parent, file.name, f"is not a safetensors file, or a truncated one ({what})")
+        header = fh.read(length)
+    try:
+        entries = json.loads(header)
+    except ValueError:
+        raise _bad_file(
+            file.parent, file.name, "is not a safetensors file (its header is not JSON)"
+        ) from None
+    end = _data_end(file, entries)
+    if size != 8 + length + end:
+        raise _bad_file(
+            file.parent,
+            file.name,
+            f"holds {size} bytes, its safetensors header describes {8 + length + end} (truncated or damaged)",
+        )
+
+
+def _data_end(file: Path, entries: Any) -> int:
+    """Where the last tensor's bytes end (relative to the data), from the header's offsets."""
+    if not isinstance(entries, dict):
+        raise _bad_file(file.parent, file.name, "is not a safetensors file (its header is not a JSON object)")
+    end = 0
+    for name, entry in entries.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise _bad_file(file.parent, file.name, f"has a malformed header entry for tensor {name!r}")
+        end = max(end, offsets[1])
+    return end
+
+
+# --------------------------------------------------------------------------- model type
+
+
+def check_model_type(folder: ModelFolder) -> None:
+    """``config.json``'s ``model_type`` is one the installed transformers knows and can build as
+    a causal LM (``AutoModelForCausalLM``): read from transformers' tables without importing it
+    (:mod:`fsdp_cli.compat.transformers_names`); unchecked when those cannot be read."""
+    tables = model_type_tables()
+    if tables is None:
+        return
+    kind = folder.config.get("model_type")
+    where = f"config.json's model_type {kind!r}" if kind else "config.json (no model_type)"
+    if kind not in tables.known:
+        raise ConfigError(
+            "model.path",
+            str(folder.path),
+            f"{where} is not a model type transformers {installed_version('transformers')} knows",
+            hint="a newer transformers may know it (pip install -U transformers); models that need "
+            "trust_remote_code are not supported",
+        )
+    if kind not in tables.causal_lm:
+        raise ConfigError(
+            "model.path",
+            str(folder.path),
+            f"{where} is not a causal language model (transformers has no AutoModelForCausalLM for it); "
+            "model=hf trains causal LMs only",
+            hint=_not_causal_hint(folder, tables),
+        )
+
+
+def _not_causal_hint(folder: ModelFolder, tables: ModelTypes) -> str:
+    text = folder.config.get("text_config")
+    inner = text.get("model_type") if isinstance(text, dict) else None
+    if inner in tables.causal_lm:
+        return (
+            f"its text_config is a {inner!r} causal LM: save that part alone (e.g. "
+            "model.language_model.save_pretrained(DIR)) and set model.path=DIR, "
+            "or train the whole model as model=custom model._target_=YOUR_MODULE (docs/your_model_your_data.md)"
+        )
+    return "train it as model=custom model._target_=YOUR_MODULE (a LightningModule; docs/your_model_your_data.md)"

@@ -1,8 +1,12 @@
-"""Every file and folder a run writes, by name, in one place."""
+"""Every file and folder a run writes, by name, in one place; how a file is replaced without a
+moment of half-written content, and whether a folder can be written at all (checked before launch)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from fsdp_cli.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
 """The fully resolved config every rank reads."""
@@ -37,3 +41,46 @@ def profiler_dir(run_dir: str | Path) -> Path:
 
 def heartbeat_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / HEARTBEAT_DIR
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never part of either: written to a temporary
+    name of this process (``<name>.<pid>.partial``), flushed to disk, renamed over ``path``, the
+    folder flushed too. The temporary file is removed if anything fails, an interrupt included."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why a folder at ``path`` could not be created or written (a file there or above it, no
+    write permission where it would be created); None when it can. Creates nothing."""
+    target = probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe.parent != probe:  # (exists() is False under a file too)
+        probe = probe.parent  # the folder it would be created in
+    where = "" if probe == target else f"{probe} "
+    if not probe.is_dir():
+        return f"{where}is a file" + (", not a folder" if probe == target else "")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{where}is not writable"
+    return None
+
+
+def check_writable_folder(key: str, path: Path, hint: str) -> None:
+    """A :class:`ConfigError` on ``key`` when nothing can be written at ``path`` (see
+    :func:`folder_problem`): found before launch, not at the run's first save."""
+    problem = folder_problem(path)
+    if problem is not None:
+        raise ConfigError(key, str(path), f"nothing can be written there: {problem}", hint=hint)
