@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,24 +55,31 @@ def check_complete(path: Path) -> str:
     """The format, after checking that nothing is missing; :class:`CheckpointFormatError` otherwise."""
     fmt = checkpoint_format(path)
     if fmt == "sharded":
-        from torch.distributed.checkpoint import FileSystemReader
-
-        metadata = FileSystemReader(str(path)).read_metadata()
-        files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-        missing = [name for name in files if not (path / name).is_file()]
-        if missing:
-            raise CheckpointFormatError(
-                f"{path}: missing shard file(s) {', '.join(missing)} listed in .metadata"
-            )
-        if not (path / META_FILE).is_file():
-            raise CheckpointFormatError(f"{path}: no {META_FILE}; not a checkpoint written by fsdp-train")
+        sharded_metadata(path)
     return fmt
+
+
+def sharded_metadata(path: Path) -> Any:
+    """A sharded checkpoint's DCP metadata (read through the allowlist), after checking that every
+    file it lists and ``meta.pt`` are there."""
+    from fsdp_cli.checkpoint.untrusted import read_metadata
+
+    metadata = read_metadata(path)
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise CheckpointFormatError(f"{path}: missing shard file(s) {', '.join(missing)} listed in .metadata")
+    if not (path / META_FILE).is_file():
+        raise CheckpointFormatError(f"{path}: no {META_FILE}; not a checkpoint written by fsdp-train")
+    return metadata
 
 
 def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
     """Read a full or sharded checkpoint into memory (``weights_only_model``: skip optimizer state)."""
+    from fsdp_cli.checkpoint.untrusted import torch_load
+
     path = Path(path)
-    if check_complete(path) == "full":
+    if checkpoint_format(path) == "full":
         data = load_full(path)
         if not isinstance(data, dict) or "state_dict" not in data:
             raise CheckpointFormatError(
@@ -91,33 +97,55 @@ def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
         if isinstance(optim_tree, dict)
         else list(optim_tree)
     )
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    meta = torch_load(path / META_FILE, map_location="cpu")
     manifest = _read_json(path / MANIFEST_FILE)
     return Checkpoint(tensors.get("state_dict", {}), optim, meta, manifest)
 
 
 def _load_dcp(path: Path, *, only_model: bool) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    """The entries a conversion needs (all, or the model's tensors), read straight from the shard
+    files into memory through the allowlist: nothing is copied to a temporary folder."""
+    from fsdp_cli.checkpoint.untrusted import read_entries, unflatten
+
+    metadata = sharded_metadata(path)
+    keys = [k for k in metadata.state_dict_metadata if not only_model or k.startswith("state_dict.")]
+    return unflatten(read_entries(path, metadata, keys), metadata)
+
+
+@dataclasses.dataclass
+class Summary:
+    """What ``fsdp-ckpt inspect`` shows of a checkpoint, read without reading its tensors."""
+
+    format: str
+    shapes: list[tuple[Any, torch.dtype]]
+    """Shape and dtype of each model tensor."""
+    optimizer_state: bool
+    meta: dict[str, Any]
+    manifest: dict[str, Any] | None
+
+
+def summarize(path: Path) -> Summary:
+    """A sharded checkpoint's :class:`Summary` from its DCP metadata, ``meta.pt`` and manifest; a
+    full one's from the memory-mapped file (no tensor's data is read either way)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if not only_model:
-        # torch's public converter rebuilds every entry (tensors and pickled values such as the
-        # optimizer's param_groups) from .metadata; it writes one torch file, read back mapped.
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from fsdp_cli.checkpoint.untrusted import torch_load
 
-        with tempfile.TemporaryDirectory(prefix="fsdp-ckpt-") as tmp:
-            whole = Path(tmp) / "whole.pt"
-            dcp_to_torch_save(path, whole)
-            return torch.load(whole, map_location="cpu", mmap=True, weights_only=True)
-    # Allocate only the model's tensors (no optimizer state) and let DCP fill them in.
-    metadata = FileSystemReader(str(path)).read_metadata()
-    model: dict[str, torch.Tensor] = {}
-    for key, info in metadata.state_dict_metadata.items():
-        if key.startswith("state_dict.") and isinstance(info, TensorStorageMetadata):
-            model[key[len("state_dict.") :]] = torch.empty(info.size, dtype=info.properties.dtype)
-    dcp.load({"state_dict": model}, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    return {"state_dict": model}
+    path = Path(path)
+    if checkpoint_format(path) == "full":
+        ckpt = load(path)
+        shapes = [(t.shape, t.dtype) for t in ckpt.state_dict.values() if hasattr(t, "dtype")]
+        has_state = any(s.get("state") for s in ckpt.optimizer_states)
+        return Summary("full", shapes, has_state, ckpt.meta, ckpt.manifest)
+    entries = sharded_metadata(path).state_dict_metadata
+    shapes = [
+        (info.size, info.properties.dtype)
+        for key, info in entries.items()
+        if key.startswith("state_dict.") and isinstance(info, TensorStorageMetadata)
+    ]
+    has_state = any(k.startswith("optimizer_states.") and ".state." in k for k in entries)
+    meta = torch_load(path / META_FILE, map_location="cpu")
+    return Summary("sharded", shapes, has_state, meta, _read_json(path / MANIFEST_FILE))
 
 
 def _named(state: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:

@@ -23,6 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.errors import RunFailure
+
 META_FILE = "meta.pt"
 MANIFEST_FILE = "manifest.json"
 DCP_METADATA = ".metadata"
@@ -33,6 +35,14 @@ FULL_SUFFIX = ".pt"
 
 class CheckpointFormatError(ValueError):
     """A path that is not a complete checkpoint."""
+
+
+class UnsafeCheckpointError(CheckpointFormatError, RunFailure):
+    """A checkpoint that would run code, or read files outside its folder, if it were loaded
+    (:mod:`fsdp_cli.checkpoint.untrusted`). Never skipped as merely damaged: a
+    :class:`CheckpointFormatError` for the tools and the parent (``fsdp-ckpt`` exits 2, ``resume``
+    is a one-line config error) and a :class:`~fsdp_cli.errors.RunFailure` in the ranks
+    (summary.json's error is its one line)."""
 
 
 def checkpoint_format(path: str | Path) -> str:
@@ -99,10 +109,12 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
 
 def load_full(path: str | Path) -> Any:
     """``torch.load`` of a full checkpoint: weights only (nothing arbitrary is unpickled), memory-mapped."""
-    import torch
+    from fsdp_cli.checkpoint.untrusted import torch_load
 
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return torch_load(path, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - any unreadable file is "not a checkpoint" to the user
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointFormatError(f"{path}: not an fsdp-train checkpoint (torch.load: {reason})") from None

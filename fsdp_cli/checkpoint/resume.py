@@ -14,8 +14,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_cli.checkpoint.format import CheckpointFormatError, read_manifest
+from fsdp_cli.checkpoint.format import CheckpointFormatError, UnsafeCheckpointError, read_manifest
 from fsdp_cli.checkpoint.run import checkpoint_dir, newest_verified
+from fsdp_cli.checkpoint.untrusted import check_checkpoint
 from fsdp_cli.checkpoint.verify import verify_checkpoint
 from fsdp_cli.config.convert import to_container
 from fsdp_cli.config.schema import TrainConfig
@@ -44,7 +45,7 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
         return cfg, []
     notices: list[str] = []
     if cfg.resume == "auto":
-        found, notices = newest_verified(checkpoint_dir(cfg))
+        found, notices = _checked("auto", lambda _: newest_verified(checkpoint_dir(cfg)))
         if found is None:
             what = "no intact checkpoint" if notices else "no checkpoint"
             return dataclasses.replace(cfg, resume=None), [
@@ -55,6 +56,7 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     else:
         path = str(cfg.resume)
         _checked(path, verify_checkpoint)
+    _checked(path, check_checkpoint)  # nothing in it runs code in the ranks (it would be refused there)
     manifest = _checked(path, read_manifest)
     notices.append(f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else ""))
     if manifest and "config" in manifest:
@@ -66,6 +68,10 @@ def _checked(path: str, check: Any) -> Any:
     """``check(path)``; a checkpoint that fails it is a one-line config error."""
     try:
         return check(path)
+    except UnsafeCheckpointError as err:
+        raise ConfigError(
+            "resume", path, str(err), hint="resume only from checkpoints you trust (docs/checkpoints.md)"
+        ) from None
     except CheckpointFormatError as err:
         raise ConfigError(
             "resume",

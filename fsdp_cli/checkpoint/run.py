@@ -5,7 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fsdp_cli.checkpoint.format import FULL_SUFFIX, PARTIAL_SUFFIX, CheckpointFormatError, checkpoint_format
+from fsdp_cli.checkpoint.format import (
+    FULL_SUFFIX,
+    PARTIAL_SUFFIX,
+    CheckpointFormatError,
+    UnsafeCheckpointError,
+    checkpoint_format,
+)
 from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
 from fsdp_cli.rundir.files import CHECKPOINT_DIR
 
@@ -48,6 +54,8 @@ def newest_verified(directory: Path) -> tuple[Path | None, list[str]]:
         path = found[index][1]
         try:
             verify_checkpoint(path)
+        except UnsafeCheckpointError:
+            raise  # crafted, not damaged: refused, never passed over for an older one
         except CheckpointFormatError as err:
             problem = str(err).removeprefix(f"{path}: ")
             older = found[index - 1][1].name if index > 0 else "none"

@@ -24,23 +24,24 @@ PROG = "fsdp-ckpt"
 
 
 def describe(path: Path) -> dict[str, Any]:
-    """What ``inspect`` shows; the manifest where there is one, else what the tensors tell."""
-    from fsdp_cli.checkpoint.convert import check_complete, load
+    """What ``inspect`` shows; the manifest where there is one, else what the metadata tells.
+    Reads metadata only: no tensor is copied, optimizer state included."""
+    import math
 
-    fmt = check_complete(path)
-    ckpt = load(path)
-    manifest = ckpt.manifest or {}
-    tensors = [v for v in ckpt.state_dict.values() if hasattr(v, "dtype")]
+    from fsdp_cli.checkpoint.convert import summarize
+
+    found = summarize(path)
+    manifest = found.manifest or {}
     return {
         "path": str(path),
-        "format": fmt,
-        "step": manifest.get("step", ckpt.meta.get("global_step")),
+        "format": found.format,
+        "step": manifest.get("step", found.meta.get("global_step")),
         "world_size": manifest.get("world_size"),
         "mesh": manifest.get("mesh"),
         "strategy": manifest.get("strategy"),
-        "parameter_count": sum(t.numel() for t in tensors),
-        "dtypes": dtype_names(t.dtype for t in tensors),
-        "optimizer_state": bool(ckpt.optimizer_states and any(s.get("state") for s in ckpt.optimizer_states)),
+        "parameter_count": sum(math.prod(shape) for shape, _ in found.shapes),
+        "dtypes": dtype_names(dtype for _, dtype in found.shapes),
+        "optimizer_state": found.optimizer_state,
         "versions": manifest.get("versions"),
         "saved_at": manifest.get("saved_at"),
         "config": manifest.get("config"),
