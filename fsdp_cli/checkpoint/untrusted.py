@@ -152,6 +152,10 @@ def load_value(value: IO[bytes], file: Path, key: str) -> Any:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError:
         raise refused(file, f"{_unsafe_globals(value)} (entry {key})") from None
+    except Exception as err:  # noqa: BLE001 - corrupted bytes: damaged, in one line
+        raise CheckpointFormatError(
+            f"{file}: entry {key} is unreadable ({type(err).__name__}: {err})"
+        ) from None
 
 
 def torch_load(path: Path | str, **kwargs: Any) -> Any:
@@ -205,11 +209,12 @@ def dcp_load(state: dict[str, Any], folder: Path, *, flat: bool = False, no_dist
             planner=SafeLoadPlanner(folder, flatten_state_dict=not flat),
             no_dist=no_dist,
         )
-    except CheckpointException as err:  # every rank's failures, gathered: a refusal is one line
-        refusal = next((e for e, _ in err.failures.values() if isinstance(e, UnsafeCheckpointError)), None)
-        if refusal is None:
+    except CheckpointException as err:  # every rank's failures, gathered: ours are one line
+        failures = [e for e, _ in err.failures.values() if isinstance(e, CheckpointFormatError)]
+        if not failures:
             raise
-        raise refusal from None
+        refusals = [e for e in failures if isinstance(e, UnsafeCheckpointError)]
+        raise (refusals or failures)[0] from None
 
 
 def read_entries(folder: Path, metadata: dcp_metadata.Metadata, keys: list[str]) -> dict[str, Any]:
