@@ -216,3 +216,132 @@ def test_fsdp_ckpt_refuses_a_crafted_checkpoint(
     assert result.returncode == 2, result
     assert_refused(result.stderr.removeprefix("fsdp-ckpt: error: "), path, kind, marker)
     assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def test_shard_files_named_outside_the_folder_are_refused(tmp_path: Path) -> None:
+    """A ``.metadata`` whose shard paths leave the folder (``../x``) is refused before any is read."""
+    path = save_sharded(tmp_path / "ckpt" / STEP)
+    with open(path / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.distcp"
+    with open(path / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+    result = cli_in_process(["inspect", str(path)], prog="fsdp-ckpt")
+    assert result.returncode == 2, result
+    assert result.stderr.strip() == (
+        f"fsdp-ckpt: error: {path}/.metadata: names a shard file outside the checkpoint folder "
+        "('../../secret.distcp'); refused"
+    )
+
+
+# --------------------------------------------------------------------------- fsdp-ckpt's arguments and outputs
+
+
+def one_line_error(result: Any) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("fsdp-ckpt: error: "), result
+    assert "Traceback" not in result.stderr and "usage:" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("files", "words"),
+    [
+        ({"__0_0.distcp": "big"}, 'the record of \'__0_0.distcp\' is "big", not {"size"'),
+        ({"__0_0.distcp": {"size": 10}}, "the record of '__0_0.distcp' is {\"size\": 10}, not"),
+        ({"__0_0.distcp": {"size": -1, "crc32": "00000000"}}, "the record of '__0_0.distcp'"),
+        (["__0_0.distcp"], "'files' is a list, not a mapping"),
+        (
+            {"../outside.bin": {"size": 5, "crc32": "00000000"}},
+            "outside the checkpoint folder ('../outside.bin')",
+        ),
+        (
+            {"/etc/hostname": {"size": 5, "crc32": "00000000"}},
+            "outside the checkpoint folder ('/etc/hostname')",
+        ),
+    ],
+    ids=["record_not_a_mapping", "no_crc32", "negative_size", "files_a_list", "dotdot", "absolute"],
+)
+def test_verify_a_malformed_manifest_is_one_line_exit_2(tmp_path: Path, files: Any, words: str) -> None:
+    path = save_sharded(tmp_path / "ckpt" / STEP)
+    (tmp_path / "ckpt" / "outside.bin").write_text("12345")  # what ../outside.bin would stat and read
+    (path / MANIFEST_FILE).write_text(json.dumps({"manifest_version": 2, "step": 3, "files": files}))
+    line = one_line_error(cli_in_process(["verify", "--deep", str(path)], prog="fsdp-ckpt"))
+    assert line.startswith(f"fsdp-ckpt: error: {path}/{MANIFEST_FILE}: ") and words in line, line
+
+
+def test_verify_says_a_safetensors_export_is_fine(tmp_path: Path) -> None:
+    source, out = save_sharded(tmp_path / STEP), tmp_path / "model.safetensors"
+    assert (
+        cli_in_process(["convert", str(source), str(out), "--to", "safetensors"], prog="fsdp-ckpt").returncode
+        == 0
+    )
+    for deep in ([], ["--deep"]):
+        result = cli_in_process(["verify", *deep, str(out)], prog="fsdp-ckpt")
+        assert result.returncode == 0 and f"{out}: ok (safetensors, step 3, 1 file(s)" in result.stdout, (
+            result
+        )
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(out.read_bytes()[:-4])
+    result = cli_in_process(["verify", str(truncated)], prog="fsdp-ckpt")
+    assert (
+        result.returncode == 1
+        and "damaged: " in result.stderr
+        and "not a complete safetensors" in result.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["convert", "a", "b", "--to", "onnx"], "argument --to: invalid choice: 'onnx'"),
+        ([], "the following arguments are required: command; see fsdp-ckpt --help"),
+        (["inspect"], "the following arguments are required: path; see fsdp-ckpt inspect --help"),
+        (["verify", "x", "--deeep"], "unrecognized arguments: --deeep"),
+    ],
+)
+def test_argument_mistakes_are_one_line(args: list[str], words: str) -> None:
+    assert words in one_line_error(cli_in_process(args, prog="fsdp-ckpt"))
+
+
+def test_convert_refuses_a_partial_destination_it_did_not_make(tmp_path: Path) -> None:
+    source, dst = save_sharded(tmp_path / STEP), tmp_path / "out.pt"
+    partial = tmp_path / "out.pt.partial"
+    partial.write_text("another conversion's")
+    line = one_line_error(
+        cli_in_process(["convert", str(source), str(dst), "--to", "full"], prog="fsdp-ckpt")
+    )
+    assert f"{partial}: exists (left by an interrupted conversion, or one still running)" in line
+    assert "remove it and run again" in line
+    assert partial.read_text() == "another conversion's" and not dst.exists()
+
+
+def test_a_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
+    """(--to hf from a folder without config.json fails after DST.partial was made.)"""
+    source, dst = save_sharded(tmp_path / STEP), tmp_path / "exported"
+    args = ["convert", str(source), str(dst), "--to", "hf", "--hf-config", str(tmp_path)]
+    assert "no config.json" in one_line_error(cli_in_process(args, prog="fsdp-ckpt"))
+    assert not dst.exists() and not (tmp_path / "exported.partial").exists()
+
+
+@pytest.mark.parametrize("to", ["full", "sharded"])
+def test_convert_never_replaces_a_destination_that_appeared_meanwhile(tmp_path: Path, to: str) -> None:
+    from fsdp_cli.checkpoint import phases
+
+    source, dst = save_sharded(tmp_path / STEP), tmp_path / "out"
+
+    def someone_else(phase: str, step: Any) -> None:
+        if phase == "convert":  # written and flushed, not yet renamed
+            dst.mkdir()
+            (dst / "theirs").write_text("kept")
+
+    stop = phases.observe(someone_else)
+    try:
+        line = one_line_error(
+            cli_in_process(["convert", str(source), str(dst), "--to", to], prog="fsdp-ckpt")
+        )
+    finally:
+        stop()
+    assert f"{dst}: created by something else while converting; left as it is, nothing written" in line
+    assert [p.name for p in dst.iterdir()] == ["theirs"] and not (tmp_path / "out.partial").exists()
