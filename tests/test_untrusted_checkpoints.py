@@ -221,6 +221,7 @@ def test_fsdp_ckpt_refuses_a_crafted_checkpoint(
 def test_shard_files_named_outside_the_folder_are_refused(tmp_path: Path) -> None:
     """A ``.metadata`` whose shard paths leave the folder (``../x``) is refused before any is read."""
     path = save_sharded(tmp_path / "ckpt" / STEP)
+    (tmp_path / "secret.distcp").write_bytes((path / "__0_0.distcp").read_bytes())  # would be read
     with open(path / ".metadata", "rb") as fh:
         metadata = pickle.load(fh)
     for info in metadata.storage_data.values():
