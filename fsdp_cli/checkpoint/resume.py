@@ -16,7 +16,6 @@ from typing import Any
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError, UnsafeCheckpointError, read_manifest
 from fsdp_cli.checkpoint.run import checkpoint_dir, newest_verified
-from fsdp_cli.checkpoint.untrusted import check_checkpoint
 from fsdp_cli.checkpoint.verify import verify_checkpoint
 from fsdp_cli.config.convert import to_container
 from fsdp_cli.config.schema import TrainConfig
@@ -56,6 +55,8 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     else:
         path = str(cfg.resume)
         _checked(path, verify_checkpoint)
+    from fsdp_cli.checkpoint.untrusted import check_checkpoint  # (torch: only where there is a checkpoint)
+
     _checked(path, check_checkpoint)  # nothing in it runs code in the ranks (it would be refused there)
     manifest = _checked(path, read_manifest)
     notices.append(f"note: resuming from {path}" + (f" (step {manifest['step']})" if manifest else ""))

@@ -11,7 +11,7 @@ checkpoint goes through this module, which unpickles only what a checkpoint legi
   ``torch.load(weights_only=True)`` (:class:`SafeLoadPlanner`; torch's own planner uses
   ``weights_only=False``). Tensor entries torch already reads with ``weights_only=True``.
 * ``meta.pt`` and full (one-file) checkpoints: ``torch.load(weights_only=True)``
-  (:func:`torch_load`). torch's allowlist is extended only by what the user's own code registers
+  (:func:`~fsdp_cli.checkpoint.format.torch_load`). torch's allowlist is extended only by what the user's own code registers
   with ``torch.serialization.add_safe_globals``.
 
 Anything else is refused with :class:`UnsafeCheckpointError`: one line naming the file and the
@@ -32,13 +32,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from fsdp_cli.checkpoint.format import DCP_METADATA, META_FILE, CheckpointFormatError, UnsafeCheckpointError
+from fsdp_cli.checkpoint.format import (
+    DCP_METADATA,
+    META_FILE,
+    CheckpointFormatError,
+    UnsafeCheckpointError,
+    refused,
+    torch_load,
+    unsafe_globals,
+)
 from fsdp_cli.compat.torch_internals import DCP_METADATA_INTERNALS
 
-NOT_ALLOWED = (
-    "not a class a checkpoint holds (only DCP metadata, tensors and plain values are unpickled; "
-    "a crafted checkpoint runs code when loaded otherwise, torch.load(weights_only=False) included)"
-)
 _PUBLIC_METADATA = (
     "Metadata",
     "StorageMeta",
@@ -63,10 +67,6 @@ ALLOWED: dict[tuple[str, str], Any] = {
     },
 }
 """What a DCP ``.metadata`` pickle may name: (module, name) -> the object it stands for."""
-
-
-def refused(file: Path | str, what: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(f"{file}: refused to load {what}: {NOT_ALLOWED}")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -151,30 +151,11 @@ def load_value(value: IO[bytes], file: Path, key: str) -> Any:
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError:
-        raise refused(file, f"{_unsafe_globals(value)} (entry {key})") from None
+        raise refused(file, f"{unsafe_globals(value)} (entry {key})") from None
     except Exception as err:  # noqa: BLE001 - corrupted bytes: damaged, in one line
         raise CheckpointFormatError(
             f"{file}: entry {key} is unreadable ({type(err).__name__}: {err})"
         ) from None
-
-
-def torch_load(path: Path | str, **kwargs: Any) -> Any:
-    """``torch.load(path, weights_only=True, ...)``, refused in one line naming the class."""
-    try:
-        return torch.load(path, weights_only=True, **kwargs)
-    except pickle.UnpicklingError:
-        raise refused(path, _unsafe_globals(path)) from None
-
-
-def _unsafe_globals(source: Any) -> str:
-    """The classes torch's weights-only unpickler would not admit, as one phrase."""
-    if hasattr(source, "seek"):
-        source.seek(0)
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
-    except Exception:  # noqa: BLE001 - not even a torch file: say so rather than fail here
-        names = []
-    return ", ".join(names) if names else "an object torch's weights-only unpickler refuses"
 
 
 def put(tree: Any, path: tuple[Any, ...], value: Any) -> None:
