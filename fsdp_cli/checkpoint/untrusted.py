@@ -24,6 +24,7 @@ import collections
 import io
 import pathlib
 import pickle
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
@@ -207,7 +208,13 @@ def read_entries(folder: Path, metadata: dcp_metadata.Metadata, keys: list[str])
         is_tensor = isinstance(info, dcp_metadata.TensorStorageMetadata)
         flat[key] = torch.empty(info.size, dtype=info.properties.dtype) if is_tensor else None
     if flat:
-        dcp_load(flat, folder, flat=True, no_dist=True)
+        with (
+            warnings.catch_warnings()
+        ):  # (offline on purpose: DCP's note that no process group exists is noise)
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+            )
+            dcp_load(flat, folder, flat=True, no_dist=True)
     return flat
 
 
