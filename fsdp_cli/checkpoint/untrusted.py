@@ -208,12 +208,9 @@ def read_entries(folder: Path, metadata: dcp_metadata.Metadata, keys: list[str])
         is_tensor = isinstance(info, dcp_metadata.TensorStorageMetadata)
         flat[key] = torch.empty(info.size, dtype=info.properties.dtype) if is_tensor else None
     if flat:
-        with (
-            warnings.catch_warnings()
-        ):  # (offline on purpose: DCP's note that no process group exists is noise)
-            warnings.filterwarnings(
-                "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-            )
+        # Offline on purpose: DCP's note that no process group exists is noise.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
             dcp_load(flat, folder, flat=True, no_dist=True)
     return flat
 
