@@ -25,6 +25,7 @@ from fsdp_cli.checkpoint.format import (
     fsync_tree,
     load_full,
     remove_path,
+    torch_load,
     write_json_atomic,
 )
 from fsdp_cli.checkpoint.optimizer_layout import (
@@ -75,8 +76,6 @@ def sharded_metadata(path: Path) -> Any:
 
 def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
     """Read a full or sharded checkpoint into memory (``weights_only_model``: skip optimizer state)."""
-    from fsdp_cli.checkpoint.untrusted import torch_load
-
     path = Path(path)
     if checkpoint_format(path) == "full":
         data = load_full(path)
@@ -129,7 +128,7 @@ def summarize(path: Path) -> Summary:
     data is read either way."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdp_cli.checkpoint.untrusted import check_sharded, torch_load
+    from fsdp_cli.checkpoint.untrusted import check_sharded
 
     path = Path(path)
     if checkpoint_format(path) == "full":

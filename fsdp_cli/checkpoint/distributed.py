@@ -313,7 +313,8 @@ class DistributedCheckpointing:
         phases.reached("after_rename", int(checkpoint.get("global_step", -1)) if plain else None)
 
     def _load_sharded(self, path: Path, metadata: Any) -> dict[str, Any]:
-        from fsdp_cli.checkpoint.untrusted import dcp_load, torch_load
+        from fsdp_cli.checkpoint.format import torch_load
+        from fsdp_cli.checkpoint.untrusted import dcp_load
 
         check_optimizer_count(len(self.optimizers), _saved_optimizer_count(metadata))
         model_state = get_model_state_dict(self.model)
