@@ -152,6 +152,22 @@ def test_resume_in_the_ranks_refuses_a_crafted_checkpoint(tmp_path: Path, marker
     assert_refused(outcome.error, path, kind, marker)
 
 
+def test_a_folder_in_lightnings_own_layout_is_checked_before_lightning_reads_it(
+    tmp_path: Path, marker: Path
+) -> None:
+    """Lightning's FSDP / ModelParallel loaders read their own sharded layout (``model``,
+    ``optimizer_N``) with torch's plain reader: the folder is checked first, whatever the strategy."""
+    from fsdp_cli.strategies.ddp import DDPStrategy
+
+    path = tmp_path / "lightning.ckpt"
+    state = {"model": {"weight": torch.ones(2)}, "optimizer_0": {"param_groups": [{"lr": Payload(marker)}]}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": 3}, path / META_FILE)
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        DDPStrategy().load_checkpoint(path)
+    assert_refused(str(refused.value), path, "byte_entry", marker)
+
+
 def test_a_sharded_checkpoint_of_ours_still_loads_in_place(tmp_path: Path) -> None:
     """The restricted reader loads what fsdp-train writes: weights, optimizer moments and
     param_groups (byte entries), meta.pt."""
