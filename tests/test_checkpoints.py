@@ -487,8 +487,9 @@ def test_sigkill_while_replacing_a_checkpoint_of_the_same_step(tmp_path: Path, l
 def test_sigkill_during_convert_then_resume_from_the_converted_checkpoint(
     tmp_path: Path, layout_run: Any
 ) -> None:
-    """fsdp-ckpt convert killed before its rename leaves only DST.partial; run again, its output
-    resumes the straight run exactly: from a folder other than the checkout, with save_last=false."""
+    """fsdp-ckpt convert killed before its rename leaves only DST.partial, which the next convert
+    refuses to remove unasked; removed and run again, its output resumes the straight run exactly:
+    from a folder other than the checkout, with save_last=false."""
     straight = layout_run("fsdp2")
     source, dst, marker = ckpt(straight, STEP3), tmp_path / "step3.pt", tmp_path / "in_convert"
     env = {
@@ -500,8 +501,13 @@ def test_sigkill_during_convert_then_resume_from_the_converted_checkpoint(
     pid = wait_for(lambda: read_pid(marker.with_name(f"{marker.name}.rank0")), proc)
     os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
-    assert not dst.exists() and dst.with_name(dst.name + ".partial").exists()
+    partial = dst.with_name(dst.name + ".partial")
+    assert not dst.exists() and partial.exists()
     assert fsdp_ckpt("verify", "--deep", str(source)) == 0
+    assert fsdp_ckpt("convert", str(source), str(dst), "--to", "full") == 2, (
+        "its DST.partial is not removed unasked"
+    )
+    partial.unlink()  # (the user's answer to the refusal's hint)
     assert fsdp_ckpt("convert", str(source), str(dst), "--to", "full") == 0
     run_dir, elsewhere = tmp_path / "from_converted", tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fsdp_cli.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
-from fsdp_cli.checkpoint.atomic import file_record
+from fsdp_cli.checkpoint.atomic import file_record, file_records
 from fsdp_cli.checkpoint.format import CheckpointFormatError
 from fsdp_cli.checkpoint.run import newest_verified
 from fsdp_cli.checkpoint.verify import verify_checkpoint
@@ -208,6 +208,18 @@ def _sharded(folder: Path, step: int, shard: bytes = b"x" * 100) -> Path:
     return folder
 
 
+def _dcp_sharded(folder: Path, step: int) -> Path:
+    """A sharded checkpoint as fsdp-train writes one (DCP files, meta.pt, manifest), tiny."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state_dict": {"w": torch.arange(4.0)}}, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"global_step": step}, folder / "meta.pt")
+    names = sorted(p.name for p in folder.iterdir())
+    (folder / "manifest.json").write_text(json.dumps({"step": step, "files": file_records(folder, names)}))
+    return folder
+
+
 def test_verify_finds_missing_truncated_and_corrupted_files(tmp_path: Path) -> None:
     good = _sharded(tmp_path / "good", 3)
     assert (
@@ -289,9 +301,12 @@ def test_fsdp_ckpt_verify_exits_1_naming_each_damaged_checkpoint(
 ) -> None:
     from fsdp_cli.cli.ckpt import main as fsdp_ckpt
 
-    _sharded(tmp_path / "step_00000002", 2)
-    _sharded(tmp_path / "step_00000004", 4)
-    (tmp_path / "step_00000004" / "__0_0.distcp").write_bytes(b"y" * 100)
+    # (real DCP files: verify also reads what loading would unpickle, through its allowlist)
+    _dcp_sharded(tmp_path / "step_00000002", 2)
+    shard = _dcp_sharded(tmp_path / "step_00000004", 4) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, another checksum
+    shard.write_bytes(bytes(data))
     with pytest.raises(SystemExit) as stop:
         fsdp_ckpt(["verify", str(tmp_path), "--deep"])  # a run's checkpoint folder: each of them
     out = capsys.readouterr()

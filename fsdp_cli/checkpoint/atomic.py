@@ -99,3 +99,35 @@ def file_record(path: Path) -> dict[str, Any]:
 
 def file_records(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     return {name: file_record(folder / name) for name in names}
+
+
+def publish_new(partial: Path, path: Path) -> None:
+    """Rename ``partial`` to ``path``, which must not exist: never replaces what appeared there
+    meanwhile (``renameat2(RENAME_NOREPLACE)``; elsewhere a hard link for a file, and for a folder
+    a rename, which fails on a folder that holds files). FileExistsError if ``path`` exists."""
+    if not _rename_noreplace(partial, path):
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(errno.EEXIST, "created by something else meanwhile", str(path))
+        if partial.is_dir():
+            os.rename(partial, path)  # (an empty folder created in between would be replaced)
+        else:
+            os.link(partial, path)
+            os.unlink(partial)
+    fsync_dir(path.parent)
+
+
+def _rename_noreplace(a: Path, b: Path) -> bool:
+    """Linux ``renameat2(RENAME_NOREPLACE)``; False where that is not available."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_noreplace = -100, 1
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_noreplace) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    if code == errno.EEXIST:
+        raise FileExistsError(code, "created by something else meanwhile", str(b))
+    raise OSError(code, os.strerror(code), str(b))

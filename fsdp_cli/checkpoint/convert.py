@@ -7,8 +7,6 @@ folder) and ``safetensors`` (model weights only, for other tools). Every convers
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from fsdp_cli.checkpoint.format import (
     fsync_tree,
     load_full,
     remove_path,
+    torch_load,
     write_json_atomic,
 )
 from fsdp_cli.checkpoint.optimizer_layout import (
@@ -56,24 +55,29 @@ def check_complete(path: Path) -> str:
     """The format, after checking that nothing is missing; :class:`CheckpointFormatError` otherwise."""
     fmt = checkpoint_format(path)
     if fmt == "sharded":
-        from torch.distributed.checkpoint import FileSystemReader
-
-        metadata = FileSystemReader(str(path)).read_metadata()
-        files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-        missing = [name for name in files if not (path / name).is_file()]
-        if missing:
-            raise CheckpointFormatError(
-                f"{path}: missing shard file(s) {', '.join(missing)} listed in .metadata"
-            )
-        if not (path / META_FILE).is_file():
-            raise CheckpointFormatError(f"{path}: no {META_FILE}; not a checkpoint written by fsdp-train")
+        sharded_metadata(path)
     return fmt
+
+
+def sharded_metadata(path: Path) -> Any:
+    """A sharded checkpoint's DCP metadata (read through the allowlist), after checking that every
+    file it lists and ``meta.pt`` are there."""
+    from fsdp_cli.checkpoint.untrusted import read_metadata
+
+    metadata = read_metadata(path)
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise CheckpointFormatError(f"{path}: missing shard file(s) {', '.join(missing)} listed in .metadata")
+    if not (path / META_FILE).is_file():
+        raise CheckpointFormatError(f"{path}: no {META_FILE}; not a checkpoint written by fsdp-train")
+    return metadata
 
 
 def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
     """Read a full or sharded checkpoint into memory (``weights_only_model``: skip optimizer state)."""
     path = Path(path)
-    if check_complete(path) == "full":
+    if checkpoint_format(path) == "full":
         data = load_full(path)
         if not isinstance(data, dict) or "state_dict" not in data:
             raise CheckpointFormatError(
@@ -91,33 +95,57 @@ def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
         if isinstance(optim_tree, dict)
         else list(optim_tree)
     )
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    meta = torch_load(path / META_FILE, map_location="cpu")
     manifest = _read_json(path / MANIFEST_FILE)
     return Checkpoint(tensors.get("state_dict", {}), optim, meta, manifest)
 
 
 def _load_dcp(path: Path, *, only_model: bool) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    """The entries a conversion needs (all, or the model's tensors), read straight from the shard
+    files into memory through the allowlist: nothing is copied to a temporary folder."""
+    from fsdp_cli.checkpoint.untrusted import read_entries, unflatten
+
+    metadata = sharded_metadata(path)
+    keys = [k for k in metadata.state_dict_metadata if not only_model or k.startswith("state_dict.")]
+    return unflatten(read_entries(path, metadata, keys), metadata)
+
+
+@dataclasses.dataclass
+class Summary:
+    """What ``fsdp-ckpt inspect`` shows of a checkpoint, read without reading its tensors."""
+
+    format: str
+    shapes: list[tuple[Any, torch.dtype]]
+    """Shape and dtype of each model tensor."""
+    optimizer_state: bool
+    meta: dict[str, Any]
+    manifest: dict[str, Any] | None
+
+
+def summarize(path: Path) -> Summary:
+    """A sharded checkpoint's :class:`Summary` from its DCP metadata, ``meta.pt`` and manifest
+    (and its non-tensor entries, checked); a full one's from the memory-mapped file. No tensor's
+    data is read either way."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if not only_model:
-        # torch's public converter rebuilds every entry (tensors and pickled values such as the
-        # optimizer's param_groups) from .metadata; it writes one torch file, read back mapped.
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from fsdp_cli.checkpoint.untrusted import check_sharded
 
-        with tempfile.TemporaryDirectory(prefix="fsdp-ckpt-") as tmp:
-            whole = Path(tmp) / "whole.pt"
-            dcp_to_torch_save(path, whole)
-            return torch.load(whole, map_location="cpu", mmap=True, weights_only=True)
-    # Allocate only the model's tensors (no optimizer state) and let DCP fill them in.
-    metadata = FileSystemReader(str(path)).read_metadata()
-    model: dict[str, torch.Tensor] = {}
-    for key, info in metadata.state_dict_metadata.items():
-        if key.startswith("state_dict.") and isinstance(info, TensorStorageMetadata):
-            model[key[len("state_dict.") :]] = torch.empty(info.size, dtype=info.properties.dtype)
-    dcp.load({"state_dict": model}, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    return {"state_dict": model}
+    path = Path(path)
+    if checkpoint_format(path) == "full":
+        ckpt = load(path)
+        shapes = [(t.shape, t.dtype) for t in ckpt.state_dict.values() if hasattr(t, "dtype")]
+        has_state = any(s.get("state") for s in ckpt.optimizer_states)
+        return Summary("full", shapes, has_state, ckpt.meta, ckpt.manifest)
+    sharded_metadata(path)  # every file there
+    entries = check_sharded(path).state_dict_metadata  # a crafted one is refused, not described
+    shapes = [
+        (info.size, info.properties.dtype)
+        for key, info in entries.items()
+        if key.startswith("state_dict.") and isinstance(info, TensorStorageMetadata)
+    ]
+    has_state = any(k.startswith("optimizer_states.") and ".state." in k for k in entries)
+    meta = torch_load(path / META_FILE, map_location="cpu")
+    return Summary("sharded", shapes, has_state, meta, _read_json(path / MANIFEST_FILE))
 
 
 def _named(state: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
@@ -128,7 +156,7 @@ def _named(state: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, 
     return named_by_index(state, names) if names is not None and is_numbered(state) else state
 
 
-def save_full(ckpt: Checkpoint, dst: Path) -> None:
+def save_full(ckpt: Checkpoint, partial: Path) -> None:
     # Optimizer states in torch's numbered layout, as training writes full files (module order).
     names = module_order(ckpt.state_dict, [s for s in ckpt.optimizer_states if not is_numbered(s)])
     states = [s if is_numbered(s) else numbered(s, names) for s in ckpt.optimizer_states]
@@ -136,12 +164,10 @@ def save_full(ckpt: Checkpoint, dst: Path) -> None:
     data[MANIFEST_KEY] = _manifest_as(ckpt.manifest, "full")
     if states:
         data[MANIFEST_KEY][PARAMETER_NAMES_KEY] = names
-    partial = _partial(dst)
     torch.save(data, partial)
-    _publish(partial, dst)
 
 
-def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
+def save_sharded(ckpt: Checkpoint, partial: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     if any(is_numbered(s) for s in ckpt.optimizer_states):
@@ -151,7 +177,6 @@ def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
             f"(no '{PARAMETER_NAMES_KEY}'): it cannot be written as a sharded checkpoint; "
             "resume from it (resume=PATH) and save sharded instead"
         )
-    partial = _partial(dst)
     tensors = {
         "state_dict": ckpt.state_dict,
         "optimizer_states": {str(i): s for i, s in enumerate(ckpt.optimizer_states)},
@@ -159,10 +184,9 @@ def save_sharded(ckpt: Checkpoint, dst: Path) -> None:
     dcp.save(tensors, checkpoint_id=str(partial), no_dist=True)
     torch.save(ckpt.meta, partial / META_FILE)
     write_json_atomic(partial / MANIFEST_FILE, _manifest_as(ckpt.manifest, "sharded", partial))
-    _publish(partial, dst)
 
 
-def save_safetensors(ckpt: Checkpoint, dst: Path) -> None:
+def save_safetensors(ckpt: Checkpoint, partial: Path) -> None:
     """Model weights only, named as the model's own ``state_dict`` names them (no ``model.`` prefix)."""
     from safetensors.torch import save_file
 
@@ -172,39 +196,76 @@ def save_safetensors(ckpt: Checkpoint, dst: Path) -> None:
     # clone(): safetensors refuses tensors that share memory (tied embeddings) and mmap'd views.
     tensors = {k: v.detach().clone().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
     step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
-    partial = _partial(dst)
     save_file(tensors, str(partial), metadata={"format": "pt", "producer": "fsdp-ckpt", "step": str(step)})
-    _publish(partial, dst)
+
+
+def save_hf(ckpt: Checkpoint, partial: Path, hf_config: Path | None = None) -> None:
+    from fsdp_cli.checkpoint.hf_export import save_hf as write_hf
+    from fsdp_cli.checkpoint.hf_export import source_folder
+
+    step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
+    write_hf(ckpt.state_dict, partial, source_folder(ckpt.manifest, hf_config), step=step)
+
+
+FOLDERS = ("sharded", "hf")
+"""The formats written as a folder (the others: one file)."""
 
 
 def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> Path:
     """``to``: full, sharded, safetensors, or hf (a Hugging Face model folder, for ``model=hf``
-    checkpoints; ``hf_config`` names the model folder if the run's ``model.path`` moved)."""
-    src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise FileExistsError(f"{dst}: already exists; choose another destination")
-    ckpt = load(src, weights_only_model=to in ("safetensors", "hf"))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if to == "hf":
-        from fsdp_cli.checkpoint.hf_export import save_hf, source_folder
+    checkpoints; ``hf_config`` names the model folder if the run's ``model.path`` moved).
 
-        step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
-        save_hf(ckpt.state_dict, dst, source_folder(ckpt.manifest, hf_config), step=step)
-        return dst
-    {"full": save_full, "sharded": save_sharded, "safetensors": save_safetensors}[to](ckpt, dst)
+    Written under ``DST.partial`` (claimed first: one left by another conversion is refused,
+    never removed), flushed, and renamed to ``DST`` only if nothing appeared there meanwhile; a
+    conversion that fails leaves nothing behind. Reads only what the output needs, straight from
+    the checkpoint's files: the only disk it uses is the output's."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() or dst.is_symlink():
+        raise FileExistsError(f"{dst}: already exists; choose another destination")
+    from fsdp_cli.checkpoint.untrusted import check_checkpoint
+
+    check_complete(src)
+    check_checkpoint(src)  # a crafted checkpoint is refused whole, also where the output needs less of it
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = _claim(dst, folder=to in FOLDERS)
+    try:
+        ckpt = load(src, weights_only_model=to in ("safetensors", "hf"))
+        if to == "hf":
+            save_hf(ckpt, partial, hf_config)
+        else:
+            {"full": save_full, "sharded": save_sharded, "safetensors": save_safetensors}[to](ckpt, partial)
+        _publish(partial, dst)
+    except BaseException:
+        remove_path(partial)  # ours: claimed above
+        raise
     return dst
 
 
 def _publish(partial: Path, dst: Path) -> None:
-    """Flushed, then renamed: an interrupted conversion leaves only ``DST.partial``."""
+    """Flushed, then renamed: a conversion killed before this leaves only ``DST.partial``."""
+    from fsdp_cli.checkpoint.atomic import publish_new
+
     fsync_tree(partial)
     phases.reached("convert")
-    os.replace(partial, dst)
+    try:
+        publish_new(partial, dst)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{dst}: created by something else while converting; left as it is, nothing written"
+        ) from None
 
 
-def _partial(dst: Path) -> Path:
+def _claim(dst: Path, *, folder: bool) -> Path:
+    """Create ``DST.partial`` (a folder or an empty file), refusing one that exists: it belongs
+    to a conversion that was interrupted, or to one still running."""
     partial = dst.with_name(dst.name + PARTIAL_SUFFIX)
-    remove_path(partial)
+    try:
+        partial.mkdir() if folder else partial.touch(exist_ok=False)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{partial}: exists (left by an interrupted conversion, or one still running); "
+            "hint: if no conversion is running, remove it and run again"
+        ) from None
     return partial
 
 

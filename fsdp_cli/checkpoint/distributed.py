@@ -190,8 +190,14 @@ class DistributedCheckpointing:
         sharded checkpoint in Lightning's own layout) by :meth:`_load_full`, Lightning's loading.
         A path that is no checkpoint is a ValueError that says why."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if checkpoint_format(path) == "sharded" and not _lightning_layout(path):
-            return self._load_sharded(path)
+        if checkpoint_format(path) == "sharded":
+            from fsdp_cli.checkpoint.untrusted import check_sharded
+
+            # Checked whole first (metadata through the allowlist, every non-tensor value weights
+            # only), also before Lightning's own loaders read a folder in its layout.
+            metadata = check_sharded(path)
+            if not _lightning_layout(metadata):
+                return self._load_sharded(path, metadata)
         return self._load_full(path, weights_only)
 
     def _load_full(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
@@ -306,19 +312,20 @@ class DistributedCheckpointing:
             raise RunFailure(next(r for r in reports if r))
         phases.reached("after_rename", int(checkpoint.get("global_step", -1)) if plain else None)
 
-    def _load_sharded(self, path: Path) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+    def _load_sharded(self, path: Path, metadata: Any) -> dict[str, Any]:
+        from fsdp_cli.checkpoint.format import torch_load
+        from fsdp_cli.checkpoint.untrusted import dcp_load
 
-        check_optimizer_count(len(self.optimizers), _saved_optimizer_count(path))
+        check_optimizer_count(len(self.optimizers), _saved_optimizer_count(metadata))
         model_state = get_model_state_dict(self.model)
-        dcp.load({"state_dict": model_state}, checkpoint_id=str(path))
+        dcp_load({"state_dict": model_state}, path)
         set_model_state_dict(self.model, model_state)
         for index, optimizer in enumerate(map(_unwrap, self.optimizers)):
             optim_state = get_optimizer_state_dict(self.model, optimizer)
-            dcp.load({"optimizer_states": {str(index): optim_state}}, checkpoint_id=str(path))
+            dcp_load({"optimizer_states": {str(index): optim_state}}, path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state)
         self._optimizers_restored = bool(self.optimizers)
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+        meta = torch_load(path / META_FILE, map_location="cpu")
         meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
         return meta
 
@@ -366,22 +373,17 @@ def check_optimizer_count(configured: int, saved: int) -> None:
         )
 
 
-def _saved_optimizer_count(path: Path) -> int:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _saved_optimizer_count(metadata: Any) -> int:
+    keys = metadata.state_dict_metadata
     return len({k.split(".")[1] for k in keys if k.startswith("optimizer_states.")})
 
 
-def _lightning_layout(path: Path) -> bool:
+def _lightning_layout(metadata: Any) -> bool:
     """A sharded checkpoint written by Lightning's own FSDPStrategy / ModelParallelStrategy
     (tensors under ``model`` or ``optimizer_N``), which its strategies load."""
     import re
 
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return any(re.match(r"(model|optimizer_\d+)\.", k) for k in keys)
+    return any(re.match(r"(model|optimizer_\d+)\.", k) for k in metadata.state_dict_metadata)
 
 
 def _failure_line(err: BaseException, filepath: Any) -> str:

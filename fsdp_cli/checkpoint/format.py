@@ -23,6 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.errors import RunFailure
+
 META_FILE = "meta.pt"
 MANIFEST_FILE = "manifest.json"
 DCP_METADATA = ".metadata"
@@ -31,8 +33,55 @@ PARTIAL_SUFFIX = ".partial"
 FULL_SUFFIX = ".pt"
 
 
+NOT_ALLOWED = (
+    "not a class a checkpoint holds (only DCP metadata, tensors and plain values are unpickled; "
+    "a crafted checkpoint runs code when loaded otherwise, torch.load(weights_only=False) included)"
+)
+"""Why a refused checkpoint is refused, after the file and the class it named."""
+
+
 class CheckpointFormatError(ValueError):
     """A path that is not a complete checkpoint."""
+
+
+class UnsafeCheckpointError(CheckpointFormatError, RunFailure):
+    """A checkpoint that would run code, or read files outside its folder, if it were loaded
+    (:mod:`fsdp_cli.checkpoint.untrusted`). Never skipped as merely damaged: a
+    :class:`CheckpointFormatError` for the tools and the parent (``fsdp-ckpt`` exits 2, ``resume``
+    is a one-line config error) and a :class:`~fsdp_cli.errors.RunFailure` in the ranks
+    (summary.json's error is its one line)."""
+
+
+def refused(file: Path | str, what: str) -> UnsafeCheckpointError:
+    """The one line for a ``file`` that tried to load ``what`` (a class, a function)."""
+    return UnsafeCheckpointError(f"{file}: refused to load {what}: {NOT_ALLOWED}")
+
+
+def torch_load(path: Path | str, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True, ...)``, refused in one line naming the class: how
+    ``meta.pt`` and full files are read (part of :mod:`fsdp_cli.checkpoint.untrusted`'s boundary,
+    kept here, torch-free until called, for :func:`load_full`)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError:
+        raise refused(path, unsafe_globals(path)) from None
+
+
+def unsafe_globals(source: Any) -> str:
+    """The classes torch's weights-only unpickler would not admit, as one phrase."""
+    import torch
+
+    if hasattr(source, "seek"):
+        source.seek(0)
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+    except Exception:  # noqa: BLE001 - not even a torch file: say so rather than fail here
+        names = []
+    return ", ".join(names) if names else "an object torch's weights-only unpickler refuses"
 
 
 def checkpoint_format(path: str | Path) -> str:
@@ -99,10 +148,10 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
 
 def load_full(path: str | Path) -> Any:
     """``torch.load`` of a full checkpoint: weights only (nothing arbitrary is unpickled), memory-mapped."""
-    import torch
-
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return torch_load(path, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - any unreadable file is "not a checkpoint" to the user
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointFormatError(f"{path}: not an fsdp-train checkpoint (torch.load: {reason})") from None

@@ -8,14 +8,13 @@ manifest, or ``--hf-config``), and that folder's tokenizer and generation files,
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fsdp_cli.checkpoint.format import PARTIAL_SUFFIX, CheckpointFormatError, remove_path
+from fsdp_cli.checkpoint.format import CheckpointFormatError
 
 PREFIX = "model.hf."
 """Where ``model=hf`` keeps the transformers model inside the LightningModule's state dict."""
@@ -43,7 +42,12 @@ def source_folder(manifest: dict[str, Any] | None, override: Path | None) -> Pat
                 "--to hf needs a checkpoint of a model=hf run (this one trained "
                 f"{model.get('_target_') or model.get('name') or 'an unknown model'})"
             )
-        folder = Path(model["path"])
+        folder = Path(str(model.get("path")))
+        if not folder.is_absolute():  # relative to where the run started, which is not known here
+            raise CheckpointFormatError(
+                f"--to hf: the checkpoint's manifest names the model folder {folder} by a relative path; "
+                "pass the model folder with --hf-config DIR"
+            )
     if not (folder / "config.json").is_file():
         raise CheckpointFormatError(f"{folder}: no config.json; pass the model folder with --hf-config DIR")
     return folder
@@ -81,15 +85,12 @@ def hf_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> dict[str, t
     return tensors
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], dst: Path, folder: Path, *, step: Any = None) -> None:
-    """Write the folder atomically (under ``DST.partial``, renamed when complete)."""
+def save_hf(state_dict: dict[str, torch.Tensor], partial: Path, folder: Path, *, step: Any = None) -> None:
+    """Write the model folder into ``partial`` (an empty folder; the caller publishes it)."""
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
     tensors = hf_weights(state_dict, folder)
-    partial = dst.with_name(dst.name + PARTIAL_SUFFIX)
-    remove_path(partial)
-    partial.mkdir(parents=True)
     config = AutoConfig.from_pretrained(folder)
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) == 1:
@@ -103,4 +104,3 @@ def save_hf(state_dict: dict[str, torch.Tensor], dst: Path, folder: Path, *, ste
     for name in COPIED:
         if (folder / name).is_file():
             shutil.copy2(folder / name, partial / name)
-    os.replace(partial, dst)

@@ -21,7 +21,9 @@ class FullCheckpointIO(TorchCheckpointIO):
 
     The rename is part of the write, so a plugin that writes in the background
     (``AsyncCheckpointIO()``, whose base this is by default) renames when its write has finished,
-    never before. ``weights_only`` refuses to unpickle arbitrary objects; ``mmap`` lets every rank
+    never before. ``weights_only`` refuses to unpickle arbitrary objects (a refusal is one line
+    naming the file and the class: :mod:`fsdp_cli.checkpoint.untrusted`), unless the caller
+    passes ``weights_only=False`` itself (fsdp-train never does); ``mmap`` lets every rank
     open the same file without each holding a full copy in memory (pages are shared and read on
     demand). A failed write raises :class:`~fsdp_cli.errors.RunFailure` with one line and leaves
     no ``.partial`` behind.
@@ -49,9 +51,8 @@ class FullCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = "cpu", weights_only: bool | None = None
     ) -> dict[str, Any]:
-        return torch.load(
-            path,
-            map_location=map_location,
-            mmap=True,
-            weights_only=True if weights_only is None else weights_only,
-        )
+        if weights_only is False:  # the caller's explicit word (trainer.fit(..., weights_only=False))
+            return torch.load(path, map_location=map_location, mmap=True, weights_only=False)
+        from fsdp_cli.checkpoint.untrusted import torch_load
+
+        return torch_load(path, map_location=map_location, mmap=True)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_cli.checkpoint.format import CheckpointFormatError, read_manifest
+from fsdp_cli.checkpoint.format import CheckpointFormatError, UnsafeCheckpointError, read_manifest
 from fsdp_cli.checkpoint.run import RUN_ID_KEY, checkpoint_dir, new_run_id, newest_verified
 from fsdp_cli.checkpoint.verify import verify_checkpoint
 from fsdp_cli.config.convert import to_container
@@ -45,7 +45,7 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
         return _with_run_id(cfg, None), []
     notices: list[str] = []
     if cfg.resume == "auto":
-        found, notices = newest_verified(checkpoint_dir(cfg))
+        found, notices = _checked("auto", lambda _: newest_verified(checkpoint_dir(cfg)))
         if found is None:
             what = "no intact checkpoint" if notices else "no checkpoint"
             return _with_run_id(dataclasses.replace(cfg, resume=None), None), [
@@ -56,6 +56,9 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     else:
         path = str(cfg.resume)
         _checked(path, verify_checkpoint)
+    from fsdp_cli.checkpoint.untrusted import check_checkpoint  # (torch: only where there is a checkpoint)
+
+    _checked(path, check_checkpoint)  # nothing in it runs code in the ranks (it would be refused there)
     manifest = _checked(path, read_manifest)
     step = manifest.get("step") if isinstance(manifest, dict) else None
     notices.append(f"note: resuming from {path}" + (f" (step {step})" if step is not None else ""))
@@ -87,6 +90,10 @@ def _checked(path: str, check: Any) -> Any:
     """``check(path)``; a checkpoint that fails it is a one-line config error."""
     try:
         return check(path)
+    except UnsafeCheckpointError as err:
+        raise ConfigError(
+            "resume", path, str(err), hint="resume only from checkpoints you trust (docs/checkpoints.md)"
+        ) from None
     except CheckpointFormatError as err:
         raise ConfigError(
             "resume",

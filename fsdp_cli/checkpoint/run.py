@@ -12,6 +12,7 @@ from fsdp_cli.checkpoint.format import (
     MANIFEST_FILE,
     PARTIAL_SUFFIX,
     CheckpointFormatError,
+    UnsafeCheckpointError,
     checkpoint_format,
     read_manifest,
 )
@@ -111,6 +112,8 @@ def newest_verified(directory: Path) -> tuple[Path | None, list[str]]:
         path = found[index][1]
         try:
             verify_checkpoint(path)
+        except UnsafeCheckpointError:
+            raise  # crafted, not damaged: refused, never passed over for an older one
         except CheckpointFormatError as err:
             problem = str(err).removeprefix(f"{path}: ")
             older = found[index - 1][1].name if index > 0 else "none"

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +33,24 @@ class Verified:
     deep: bool
 
     def describe(self) -> str:
-        checked = "sizes and checksums" if self.deep else "sizes"
+        checked = {
+            ("safetensors", False): "header and offsets",
+            ("safetensors", True): "header, offsets and every tensor",
+        }.get((self.format, self.deep), "sizes and checksums" if self.deep else "sizes")
         step = "?" if self.step is None else self.step
         return f"{self.path}: ok ({self.format}, step {step}, {self.files} file(s), {self.bytes / 2**20:.1f} MiB, {checked} checked)"
+
+
+class ManifestError(CheckpointFormatError):
+    """A manifest that is not one fsdp-train writes (a malformed record, a path outside the
+    checkpoint): the checkpoint cannot be checked at all, rather than found damaged."""
 
 
 def verify_checkpoint(path: str | Path, *, deep: bool = False) -> Verified:
     """:class:`Verified`, or :class:`CheckpointFormatError` naming the first problem."""
     path = Path(path)
+    if path.suffix == SAFETENSORS_SUFFIX and path.is_file():
+        return _verify_safetensors(path, deep)
     if checkpoint_format(path) == "sharded":
         return _verify_sharded(path, deep)
     return _verify_full(path, deep)
@@ -48,8 +59,9 @@ def verify_checkpoint(path: str | Path, *, deep: bool = False) -> Verified:
 def _verify_sharded(path: Path, deep: bool) -> Verified:
     manifest = _manifest(path)
     files = manifest.get("files")
-    if not isinstance(files, dict):
+    if files is None:
         return _verify_sharded_without_sizes(path, manifest)
+    _check_records(path, files)
     total = 0
     for name, record in sorted(files.items()):
         _check_record(path, name, record)
@@ -105,6 +117,28 @@ def _manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def _check_records(path: Path, files: Any) -> None:
+    """Each record ``{name: {"size": int, "crc32": "8 hex digits"}}``, each name a file inside the
+    checkpoint folder (no ``../x``, no absolute path): :class:`ManifestError` otherwise."""
+    where = path / MANIFEST_FILE
+    if not isinstance(files, dict):
+        raise ManifestError(
+            f"{where}: 'files' is a {type(files).__name__}, not a mapping of file name to record"
+        )
+    root = path.resolve()
+    for name, record in files.items():
+        if Path(name).is_absolute() or not (root / name).resolve().is_relative_to(root):
+            raise ManifestError(f"{where}: names a file outside the checkpoint folder ({name!r}); refused")
+        size, crc = (record.get("size"), record.get("crc32")) if isinstance(record, dict) else (None, None)
+        if not (
+            type(size) is int and size >= 0 and isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)
+        ):
+            raise ManifestError(
+                f"{where}: the record of {name!r} is {json.dumps(record)[:80]}, "
+                'not {"size": <bytes>, "crc32": "<8 hex digits>"}'
+            )
+
+
 def _verify_sharded_without_sizes(path: Path, manifest: dict[str, Any]) -> Verified:
     from fsdp_cli.checkpoint.convert import check_complete
 
@@ -136,3 +170,25 @@ def _verify_full(path: Path, deep: bool) -> Verified:
 
         step = (read_manifest(path) or {}).get("step")
     return Verified(path, "full", step, 1, path.stat().st_size, deep)
+
+
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def _verify_safetensors(path: Path, deep: bool) -> Verified:
+    """A safetensors file (``fsdp-ckpt convert --to safetensors``): its header parses and its
+    tensors' offsets cover the file exactly (the safetensors library checks both on opening);
+    ``deep``: every tensor is read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            step = (weights.metadata() or {}).get("step")
+            for key in weights.keys() if deep else ():
+                weights.get_tensor(key)
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: damaged either way
+        raise CheckpointFormatError(
+            f"{path}: not a complete safetensors file ({type(err).__name__}: {err})"
+        ) from None
+    step_number = int(step) if isinstance(step, str) and step.isdigit() else None
+    return Verified(path, "safetensors", step_number, 1, path.stat().st_size, deep)

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
 from fsdp_cli.dtypes import dtype_names
@@ -24,23 +24,24 @@ PROG = "fsdp-ckpt"
 
 
 def describe(path: Path) -> dict[str, Any]:
-    """What ``inspect`` shows; the manifest where there is one, else what the tensors tell."""
-    from fsdp_cli.checkpoint.convert import check_complete, load
+    """What ``inspect`` shows; the manifest where there is one, else what the metadata tells.
+    Reads metadata only: no tensor is copied, optimizer state included."""
+    import math
 
-    fmt = check_complete(path)
-    ckpt = load(path)
-    manifest = ckpt.manifest or {}
-    tensors = [v for v in ckpt.state_dict.values() if hasattr(v, "dtype")]
+    from fsdp_cli.checkpoint.convert import summarize
+
+    found = summarize(path)
+    manifest = found.manifest or {}
     return {
         "path": str(path),
-        "format": fmt,
-        "step": manifest.get("step", ckpt.meta.get("global_step")),
+        "format": found.format,
+        "step": manifest.get("step", found.meta.get("global_step")),
         "world_size": manifest.get("world_size"),
         "mesh": manifest.get("mesh"),
         "strategy": manifest.get("strategy"),
-        "parameter_count": sum(t.numel() for t in tensors),
-        "dtypes": dtype_names(t.dtype for t in tensors),
-        "optimizer_state": bool(ckpt.optimizer_states and any(s.get("state") for s in ckpt.optimizer_states)),
+        "parameter_count": sum(math.prod(shape) for shape, _ in found.shapes),
+        "dtypes": dtype_names(dtype for _, dtype in found.shapes),
+        "optimizer_state": found.optimizer_state,
         "versions": manifest.get("versions"),
         "saved_at": manifest.get("saved_at"),
         "config": manifest.get("config"),
@@ -77,28 +78,47 @@ def _print_table(info: dict[str, Any]) -> None:
 
 
 def verify(path: Path, deep: bool) -> int:
-    """One line per checkpoint (``path`` may be a run's checkpoint folder); 1 if any is damaged."""
+    """One line per checkpoint (``path`` may be a run's checkpoint folder): 1 if any is damaged,
+    2 if any cannot be checked (a malformed manifest) or would run code if loaded."""
     from fsdp_cli.checkpoint.run import complete_checkpoints
-    from fsdp_cli.checkpoint.verify import verify_checkpoint
 
     is_folder_of_checkpoints = path.is_dir() and not (path / ".metadata").exists()
     targets = [p for _, p in complete_checkpoints(path)] if is_folder_of_checkpoints else [path]
     if not targets:
         raise CheckpointFormatError(f"{path}: no checkpoint in this folder")
-    damaged = 0
-    for target in targets:
-        try:
-            print(f"{PROG}: {verify_checkpoint(target, deep=deep).describe()}")
-        except CheckpointFormatError as err:
-            print(f"{PROG}: damaged: {err}", file=sys.stderr)
-            damaged += 1
-    return 1 if damaged else 0
+    return max(_verify_one(target, deep) for target in targets)
+
+
+def _verify_one(path: Path, deep: bool) -> int:
+    """Its exit status: sizes (and checksums) as :func:`verify_checkpoint` checks them, then
+    everything that would be unpickled through the allowlist (nothing of it runs)."""
+    from fsdp_cli.checkpoint.format import UnsafeCheckpointError
+    from fsdp_cli.checkpoint.untrusted import check_checkpoint
+    from fsdp_cli.checkpoint.verify import SAFETENSORS_SUFFIX, ManifestError, verify_checkpoint
+
+    try:
+        verified = verify_checkpoint(path, deep=deep)
+        if path.suffix != SAFETENSORS_SUFFIX:
+            check_checkpoint(path)
+    except (ManifestError, UnsafeCheckpointError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointFormatError as err:
+        print(f"{PROG}: damaged: {err}", file=sys.stderr)
+        return 1
+    print(f"{PROG}: {verified.describe()}")
+    return 0
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its mistakes in one line (exit 2), not its usage block; its subcommands too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message}; see {self.prog} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Inspect and convert fsdp-train checkpoints (offline)."
-    )
+    parser = OneLineParser(prog=PROG, description="Inspect and convert fsdp-train checkpoints (offline).")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="format, step, layout, parameters, dtypes, config")
     inspect.add_argument("path", type=Path)

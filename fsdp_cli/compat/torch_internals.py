@@ -4,7 +4,8 @@ random fill of a tensor), a module's set of non-persistent buffers, whether a mo
 compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
 tensor an asynchronous functional collective returns before it is waited on, the plain
 tensors inside a wrapper tensor subclass (torchao's float8 weights), the mixed-precision
-policy ``fully_shard`` recorded on a module, and what a rehearsal
+policy ``fully_shard`` recorded on a module, the private classes a DCP ``.metadata`` pickle
+names (for the restricted unpickler of :mod:`fsdp_cli.checkpoint.untrusted`), and what a rehearsal
 (:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from torch import serialization as _serialization
 from torch._subclasses import fake_tensor as _fake_tensor
 from torch.distributed import Backend
 from torch.distributed import _functional_collectives as _funcol
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _ac_wrapper
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
@@ -47,11 +51,24 @@ ENTRIES: list[tuple[Any, str]] = [
     (_funcol, "wait_tensor"),
     (_python_dispatch, "is_traceable_wrapper_subclass"),
     (FSDPModule, "_get_fsdp_state"),
+    (_dcp_filesystem, "_StorageInfo"),
+    (_dcp_metadata, "_MEM_FORMAT_ENCODING"),
+    (_serialization, "_get_layout"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
 
 checkpoint_wrapper = _ac_wrapper.checkpoint_wrapper
+DCP_METADATA_INTERNALS: dict[tuple[str, str], Any] = {
+    (owner.__name__, name): getattr(owner, name)
+    for owner, name in (
+        (_dcp_filesystem, "_StorageInfo"),  # where each entry lies: file, offset, length
+        (_dcp_metadata, "_MEM_FORMAT_ENCODING"),  # TensorProperties' memory format, as an enum
+        (_serialization, "_get_layout"),  # torch.strided etc. by name (a lookup in torch's table)
+    )
+}
+"""The private names a DCP ``.metadata`` pickle refers to, as (module, name) -> object: only the
+restricted unpickler resolves them (:mod:`fsdp_cli.checkpoint.untrusted`)."""
 CheckpointWrapper = _ac_wrapper.CheckpointWrapper
 
 # fsdp_cli's public names for FSDP1 sharding strategies torch keeps private.
