@@ -536,7 +536,8 @@ class LoggerConfig:
 
 @dataclass
 class LauncherConfig:
-    """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM)."""
+    """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM, but
+    for ``rdzv_timeout_s``)."""
 
     rdzv_endpoint: str | None = None
     """host:port of the rendezvous for multi-node runs (node 0's address and a free port); null =
@@ -556,6 +557,11 @@ class LauncherConfig:
     startup_timeout_s: float | None = field(default=1800.0, metadata=positive())
     """The same limit while ranks start up (imports, rendezvous, checkpoint load, compile, the
     first step) or save a checkpoint; null = never."""
+    rdzv_timeout_s: float = field(default=600.0, metadata=positive())
+    """How long the ranks wait to meet (the process group's rendezvous; across nodes, the
+    launchers' too) before the run fails with a line naming the address: a peer that never
+    starts, or a ``MASTER_ADDR``/``MASTER_PORT`` nobody listens on. Applies inside torchrun/SLURM
+    too."""
     start_method: RankStart = RankStart.fork
     """How the agent starts a node's ranks: ``fork`` forks them from the agent, which imported
     torch, Lightning and fsdp_cli once before it met its peers; ``forkserver`` forks them from a
