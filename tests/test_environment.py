@@ -72,6 +72,10 @@ def test_variables_that_cannot_be_a_job_are_one_line_before_anything_starts(
     assert (r.returncode, r.stderr, r.stdout) == (2, f"fsdp-train: error: {line}\n", "")
 
 
+def test_one_process_described_as_a_job_of_one_is_left_be() -> None:
+    assert environment.check_job_environment({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) is None
+
+
 def test_inside_a_job_its_variables_are_taken() -> None:
     job = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "RANK": "3"}
     found = environment.check_job_environment(job)

@@ -76,8 +76,11 @@ JOB_NUMBERS = {
 RANK_OF = {"RANK": "WORLD_SIZE", "LOCAL_RANK": "LOCAL_WORLD_SIZE", "SLURM_PROCID": "SLURM_NTASKS"}
 """A rank and the size it must be below."""
 JOB_ONLY = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
-"""Set by a launcher for its ranks; exported outside a job, they describe a job that does not exist
-(the parent would take itself for rank RANK of WORLD_SIZE)."""
+"""Set by a launcher for its ranks; exported outside a job with more than one process, they
+describe a job that does not exist (the parent would take itself for rank RANK of WORLD_SIZE, or
+start its own ranks where the user expected WORLD_SIZE of them across machines)."""
+JOB_ONLY_TRIVIAL = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
+"""The largest value of each that still describes this process alone."""
 
 
 def check_job_environment(env: Mapping[str, str]) -> ClusterJob | None:
@@ -95,7 +98,7 @@ def check_job_environment(env: Mapping[str, str]) -> ClusterJob | None:
         _check_rank(env, rank, size)
     job = detect_cluster_job(env)
     stray = [name for name in JOB_ONLY if env.get(name)]
-    if job is None and stray:
+    if job is None and stray and _more_than_one_process(env):
         raise ConfigError(
             stray[0],
             env[stray[0]],
@@ -105,6 +108,12 @@ def check_job_environment(env: Mapping[str, str]) -> ClusterJob | None:
             "(devices=N, num_nodes=N), or start it under torchrun/srun",
         )
     return job
+
+
+def _more_than_one_process(env: Mapping[str, str]) -> bool:
+    """The variables describe a job of several processes (``WORLD_SIZE=1 RANK=0``, which a
+    one-process PyTorchJob exports, describes this process alone and is left be)."""
+    return any((_env_int(env, name, 0) or 0) > least for name, least in JOB_ONLY_TRIVIAL.items())
 
 
 def _check_rank(env: Mapping[str, str], rank: str, size: str) -> None:
