@@ -158,6 +158,42 @@ def test_multi_node_launchers_meet_within_the_rendezvous_timeout() -> None:
     assert "--rdzv-conf=join_timeout=91" in torchrun_command(cfg, Path("config.yaml"))
 
 
+def test_launchers_that_never_meet_end_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's elastic launcher waits ``join_timeout`` (launcher.rdzv_timeout_s) for node 0, then
+    reports one line, in failure.json for the summary, instead of torch's traceback."""
+    import logging
+
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from fsdp_cli.launch import agent
+    from fsdp_cli.launch.launcher import RUN_DIR_ENV, torchrun_command
+    from fsdp_cli.rundir.failure import read_failure
+
+    def never_meet(args: object) -> None:
+        raise RendezvousTimeoutError()
+
+    monkeypatch.setattr(torch_run, "run", never_meet)
+    monkeypatch.setattr(agent, "die_with_parent", lambda sig: None)
+    monkeypatch.setenv(agent.AGENT_PID_ENV, "0")  # the agent sets it: put back after the test
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    logger = logging.getLogger(agent.AGENT_LOGGER)
+    monkeypatch.setattr(logger, "level", logger.level)
+    overrides = ["num_nodes=2", "launcher.rdzv_endpoint=n0:29400", "launcher.node_rank=1"]
+    more = ["launcher.rdzv_timeout_s=30", "launcher.start_method=subprocess"]
+    command = torchrun_command(resolve_layout(composed(*overrides, *more), CPU), tmp_path / "config.yaml")
+    assert agent.main(command[command.index("fsdp_cli.launch.agent") + 1 :]) == 1
+    line = (
+        "launcher.rdzv_timeout_s=30: the nodes did not all meet at launcher.rdzv_endpoint=n0:29400 (this is "
+        "node 1 of 2); hint: start fsdp-train on every node with the same launcher.rdzv_endpoint, reachable "
+        "from each, and its own launcher.node_rank; raise launcher.rdzv_timeout_s when nodes start minutes apart"
+    )
+    assert capsys.readouterr().err == f"fsdp-train: error: {line}\n"
+    assert read_failure(tmp_path) == {"kind": "rendezvous", "error": line}
+
+
 @pytest.mark.distributed
 def test_a_rank_waiting_for_peers_that_never_come_answers_sigterm(tmp_path: Path) -> None:
     """A torchrun-like environment whose MASTER_PORT nobody listens on: rank 1 waits in torch's
