@@ -220,6 +220,11 @@ def cluster_run_dir(argv: list[str], env: Mapping[str, str]) -> list[str]:
     return [*argv, f"{key}={root}/{job.kind}-{job_id}"]
 
 
+def is_sweep(argv: list[str]) -> bool:
+    """``-m``, or ``hydra.mode=MULTIRUN`` on the command line (Hydra then runs a sweep too)."""
+    return any(a in MULTIRUN_FLAGS or a.lstrip("+~") == "hydra.mode=MULTIRUN" for a in argv)
+
+
 def check_modes(argv: list[str]) -> None:
     """Hydra runs one mode at a time; say so in one line instead of its traceback."""
     modes = sorted({MODE_FLAGS[a] for a in argv if a in MODE_FLAGS})
@@ -265,7 +270,7 @@ def main() -> None:
         fail(err.one_line())
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(argv), os.environ)
     train()
-    if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
+    if is_sweep(sys.argv[1:]):
         from fsdp_cli.sweep.report import exit_status
 
         # After a sweep: 1 when any job failed, 2 when every job was skipped, decided by its report.
