@@ -614,7 +614,8 @@ class TrainConfig:
     num_nodes: int = field(default=1, metadata=at_least(1))
     """Machines the run spans (inside srun/torchrun: taken from the job)."""
     accelerator: Accelerator = Accelerator.auto
-    """``auto``: gpu when a GPU is visible, else cpu."""
+    """``auto``: gpu when a GPU is visible (one the driver has; ``CUDA_VISIBLE_DEVICES`` alone makes
+    none), else cpu, with a note when ``CUDA_VISIBLE_DEVICES`` lists GPUs that are not there."""
     seed: int = field(default=1234, metadata=between(0, 2**32 - 1))
     """Seed of the model initialisation and the data order."""
     resume: str | None = None
