@@ -313,7 +313,8 @@ class CheckpointConfig:
     save_last: bool = True
     """Save when training ends."""
     save_on_sigterm: bool = True
-    """On SIGTERM or SIGUSR1 (preemption, a scheduler's time-limit warning) save a checkpoint, then exit with status ``preempted``."""
+    """On SIGTERM or SIGUSR1 (preemption, a scheduler's time-limit warning) save a checkpoint, then exit with status ``preempted``.
+    From the moment the ranks have met: during the rendezvous a SIGTERM ends a rank at once (nothing to save yet)."""
     async_save: bool = False
     """Sharded checkpoints only: copy the state to CPU memory, then write it in a background
     thread while training continues (torch.distributed.checkpoint's async save). The checkpoint
