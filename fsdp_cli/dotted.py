@@ -6,10 +6,22 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from fsdp_cli.errors import ConfigError
+
+
+def serve_working_directory() -> None:
+    """Let dotted paths name the user's own modules in the working directory
+    (``model._target_=my_pkg.MyModel`` run from the folder holding ``my_pkg``): appended to
+    ``sys.path``, after the installed packages, never first, where a file named like a dependency
+    (``rich.py``) would be imported instead of it."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
 
 
 def import_object(path: str, key: str) -> Any:

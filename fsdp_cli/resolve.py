@@ -30,7 +30,7 @@ from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.launch.layout import resolve_layout
+from fsdp_cli.launch.layout import resolve_layout, unusable_gpus_notice
 from fsdp_cli.rundir.files import check_writable_folder
 
 PreLaunchCheck = Callable[[TrainConfig], None]
@@ -122,7 +122,11 @@ def resolve_config(
     typed, notices = migrate(to_train_config(cfg))
     for notice in notices:
         notify(notice)
+    auto = typed.accelerator.value == "auto"
     typed = resolve_layout(typed, env)
+    gpu_notice = unusable_gpus_notice(env) if auto else None
+    if gpu_notice is not None:
+        notify(gpu_notice)
     typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
     typed = resolve_model_folder(typed)
     validate(typed)

@@ -88,6 +88,7 @@ def test_plan_problem_names_the_numbers_and_a_hint() -> None:
     cfg = resolve_layout(
         composed("model=llama_1b", "devices=8", "precision=bf16-mixed", "data.seq_len=4096"),
         {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(8)))},
+        gpus=8,  # a node of 8 GPUs, whatever this machine has
     )
     assert plan_problem(cfg, device_memory=80 * 2**30) is None
     problem = plan_problem(cfg, device_memory=8 * 2**30)

@@ -333,7 +333,7 @@ def test_a_sweep_skips_a_job_its_rehearsal_refuses_before_any_job_starts(tmp_pat
     ]
     # (Were a job launched, it would start a process: the fast tier refuses that.)
     r = cli_in_process(args, env={"CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r  # skipped jobs are no failure
+    assert r.returncode == 2, r  # skipped jobs are no failure, but no job ran
     for job in ("0", "1"):
         summary = read_summary(sweep / job)
         assert summary["status"] == "skipped"

@@ -122,6 +122,25 @@ def test_the_exit_status_is_1_only_when_a_job_failed(sweep_dir: Path) -> None:
     assert sweep_ends() == 0
 
 
+def test_a_sweep_in_which_no_job_ran_exits_2_and_says_so(
+    sweep_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for job in ("0", "2", "10"):
+        (sweep_dir / job / "summary.json").write_text(json.dumps({"status": "skipped", "reason": "x"}))
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}})
+    callback = sweep.SweepReport()
+    callback.on_multirun_start(config)
+    callback._started = None  # the fixture's jobs were written before this "sweep" started
+    callback.on_multirun_end(config)
+    assert sweep.exit_status() == 2
+    out, err = capsys.readouterr()
+    assert "sweep: 4 jobs (0 ok, 4 skipped, 0 failed)" in out and "no job ran: every job was skipped" in out
+    assert (
+        err
+        == "fsdp-train: error: no job of the sweep ran: all 4 were skipped; hint: the reason of each is in the table\n"
+    )
+
+
 def test_the_value_returned_to_the_sweeper(monkeypatch: pytest.MonkeyPatch) -> None:
     ok = {"status": "ok", "final_loss": 4.5, "tokens_per_s": 2000.0}
     assert sweep_job.objective_value(ok, "final_loss") == 4.5

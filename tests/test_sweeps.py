@@ -183,7 +183,7 @@ def test_under_hydras_basic_launcher_each_job_checks_itself(tmp_path: Path) -> N
     r = cli_in_process(
         ["-m", "hydra/launcher=basic", *CPU, "devices=2", "tp=3,5", f"hydra.sweep.dir={sweep}"]
     )
-    assert r.returncode == 0, r  # every job skipped as invalid: nothing failed
+    assert r.returncode == 2, r  # every job skipped as invalid: nothing failed, and nothing ran
     assert "skipped as invalid" not in r.out  # no pre-pass: the guard in each job decided
     assert statuses(sweep, 2) == ["skipped", "skipped"]
     assert read_summary(sweep / "1")["reason"].startswith("tp=5: must divide the world size 2")
@@ -195,7 +195,10 @@ def test_optuna_study_of_only_invalid_trials_completes(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", *CPU, "devices=2", "tp=choice(3)"]
     r = cli_in_process([*args, f"hydra.sweep.dir={sweep}"])
-    assert r.returncode == 0, r
+    assert r.returncode == 2, r  # the study completes, but no trial ran
+    assert r.stderr.endswith(
+        "fsdp-train: error: no job of the sweep ran: all 2 were skipped; hint: the reason of each is in the table\n"
+    )
     assert "Best value: inf" in r.out  # minimising: an invalid trial is worth +inf, never NaN or None
     assert [row["status"] for row in sweep_rows(sweep)] == ["skipped", "skipped"]
 

@@ -71,7 +71,10 @@ class CheckpointCallback(L.Callback):
     # ------------------------------------------------------------------ preemption
 
     def install_signal_handler(self) -> None:
-        """Call before ``fit``: SIGTERM or SIGUSR1 marks the run for a save at the next step boundary."""
+        """SIGTERM or SIGUSR1 marks the run for a save at the next step boundary. Installed in
+        :meth:`setup`, once the process group is up: during the rendezvous a handler never runs
+        (torch retries its connection in C++ when a signal interrupts it), and the default
+        action ends a rank that has nothing to save yet."""
         if self.config.save_on_sigterm:
             for stop_signal in STOP_SIGNALS:
                 signal.signal(stop_signal, self._on_stop_signal)
@@ -86,6 +89,7 @@ class CheckpointCallback(L.Callback):
         # every training batch (a device sync per step on GPUs); this callback replaces both.
         # (setup runs before the Trainer registers its handlers, so the override takes effect.)
         disable_lightning_sigterm_handling(trainer)
+        self.install_signal_handler()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._stop_flags = StopFlagExchange(dist.new_group(backend="gloo"))
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import sys
 
 from fsdp_cli.cli.configs import config_path
+from fsdp_cli.cli.console import quiet_on_closed_pipe
 
 
+@quiet_on_closed_pipe
 def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         from fsdp_cli.cli.help import help_text

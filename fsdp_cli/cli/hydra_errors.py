@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,12 +30,15 @@ CONFIG_ERRORS = (
     MissingConfigException,
     OverrideParseException,
     OmegaConfBaseException,
+    yaml.YAMLError,  # a config file of the user's (--config-dir) that is not YAML
 )
 HINT = "fsdp-train --help lists the groups and options; --cfg job prints the composed config"
 
 
 def one_line(err: BaseException) -> str:
     """Condense a Hydra/OmegaConf composition error into ``key=value: problem; allowed: ...; hint: ...``."""
+    if isinstance(err, yaml.YAMLError):
+        return yaml_error_line(err)
     text = str(err)
     missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
     if missing:
@@ -59,6 +63,19 @@ def one_line(err: BaseException) -> str:
     if merging:
         return f"{merging.group(1)}: {detail}; hint: {HINT}"
     return f"{'; '.join(_lines(text)[:2])}{'; ' + detail if cause is not None else ''}; hint: {HINT}"
+
+
+def yaml_error_line(err: yaml.YAMLError) -> str:
+    """``FILE:LINE:COLUMN: not valid YAML: <the parser's problem> (<what it was reading>, from line N)``:
+    where the parser stopped, in place of the parser's traceback."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or _first_line(str(err))
+    if mark is None:
+        return f"a config file is not valid YAML: {problem}; hint: {HINT}"
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    opened = f" ({context}, from line {start.line + 1})" if context and start is not None else ""
+    return f"{where}: not valid YAML: {problem}{opened}; hint: fix that file (a YAML linter shows more)"
 
 
 def report_hydra_errors_in_one_line(prog: str) -> None:

@@ -24,8 +24,9 @@ from omegaconf import DictConfig
 from fsdp_cli.cli.configs import config_path, register_sweep_launcher
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
 from fsdp_cli.config.store import register_schemas
+from fsdp_cli.dotted import serve_working_directory
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.launch.environment import ClusterJob, detect_cluster_job, global_rank
+from fsdp_cli.launch.environment import ClusterJob, check_job_environment, detect_cluster_job, global_rank
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     EXIT_FAILED,
@@ -219,6 +220,11 @@ def cluster_run_dir(argv: list[str], env: Mapping[str, str]) -> list[str]:
     return [*argv, f"{key}={root}/{job.kind}-{job_id}"]
 
 
+def is_sweep(argv: list[str]) -> bool:
+    """``-m``, or ``hydra.mode=MULTIRUN`` on the command line (Hydra then runs a sweep too)."""
+    return any(a in MULTIRUN_FLAGS or a.lstrip("+~") == "hydra.mode=MULTIRUN" for a in argv)
+
+
 def check_modes(argv: list[str]) -> None:
     """Hydra runs one mode at a time; say so in one line instead of its traceback."""
     modes = sorted({MODE_FLAGS[a] for a in argv if a in MODE_FLAGS})
@@ -245,9 +251,7 @@ def take_dry_run_flag(argv: list[str]) -> bool:
 
 def main() -> None:
     global _dry_run
-    # `model._target_=pkg.mod.Factory` may name a module in the working directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    serve_working_directory()  # `model._target_=pkg.mod.Factory` may name a module there
     register_schemas()
     register_sweep_launcher()
     if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):
@@ -260,12 +264,16 @@ def main() -> None:
     check_modes(sys.argv[1:])
     argv = sys.argv[1:]
     _dry_run = take_dry_run_flag(argv)  # (set on every call: a test runs commands in one process)
+    try:
+        check_job_environment(os.environ)  # the run directory below is named after the job
+    except ConfigError as err:
+        fail(err.one_line())
     sys.argv[1:] = cluster_run_dir(quote_numeric_group_options(argv), os.environ)
     train()
-    if any(a in MULTIRUN_FLAGS for a in sys.argv[1:]):
+    if is_sweep(sys.argv[1:]):
         from fsdp_cli.sweep.report import exit_status
 
-        # After a sweep: 1 when any job failed (skipped ones do not count), decided by its report.
+        # After a sweep: 1 when any job failed, 2 when every job was skipped, decided by its report.
         code = exit_status()
         if code:
             sys.exit(code)

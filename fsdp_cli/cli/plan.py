@@ -24,6 +24,8 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from fsdp_cli.cli.console import OneLineParser, quiet_on_closed_pipe
+from fsdp_cli.dotted import serve_working_directory
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 
@@ -43,11 +45,39 @@ UNITS = {
 UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
+MAX_DEVICE_MEMORY = 2**50
+"""The largest ``--device-memory`` taken (1 PiB): a device's memory, not a typo's exponent."""
+MAX_GPUS = 1024
+"""The most ``--gpus`` per node taken."""
+SIZE = re.compile(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
 def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    """``80GB``, ``80GiB``, ``8e10`` -> bytes: more than 0 and at most :data:`MAX_DEVICE_MEMORY`."""
+    allowed = "e.g. 80GB, 80GiB, 8e10 (more than 0, at most 1PiB)"
+    match = SIZE.fullmatch(text)
     if not match or match.group(2).lower() not in UNITS:
-        raise ConfigError("--device-memory", text, "not a size", allowed="e.g. 80GB, 80GiB, 8e10")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+        raise ConfigError("--device-memory", text, "not a size", allowed=allowed)
+    size = float(match.group(1)) * UNITS[match.group(2).lower()]
+    if not 1 <= size <= MAX_DEVICE_MEMORY:  # also inf (1e999GB)
+        raise ConfigError("--device-memory", text, "out of range", allowed=allowed)
+    return int(size)
+
+
+def parse_gpus(text: str | None) -> int | None:
+    """``--gpus N``: GPUs per node to plan for, 1 .. :data:`MAX_GPUS` (None: this machine's)."""
+    if text is None:
+        return None
+    number = int(text) if text.strip().isdigit() else None
+    if number is None or not 1 <= number <= MAX_GPUS:
+        raise ConfigError(
+            "--gpus",
+            text,
+            "not a number of GPUs per node",
+            allowed=f"1..{MAX_GPUS}",
+            hint="leave --gpus out to plan for this machine's GPUs, or its CPUs",
+        )
+    return number
 
 
 def fail(message: str) -> NoReturn:
@@ -99,14 +129,15 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     return cfg
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="fsdp-train overrides (group=option key=value ...)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
-        "--gpus", type=int, default=None, help="plan for N GPUs per node (default: this machine's)"
+        "--gpus", default=None, help="plan for N GPUs per node, 1-1024 (default: this machine's)"
     )
     parser.add_argument(
         "--device-memory", default=None, help="memory per device, e.g. 80GB (default: detected)"
@@ -124,11 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
     if args.search and args.rehearse:
         fail("--search and --rehearse cannot be combined; hint: rehearse the layout --search chose")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # model._target_ may live in the working directory
+    serve_working_directory()  # model._target_ may live there
     try:
-        cfg = resolved(args.overrides, args.gpus)
-        memory = parse_size(args.device_memory) if args.device_memory else None
+        gpus = parse_gpus(args.gpus)
+        memory = parse_size(args.device_memory) if args.device_memory is not None else None
+        cfg = resolved(args.overrides, gpus)
         if args.rehearse:
             from fsdp_cli.cli.rehearse import rehearse_and_report
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from fsdp_cli.cli.console import OneLineParser, quiet_on_closed_pipe
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 
 PROG = "fsdp-recipe"
@@ -106,6 +108,8 @@ def copy(recipe: Recipe, new_name: str, config_dir: Path) -> tuple[Path, str]:
     if (recipes_dir() / f"{new_name}.yaml").is_file():
         # Hydra looks in the shipped configs before --config-dir: the copy would never be read.
         _fail(f"{new_name}: a shipped recipe has this name and would hide the copy; hint: pick another name")
+    if config_dir.exists() and not config_dir.is_dir():
+        _fail(f"--dir={config_dir}: not a directory; allowed: a directory (made if missing)")
     target = config_dir / GROUP / f"{new_name}.yaml"
     if target.exists():
         _fail(
@@ -113,9 +117,25 @@ def copy(recipe: Recipe, new_name: str, config_dir: Path) -> tuple[Path, str]:
         )
     command = _rewrite(recipe.command, recipe.name, new_name, config_dir)
     text = recipe.text.replace(f"# Command:  {recipe.command}", f"# Command:  {command}", 1)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_new(target, text)
+    except OSError as err:
+        _fail(f"--dir={config_dir}: cannot write {target} ({err.strerror or err}); hint: a writable --dir")
     return target, command
+
+
+def _write_new(target: Path, text: str) -> None:
+    """Publish the copy whole (written beside it, then renamed): an interrupted copy leaves no half recipe."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _rewrite(command: str, old: str, new: str, config_dir: Path) -> str:
@@ -146,7 +166,7 @@ def print_list(recipes: Sequence[Recipe]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="The recipes shipped with fsdp-train: whole runs to copy and edit.",
         epilog="A copy runs with: fsdp-train --config-dir DIR recipe=NEW_NAME",
@@ -162,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "ls":

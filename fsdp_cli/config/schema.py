@@ -313,7 +313,8 @@ class CheckpointConfig:
     save_last: bool = True
     """Save when training ends."""
     save_on_sigterm: bool = True
-    """On SIGTERM or SIGUSR1 (preemption, a scheduler's time-limit warning) save a checkpoint, then exit with status ``preempted``."""
+    """On SIGTERM or SIGUSR1 (preemption, a scheduler's time-limit warning) save a checkpoint, then exit with status ``preempted``.
+    From the moment the ranks have met: during the rendezvous a SIGTERM ends a rank at once (nothing to save yet)."""
     async_save: bool = False
     """Sharded checkpoints only: copy the state to CPU memory, then write it in a background
     thread while training continues (torch.distributed.checkpoint's async save). The checkpoint
@@ -536,7 +537,8 @@ class LoggerConfig:
 
 @dataclass
 class LauncherConfig:
-    """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM)."""
+    """How the parent starts ranks with torch.distributed.run (ignored inside torchrun/SLURM, but
+    for ``rdzv_timeout_s``)."""
 
     rdzv_endpoint: str | None = None
     """host:port of the rendezvous for multi-node runs (node 0's address and a free port); null =
@@ -556,6 +558,11 @@ class LauncherConfig:
     startup_timeout_s: float | None = field(default=1800.0, metadata=positive())
     """The same limit while ranks start up (imports, rendezvous, checkpoint load, compile, the
     first step) or save a checkpoint; null = never."""
+    rdzv_timeout_s: float = field(default=600.0, metadata=positive())
+    """How long the ranks wait to meet (the process group's rendezvous; across nodes, the
+    launchers' too) before the run fails with a line naming the address: a peer that never
+    starts, or a ``MASTER_ADDR``/``MASTER_PORT`` nobody listens on. Applies inside torchrun/SLURM
+    too."""
     start_method: RankStart = RankStart.fork
     """How the agent starts a node's ranks: ``fork`` forks them from the agent, which imported
     torch, Lightning and fsdp_cli once before it met its peers; ``forkserver`` forks them from a
@@ -608,7 +615,8 @@ class TrainConfig:
     num_nodes: int = field(default=1, metadata=at_least(1))
     """Machines the run spans (inside srun/torchrun: taken from the job)."""
     accelerator: Accelerator = Accelerator.auto
-    """``auto``: gpu when a GPU is visible, else cpu."""
+    """``auto``: gpu when a GPU is visible (one the driver has; ``CUDA_VISIBLE_DEVICES`` alone makes
+    none), else cpu, with a note when ``CUDA_VISIBLE_DEVICES`` lists GPUs that are not there."""
     seed: int = field(default=1234, metadata=between(0, 2**32 - 1))
     """Seed of the model initialisation and the data order."""
     resume: str | None = None

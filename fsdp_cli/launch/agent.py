@@ -217,6 +217,7 @@ def main(argv: list[str]) -> int:
         start_rank_server()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
@@ -232,7 +233,24 @@ def main(argv: list[str]) -> int:
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return _report(err)
+    except RendezvousTimeoutError:
+        return _report_unmet(args)
     return 0
+
+
+def _report_unmet(args: Any) -> int:
+    """The nodes did not all meet within ``launcher.rdzv_timeout_s`` (torchrun's ``join_timeout``):
+    one line, in ``failure.json`` for the parent's summary, instead of torch's traceback."""
+    conf = dict(item.partition("=")[::2] for item in str(args.rdzv_conf or "").split(",") if item)
+    line = (
+        f"launcher.rdzv_timeout_s={conf.get('join_timeout', '?')}: the nodes did not all meet at "
+        f"launcher.rdzv_endpoint={args.rdzv_endpoint} (this is node {args.node_rank} of {args.nnodes}); "
+        "hint: start fsdp-train on every node with the same launcher.rdzv_endpoint, reachable from each, "
+        "and its own launcher.node_rank; raise launcher.rdzv_timeout_s when nodes start minutes apart"
+    )
+    write_failure(Path(os.environ.get(RUN_DIR_ENV, ".")), {"kind": "rendezvous", "error": line})
+    print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":

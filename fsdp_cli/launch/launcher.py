@@ -15,6 +15,7 @@ No torch import here: the launcher runs in a subprocess.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import RankStart, TrainConfig
-from fsdp_cli.launch.environment import WATCHDOG_ENV
+from fsdp_cli.launch.environment import SAFEPATH_ENV, WATCHDOG_ENV
 from fsdp_cli.launch.stacks import dump_stacks
 from fsdp_cli.launch.watchdog import (
     DeadRankWatch,
@@ -79,6 +80,8 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",
+            # The launchers' own meeting (torch reads whole seconds; its default is 600).
+            f"--rdzv-conf=join_timeout={math.ceil(cfg.launcher.rdzv_timeout_s)}",
         ]
     cmd += [f"--max-restarts={cfg.launcher.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
     if cfg.launcher.start_method in FORK_FLAGS:
@@ -93,8 +96,12 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
 def worker_env(run: ResolvedRun) -> dict[str, str]:
     cfg = run.cfg
     env = dict(os.environ)
-    # model._target_ and parallelize_fn may live in the working directory.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    if "PYTHONSAFEPATH" not in env:
+        # `python -m` puts the working directory first on sys.path, where a file named like a
+        # dependency (rich.py) is imported instead of it: the agent and the ranks start without
+        # it (Python 3.11+), and a rank appends it (model._target_ may live there).
+        env["PYTHONSAFEPATH"] = "1"
+        env[SAFEPATH_ENV] = "1"
     if "OMP_NUM_THREADS" not in env:
         # torchrun would force 1; on CPU runs the ranks share the cores instead.
         per_rank = 1 if run.layout.on_gpu else (os.cpu_count() or 1) // run.layout.devices

@@ -19,7 +19,7 @@ from fsdp_cli.config.strategies import entry_of
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import (
     ClusterJob,
-    detect_cluster_job,
+    check_job_environment,
     gpu_compute_capability,
     visible_gpu_count,
 )
@@ -39,7 +39,7 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None
 
     ``gpus``: the number of usable GPUs; None counts them (``CUDA_VISIBLE_DEVICES`` in ``env``
     and the driver). Tests pass it to describe another machine than the one they run on."""
-    job = detect_cluster_job(env)
+    job = check_job_environment(env)
     gpus = visible_gpu_count(env) if gpus is None else gpus
     accelerator = cfg.accelerator
     if accelerator is Accelerator.auto:
@@ -48,10 +48,11 @@ def resolve_layout(cfg: TrainConfig, env: Mapping[str, str], *, gpus: int | None
         raise ConfigError(
             "accelerator",
             "gpu",
-            "no CUDA GPU is visible to this process",
+            "no CUDA GPU is visible to this process" + _listed_but_unusable(env, gpus),
             allowed="auto, cpu",
             hint="use accelerator=cpu (or check CUDA_VISIBLE_DEVICES)",
         )
+    _check_backend(cfg, accelerator)
     _check_float8(cfg, accelerator, env)
     devices, num_nodes = _devices(cfg, accelerator, gpus, job)
     launcher = resolve_rendezvous(cfg, env, job)
@@ -82,6 +83,37 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         replicate=entry_of(cfg).replicate_size(cfg.strategy),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )
+
+
+def unusable_gpus_notice(env: Mapping[str, str], gpus: int | None = None) -> str | None:
+    """The note ``accelerator=auto`` gives when ``CUDA_VISIBLE_DEVICES`` lists GPUs the driver
+    does not have (a CPU machine, a job script written for another): the run goes to CPUs."""
+    unusable = _listed_but_unusable(env, gpus)
+    return f"accelerator=auto: runs on CPU{unusable}" if unusable else None
+
+
+def _listed_but_unusable(env: Mapping[str, str], gpus: int | None = None) -> str:
+    """``" (CUDA_VISIBLE_DEVICES=0,1 lists GPUs, but none is usable here)"``, or "" when it lists none
+    or some are usable."""
+    listed = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not listed or listed.startswith("-"):
+        return ""
+    if (visible_gpu_count(env) if gpus is None else gpus) > 0:
+        return ""
+    return f" (CUDA_VISIBLE_DEVICES={listed} lists GPUs, but the driver reports none usable here)"
+
+
+def _check_backend(cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """NCCL moves CUDA tensors only: on CPU ranks its first collective fails, after every rank started."""
+    backend = getattr(cfg.strategy, "process_group_backend", None)
+    if accelerator is Accelerator.cpu and backend is not None and "nccl" in str(backend).lower():
+        raise ConfigError(
+            "strategy.process_group_backend",
+            backend,
+            "NCCL needs CUDA GPUs, and this run is on CPU",
+            allowed="gloo, or null (gloo on CPU, nccl on GPUs)",
+            hint="drop strategy.process_group_backend, or run on GPUs (accelerator=gpu)",
+        )
 
 
 def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, str]) -> None:

@@ -3,8 +3,8 @@
 A Hydra callback (``hydra.callbacks.sweep_report`` in ``train.yaml``). When the sweep ends it
 reads the job folders of this sweep (any launcher: ours, basic, submitit on other nodes), prints
 the table, writes ``sweep_summary.csv``, ``.json`` and ``.png`` in the sweep directory, and
-decides the exit status :func:`fsdp_cli.cli.main.main` returns: 1 when any job failed, 0 when
-every job ran or was skipped as invalid. (Exiting inside the callback would skip the callbacks
+decides the exit status :func:`fsdp_cli.cli.main.main` returns: 1 when any job failed, 2 when no
+job ran (every one skipped as invalid), 0 when every job ran or some were skipped. (Exiting inside the callback would skip the callbacks
 that run after it.)
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_cli.rundir.status import EXIT_FAILED, EXIT_OK, STATUS_FAILED
+from fsdp_cli.rundir.status import EXIT_OK
 from fsdp_cli.sweep.job import direction_name
-from fsdp_cli.sweep.summary import report
+from fsdp_cli.sweep.summary import none_ran, report, sweep_exit_status
 
 CLOCK_SLACK_S = 2.0
 """Job folders are told apart from an earlier sweep's by their start time; clocks of the nodes
@@ -49,8 +49,14 @@ class SweepReport(Callback):
         # Only this sweep's jobs: a reused hydra.sweep.dir may hold folders of an earlier one.
         since = None if self._started is None else self._started - CLOCK_SLACK_S
         jobs = report(Path(config.hydra.sweep.dir), since=since)
-        if any(job.status == STATUS_FAILED for job in jobs):
-            _exit_status = EXIT_FAILED
+        _exit_status = sweep_exit_status(jobs)
+        if none_ran(jobs):
+            print(
+                f"fsdp-train: error: no job of the sweep ran: all {len(jobs)} were skipped; "
+                "hint: the reason of each is in the table",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _warn_on_opposite_direction(config: DictConfig) -> None:

@@ -13,7 +13,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdp_cli.rundir.status import STATUS_COLOURS, STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
+from fsdp_cli.rundir.status import (
+    EXIT_CONFIG_ERROR,
+    EXIT_FAILED,
+    EXIT_OK,
+    STATUS_COLOURS,
+    STATUS_FAILED,
+    STATUS_OK,
+    STATUS_SKIPPED,
+)
 from fsdp_cli.sweep.jobs import COLUMNS, JobResult, collect, counts
 from fsdp_cli.sweep.plot import write_png
 
@@ -64,6 +72,8 @@ def print_table(jobs: Sequence[JobResult], sweep_dir: Path) -> None:
         f"sweep: {len(jobs)} jobs ({n[STATUS_OK]} ok, {n[STATUS_SKIPPED]} skipped, "
         f"{n[STATUS_FAILED]} failed) in {sweep_dir}"
     )
+    if none_ran(jobs):
+        title += "; no job ran: every job was skipped (reasons below)"
     table = Table(title=escape(title), title_justify="left")
     widest = max((len(w) for j in jobs for w in j.label.split()), default=8)
     for name in ("job", "overrides", "status", "dp", "tp", "strategy", "precision", "steps"):
@@ -81,6 +91,19 @@ def print_table(jobs: Sequence[JobResult], sweep_dir: Path) -> None:
     if not console.is_terminal:  # a log file or a pipe: the whole table, never cropped at 80 columns
         console = Console(width=LOG_WIDTH)
     console.print(table)
+
+
+def none_ran(jobs: Sequence[JobResult]) -> bool:
+    """Every job was skipped before it started: the sweep trained nothing."""
+    return bool(jobs) and all(job.status == STATUS_SKIPPED for job in jobs)
+
+
+def sweep_exit_status(jobs: Sequence[JobResult]) -> int:
+    """1 when any job failed; 2 when no job ran (every one skipped, as a single run's config mistake
+    exits 2: a script that goes on to read the results must not take the sweep for a success); else 0."""
+    if counts(jobs)[STATUS_FAILED]:
+        return EXIT_FAILED
+    return EXIT_CONFIG_ERROR if none_ran(jobs) else EXIT_OK
 
 
 def _cells(j: JobResult, best: float | None, escape: Any) -> list[str]:
@@ -123,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not jobs:
         print(f"error: no job folders in {args[0]}", file=sys.stderr)
         return 2
-    return 1 if counts(jobs)[STATUS_FAILED] else 0
+    return sweep_exit_status(jobs)
 
 
 if __name__ == "__main__":

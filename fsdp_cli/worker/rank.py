@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,16 @@ from typing import Any
 from fsdp_cli.config.convert import load_train_config
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.dotted import serve_working_directory
 from fsdp_cli.errors import ConfigError, RunFailure
-from fsdp_cli.launch.environment import AGENT_LOGGER, WATCHDOG_ENV, agent_pid, die_with_parent, global_rank
+from fsdp_cli.launch.environment import (
+    AGENT_LOGGER,
+    SAFEPATH_ENV,
+    WATCHDOG_ENV,
+    agent_pid,
+    die_with_parent,
+    global_rank,
+)
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -75,7 +84,8 @@ def run(cfg: TrainConfig) -> int:
     result: FitResult | None = None
     try:
         built = build(resolved, monitor)
-        result = fit(resolved, built)
+        with _meeting_peers(resolved, monitor, started):
+            result = fit(resolved, built)
         outcome = Outcome()
         if result.preempted:
             outcome = Outcome(
@@ -96,6 +106,32 @@ def run(cfg: TrainConfig) -> int:
     if rank == 0 or (outcome.status == STATUS_FAILED and not summary_exists(run_dir)):
         write_summary(run_dir, summary)
     return outcome.exit_code
+
+
+def _meeting_peers(run: ResolvedRun, monitor: RankMonitor, started: float) -> AbstractContextManager[None]:
+    """``launcher.rdzv_timeout_s`` over the process group's rendezvous (``trainer.fit`` starts with
+    it): a rank whose peers never come fails with one line instead of waiting out the collective
+    timeout (see :mod:`fsdp_cli.worker.rendezvous`)."""
+    if run.layout.world_size == 1:
+        return nullcontext()
+    import torch.distributed as dist
+
+    from fsdp_cli.worker.rendezvous import expired_line, rendezvous_deadline
+
+    timeout = run.cfg.launcher.rdzv_timeout_s
+
+    def give_up() -> None:  # on the watching thread: the main one is blocked in C++
+        rank = global_rank()
+        outcome = Outcome(STATUS_FAILED, expired_line(timeout, rank, run.layout.world_size), EXIT_FAILED)
+        print(f"fsdp-train: error: {outcome.error}", file=sys.stderr, flush=True)
+        report_error_to_agent(outcome.error or "")
+        monitor.exiting(ok=False)
+        if rank == 0 or not summary_exists(run.run_dir):
+            write_summary(run.run_dir, _summary(run, None, None, outcome, wall=time.time() - started))
+        sys.stdout.flush()
+        os._exit(EXIT_FAILED)
+
+    return rendezvous_deadline(timeout, is_up=dist.is_initialized, on_expiry=give_up)
 
 
 def start_monitor(cfg: TrainConfig, rank: int) -> RankMonitor:
@@ -170,7 +206,6 @@ def fit(run: ResolvedRun, built: RankRun) -> FitResult:
     """Train (resuming where the config says), then save the final checkpoint if one is due."""
     cfg = run.cfg
     trainer, checkpoints = built.trainer, built.callbacks.checkpoints
-    checkpoints.install_signal_handler()
     trainer.fit(built.module, datamodule=built.datamodule, ckpt_path=_resume_path(cfg))
     last = checkpoints.last_saved
     already_saved = last is not None and last.name.startswith(f"step_{trainer.global_step:08d}")
@@ -287,6 +322,9 @@ def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
 
     if forked:
         _leave_the_process_it_was_forked_from()
+    if os.environ.pop(SAFEPATH_ENV, None):
+        os.environ.pop("PYTHONSAFEPATH", None)
+    serve_working_directory()  # model._target_ and parallelize_fn may live there
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m fsdp_cli.worker RUN_DIR/config.yaml", file=sys.stderr)
