@@ -265,11 +265,14 @@ def test_tokenization_interrupted_midway_leaves_nothing_half_written(
 
 
 def fake_sharded(directory: Path, step: int, run_id: str | None, **manifest: Any) -> Path:
-    """A sharded checkpoint's files (not loadable) with a manifest that verifies."""
+    """A sharded checkpoint (one small tensor, written by DCP without a process group) with a
+    manifest that verifies."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     path = directory / f"step_{step:08d}"
     path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"m")
-    (path / "__0_0.distcp").write_bytes(b"x" * step)
+    dcp.save({"w": torch.zeros(step + 1)}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
     records = file_records(path, [".metadata", "__0_0.distcp"])
     body = {"step": step, "format": "sharded", "files": records, "run_id": run_id, **manifest}
     (path / "manifest.json").write_text(json.dumps({k: v for k, v in body.items() if v is not None}))
@@ -335,11 +338,12 @@ def test_a_resumed_run_keeps_the_run_id_of_its_checkpoint(tmp_path: Path) -> Non
 MANIFESTS = {
     "a record without its size": (
         {"files": {"__0_0.distcp": {"crc32": "0"}}},
-        "manifest.json has a malformed record for __0_0.distcp ({'crc32': '0'}; expected size and crc32)",
+        '{path}/manifest.json: the record of \'__0_0.distcp\' is {{"crc32": "0"}}, '
+        'not {{"size": <bytes>, "crc32": "<8 hex digits>"}}',
     ),
     "a record outside the checkpoint": (
         {"files": {"../../secret": {"size": 1, "crc32": "0"}}},
-        "manifest.json lists '../../secret', outside the checkpoint",
+        "{path}/manifest.json: names a file outside the checkpoint folder ('../../secret'); refused",
     ),
     "no step": (
         {"step": None},
@@ -355,7 +359,7 @@ def test_a_malformed_manifest_is_one_line_on_resume(tmp_path: Path, case: str) -
     manifest = {**json.loads((path / "manifest.json").read_text()), **fields}
     (path / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if v is not None}))
     line = refusal([f"resume={path}"], tmp_path / "run")
-    assert line.startswith(f"resume={path}: {words}; hint: fsdp-ckpt verify PATH"), line
+    assert line.startswith(f"resume={path}: {words.format(path=path)}; hint: fsdp-ckpt verify PATH"), line
 
 
 def test_resume_auto_skips_a_malformed_newest_manifest(tmp_path: Path) -> None:
@@ -367,8 +371,8 @@ def test_resume_auto_skips_a_malformed_newest_manifest(tmp_path: Path) -> None:
     found, notices = newest_verified(tmp_path)
     assert found == older
     assert notices == [
-        "note: resume=auto: skipping step_00000004: manifest.json has a malformed record for x (5; expected "
-        "size and crc32); trying the next newest (step_00000002)"
+        f"note: resume=auto: skipping step_00000004: {newest}/manifest.json: the record of 'x' is 5, "
+        'not {"size": <bytes>, "crc32": "<8 hex digits>"}; trying the next newest (step_00000002)'
     ]
 
 
