@@ -378,6 +378,7 @@ def test_a_missing_logger_package_names_its_extra(monkeypatch: Any, logger: str,
     import importlib.util
 
     from fsdp_cli.config.validate import check_experiment_logger
+    from fsdp_cli.extras import install_hint
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -387,7 +388,7 @@ def test_a_missing_logger_package_names_its_extra(monkeypatch: Any, logger: str,
         check_experiment_logger(run_of(composed(f"logger={logger}")))
     assert info.value.one_line() == (
         f"logger={logger}: the {extra} package is not installed; allowed: none, csv; "
-        f'hint: pip install "fsdp-cli[{extra}]"'
+        f"hint: {install_hint(extra)}"
     )
 
 

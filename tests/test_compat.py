@@ -251,3 +251,25 @@ def test_plain_tensors_opens_wrapper_subclasses() -> None:
     assert storage_bytes([weight]) == 32 * 32 * 4
     plain = torch.zeros(2)
     assert torch_internals.plain_tensors(plain) == [plain]
+
+
+def test_install_hints_work_where_only_the_package_index_is_reached() -> None:
+    """fsdp-cli is not on the package index: no hint may say ``pip install "fsdp-cli[...]"``. A
+    runtime hint names the extra's own requirements, exactly as pyproject.toml lists them (any
+    index serves those), and the checkout's ``pip install ".[extra]"``."""
+    from fsdp_cli.extras import install_hint
+
+    repo = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, requirements in extras.items():
+        if extra in ("test", "dev"):
+            continue
+        quoted = " ".join(f'"{Requirement(r)}"' for r in requirements)
+        assert (
+            install_hint(extra)
+            == f'pip install {quoted} (or pip install ".[{extra}]" in a checkout of fsdp_cli)'
+        )
+    shipped = [*repo.glob("*.md"), *repo.glob("docs/*.md"), *repo.glob("configs/**/*.yaml")]
+    shipped += [p for p in repo.glob("fsdp_cli/**/*.py") if p.name != "extras.py"]
+    offenders = [str(p.relative_to(repo)) for p in shipped if "fsdp-cli[" in p.read_text()]
+    assert offenders == []

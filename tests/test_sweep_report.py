@@ -101,7 +101,8 @@ def test_without_matplotlib_the_png_is_skipped_with_one_line(
     assert (sweep_dir / "sweep_summary.csv").is_file()
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        'fsdp-train: note: sweep_summary.png not written: matplotlib is not installed (pip install "fsdp-cli[plot]")'
+        "fsdp-train: note: sweep_summary.png not written: matplotlib is not installed "
+        '(pip install "matplotlib>=3.7" (or pip install ".[plot]" in a checkout of fsdp_cli))'
     ]
     assert sweep_plot.write_png(collect(sweep_dir), sweep_dir / "x.png") is None
 

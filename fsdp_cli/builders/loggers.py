@@ -2,8 +2,8 @@
 
 Both receive what ``metrics.jsonl`` holds, step by step (the metrics callback sends each row's
 numbers), and whatever the module logs with ``self.log``. They write on rank 0 only, as every
-Lightning logger does. Their packages are optional extras (``pip install "fsdp-cli[mlflow]"``,
-``"fsdp-cli[wandb]"``); the parent refused the option before launch when one is missing.
+Lightning logger does. Their packages are optional extras (``pip install ".[mlflow]"``,
+``".[wandb]"``); the parent refused the option before launch when one is missing.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
+from fsdp_cli.extras import install_hint
 
 PREFIX = "model.hf."
 """Where ``model=hf`` keeps the transformers model inside the LightningModule's state dict."""
@@ -59,9 +60,7 @@ def hf_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> dict[str, t
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise CheckpointFormatError(
-            '--to hf needs the transformers package: pip install "fsdp-cli[hf]"'
-        ) from None
+        raise CheckpointFormatError(f"--to hf needs the transformers package: {install_hint('hf')}") from None
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))

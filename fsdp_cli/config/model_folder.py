@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_cli.config.schema import HFModelConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.extras import install_hint
 from fsdp_cli.models.folder import (
     ModelFolder,
     check_model_type,
@@ -26,8 +27,6 @@ from fsdp_cli.models.folder import (
 
 if TYPE_CHECKING:  # (type-only: validation hands the check the resolved run)
     from fsdp_cli.config.resolved import ResolvedRun
-
-INSTALL_HINT = 'pip install "fsdp-cli[hf]"'
 
 
 def resolve_model_folder(cfg: TrainConfig) -> TrainConfig:
@@ -45,7 +44,7 @@ def check_hf_model(run: ResolvedRun) -> None:
     if not isinstance(model, HFModelConfig):
         return
     if importlib.util.find_spec("transformers") is None:
-        raise ConfigError("model", "hf", "needs the transformers package", hint=INSTALL_HINT)
+        raise ConfigError("model", "hf", "needs the transformers package", hint=install_hint("hf"))
     folder = read_model_folder(model.path)
     check_model_type(folder)
     if model.pretrained:

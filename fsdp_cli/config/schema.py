@@ -76,9 +76,9 @@ class LoggerName(Enum):
     csv = "csv"
     tensorboard = "tensorboard"
     mlflow = "mlflow"
-    """Lightning's MLFlowLogger (``pip install "fsdp-cli[mlflow]"``)."""
+    """Lightning's MLFlowLogger (``pip install ".[mlflow]"``)."""
     wandb = "wandb"
-    """Lightning's WandbLogger (``pip install "fsdp-cli[wandb]"``); offline without ``WANDB_API_KEY``."""
+    """Lightning's WandbLogger (``pip install ".[wandb]"``); offline without ``WANDB_API_KEY``."""
 
 
 class RankStart(Enum):
@@ -353,7 +353,7 @@ class HFModelConfig(HFModelArgs):
     """``model=hf``: a Hugging Face causal LM (``AutoModelForCausalLM``) from a local folder
     (:class:`fsdp_cli.models.args.HFModelArgs`).
 
-    Needs ``pip install "fsdp-cli[hf]"``. The model is built on the meta device and sharded before
+    Needs ``pip install ".[hf]"``. The model is built on the meta device and sharded before
     any weight exists; each rank then reads only its own slices of the safetensors files, so no
     rank ever holds the whole model. Nothing is ever downloaded.
     """

@@ -35,6 +35,7 @@ from fsdp_cli.data.files import (
 )
 from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.extras import install_hint
 from fsdp_cli.precision import AUTO, PRECISIONS, UnknownPrecision, precision_spec
 from fsdp_cli.ranges import range_problems
 
@@ -477,7 +478,7 @@ def check_experiment_logger(run: ResolvedRun) -> None:
             cfg.logger.name.value,
             f"the {' and '.join(missing)} package{'s are' if len(missing) > 1 else ' is'} not installed",
             allowed="none, csv",
-            hint=f'pip install "fsdp-cli[{extra}]"',
+            hint=install_hint(extra),
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from fsdp_cli.data.files import JSONL_SUFFIXES, check_enough_tokens, existing_files
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.extras import install_hint
 from fsdp_cli.rundir.files import check_writable_folder, write_atomically
 
 CACHE_DIR_NAME = ".fsdp_cli_tokens"
@@ -88,7 +89,7 @@ def _load(file: Path) -> Any:
             "data.tokenizer",
             str(file),
             "needs the tokenizers package",
-            hint='pip install "fsdp-cli[hf]" (or leave data.tokenizer=null for bytes)',
+            hint=f"{install_hint('hf')}; or leave data.tokenizer=null for bytes",
         ) from None
     try:
         return Tokenizer.from_file(str(file))

@@ -17,6 +17,7 @@ from typing import Any
 from fsdp_cli.config.schema import Accelerator, LauncherConfig, TrainConfig
 from fsdp_cli.config.strategies import entry_of
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.extras import install_hint
 from fsdp_cli.launch.environment import (
     ClusterJob,
     check_job_environment,
@@ -137,7 +138,7 @@ def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, 
             "strategy.float8",
             "true",
             "needs torchao, which is not installed",
-            hint='pip install "fsdp-cli[float8]"',
+            hint=install_hint("float8"),
         )
 
 

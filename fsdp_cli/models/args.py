@@ -57,7 +57,7 @@ class LlamaArgs:
 class HFModelArgs:
     """A Hugging Face causal LM (``AutoModelForCausalLM``) from a local folder.
 
-    Needs ``pip install "fsdp-cli[hf]"``. The model is built on the meta device and sharded before
+    Needs ``pip install ".[hf]"``. The model is built on the meta device and sharded before
     any weight exists; each rank then reads only its own slices of the safetensors files, so no
     rank ever holds the whole model. Nothing is ever downloaded.
     """

@@ -5,7 +5,7 @@ Applied by :func:`fsdp_cli.parallel.parallelize.parallelize` after tensor parall
 activation checkpointing, compile and ``fully_shard`` (torchtitan's order). The LM head (the last
 ``nn.Linear``, whose output feeds a softmax over the vocabulary) and layers whose sizes are not
 multiples of 16 (float8 matmuls need them) keep the training precision. torchao is an optional
-dependency (``pip install "fsdp-cli[float8]"``), imported only here.
+dependency (``pip install ".[float8]"``), imported only here.
 
 On CPU the layers use torchao's emulation (``Float8LinearConfig(emulate=True)``): activations,
 weights and gradients are scaled and cast to float8 exactly as on a GPU, and the weights are

@@ -68,7 +68,7 @@ class ParallelizeSettings:
     compile: bool = False
     """``torch.compile`` each transformer block before sharding it."""
     float8: bool = False
-    """float8 training through torchao (``pip install "fsdp-cli[float8]"``): linear layers compute
+    """float8 training through torchao (``pip install ".[float8]"``): linear layers compute
     in float8 with dynamic scaling and FSDP2 all-gathers their weights in float8. Needs GPUs with
     float8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); on CPU the float8 matmuls
     are emulated in high precision (float8 numerics, not float8 speed). The LM head and layers

@@ -1,7 +1,7 @@
 """``sweep_summary.png``: the loss curve of every job on one axis (left) and tokens/s per job as
 bars (right), so a sweep over layouts is read at a glance.
 
-matplotlib is an optional extra (``pip install "fsdp-cli[plot]"``): imported here only, and
+matplotlib is an optional extra (``pip install ".[plot]"``): imported here only, and
 without it the PNG is skipped with a one-line notice. The object API (``Figure``), not pyplot: no
 global figure state and no GUI backend, safe in any process.
 """
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.extras import install_hint
 from fsdp_cli.rundir.status import STATUS_OK, STATUS_SKIPPED
 from fsdp_cli.sweep.jobs import JobResult, counts
 
@@ -27,8 +28,7 @@ def write_png(jobs: Sequence[JobResult], path: Path, title: str = "sweep") -> Pa
         from matplotlib.figure import Figure
     except ImportError:
         print(
-            f"fsdp-train: note: {path.name} not written: matplotlib is not installed "
-            '(pip install "fsdp-cli[plot]")',
+            f"fsdp-train: note: {path.name} not written: matplotlib is not installed ({install_hint('plot')})",
             file=sys.stderr,
             flush=True,
         )
