@@ -177,7 +177,10 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
         if self.parallelize_fn is not None:
             call_parallelize_fn(self.parallelize_fn, target, self.dims.mesh, self.options)
         else:
-            self.parallelize_report = parallelize(target, self.dims, self.options)
+            self._root_is_module = target is self.lightning_module
+            self.parallelize_report = parallelize(
+                target, self.dims, self.options, called_directly=self._root_is_module
+            )
         self._parallelized = True
         self._root_is_module = target is self.lightning_module
 
