@@ -38,6 +38,7 @@ from fsdp_cli.parallel.parallelize import (
     call_parallelize_fn,
     parallelize,
 )
+from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 
 class MeshSizesError(ConfigError, RuntimeError):
@@ -45,7 +46,7 @@ class MeshSizesError(ConfigError, RuntimeError):
     raised as ModelParallelStrategy raises it, a RuntimeError."""
 
 
-class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
+class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelStrategy):
     """FSDP2 over ``data_parallel_size`` ranks × tensor parallel over ``tensor_parallel_size`` ranks.
 
     Arguments:

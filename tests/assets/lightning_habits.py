@@ -72,7 +72,9 @@ class Recording(L.LightningModule):
         # permutation of an epoch is this one: torch.randperm by a generator seeded alike).
         # (A sampler of its own: the DataLoader's generator would first draw its workers' seed.)
         data = regression_data()
-        shuffled = RandomSampler(data, generator=torch.Generator().manual_seed(int(os.environ["PL_GLOBAL_SEED"])))
+        shuffled = RandomSampler(
+            data, generator=torch.Generator().manual_seed(int(os.environ["PL_GLOBAL_SEED"]))
+        )
         return DataLoader(data, batch_size=GLOBAL_BATCH // self.trainer.world_size, sampler=shuffled)
 
 
