@@ -188,3 +188,21 @@ def test_clip_gradients_by_norm_under_fsdp1_uses_the_roots_own(gloo_rank: None) 
     strategy.precision_plugin.clip_gradients(torch.optim.SGD(sharded.parameters(), lr=0.1), 0.1)
     for p, q in zip(plain.parameters(), sharded.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_the_ranks_refuse_what_the_source_did_not_tell() -> None:
+    """The built module is asked again (manual optimization may be decided at run time)."""
+    from conftest import composed, run_of
+
+    from fsdp_cli.builders.model import build_module
+    from fsdp_cli.errors import ConfigError
+
+    def built(*overrides: str) -> Any:
+        target = f"model._target_={ASSETS}.ManualGAN"
+        return build_module(run_of(composed("accelerator=cpu", "model=custom", target, *overrides)))
+
+    assert not built("strategy=fsdp2").automatic_optimization
+    with pytest.raises(ConfigError, match="use strategy=fsdp2"):
+        built("strategy=fsdp")
+    with pytest.raises(ConfigError, match="trainer.gradient_clip_val=0.5"):
+        built("strategy=fsdp2", "trainer.gradient_clip_val=0.5")
