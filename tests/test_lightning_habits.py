@@ -140,6 +140,7 @@ def test_clip_gradients_by_norm_totals_gradients_on_several_meshes(gloo_rank: No
     clipping (what ``self.clip_gradients`` calls) scales both by the one global norm, where
     torch's clip_grad_norm_ refuses to mix meshes."""
     from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -161,6 +162,10 @@ def test_clip_gradients_by_norm_totals_gradients_on_several_meshes(gloo_rank: No
     total = torch.cat(grads).norm()  # sqrt(4 * 9 + 2 * 16) = sqrt(68)
     for p, grad in zip(params, grads):
         torch.testing.assert_close(p.grad.full_tensor(), grad / total, rtol=1e-5, atol=1e-6)
+    # By value: each element, on either mesh.
+    strategy.precision_plugin.clip_gradients(optimizer, 0.3, GradClipAlgorithmType.VALUE)
+    for p, grad in zip(params, grads):
+        torch.testing.assert_close(p.grad.full_tensor(), (grad / total).clamp(-0.3, 0.3))
 
 
 def test_clip_gradients_by_norm_under_fsdp1_uses_the_roots_own(gloo_rank: None) -> None:
