@@ -95,9 +95,11 @@ def test_option_keeps_single_process_losses(tmp_path: Path, reference_losses: li
         assert_synced_once_per_step(run_dir, units=5)
         assert_plan_matches_the_run(run_dir)
         # Resharded after forward (the default): units are gathered again for their backward, in
-        # each micro-batch: blocks 0-2 and the root; not the last block (backward starts with it,
-        # parallel/fsdp2.py keeps it gathered).
-        assert collectives_per_backward(run_dir, ALL_GATHER) == [4, 4, 4, 4]
+        # each micro-batch: blocks 0-2; not the last block (backward starts with it,
+        # parallel/fsdp2.py keeps it gathered), nor the root: it keeps torch's default for a root,
+        # gathered from its forward to its backward (it was 4 while the root was passed
+        # reshard_after_forward=True and gathered its embedding, norm and head again in backward).
+        assert collectives_per_backward(run_dir, ALL_GATHER) == [3, 3, 3, 3]
     if name == "zero2_with_cpu_offload":
         assert collectives_per_backward(run_dir, ALL_GATHER) == [0, 0]
     assert setup["compiled_blocks"] == 0  # compile: tests/test_compile.py

@@ -215,8 +215,10 @@ class StepWork:
 
 
 # Measured with torch 2.13.0 (CPU) and Lightning 2.6.6 on the runs above (step 3 of 20, logging
-# every step). Collectives: FSDP2 and FSDP1 gather 9 times (forward and backward of the block
-# units and the root) and reduce gradients with all-reduces (gloo has no reduce-scatter); DDP
+# every step). Collectives: FSDP1 gathers 9 times (forward and backward of the block units and the
+# root), FSDP2 8 times (its root, kept gathered from forward to backward as torch keeps a root by
+# default, is not gathered again: 9 gathers, and 12 / 15 more aten ops, while the root was passed
+# reshard_after_forward=True); both reduce gradients with all-reduces (no reduce-scatter on gloo); DDP
 # all-reduces its one bucket; fsdp-train adds one all-gather (the logged loss, checked finite on
 # every rank: callbacks/nonfinite.py), one all-reduce for the global gradient norm (clipping; DDP's
 # norm is local) and, in the first steps, the stop-flag exchange (checkpoint/stop_flag.py). Host
@@ -225,10 +227,10 @@ class StepWork:
 # only after checking that the work is needed on every step.
 STEP_WORK: dict[str, StepWork] = {
     "fsdp2-32-true": StepWork(
-        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (40, 40), (1836, 1836), (34752, 34706)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1824, 1824), (34448, 34402)
     ),
     "fsdp2-bf16-mixed": StepWork(
-        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (40, 40), (1947, 1947), (35769, 35723)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1932, 1932), (35420, 35374)
     ),
     "fsdp-bf16-mixed": StepWork(
         {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (31, 15), (2128, 1824), (29898, 26716)

@@ -124,7 +124,7 @@ def build_callbacks(
     clip_val = gradient_clip_val(run, module)
     own_clipping = clips_itself(module)
     clipping = (
-        GradientClipping(clip_val, t.gradient_clip_algorithm)
+        GradientClipping(clip_val, t.gradient_clip_algorithm or "norm")
         if clip_val is not None and not own_clipping
         else None
     )

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from fsdp_cli.config.manual_optimization import refuse_with_manual_optimization
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, TrainConfig
 from fsdp_cli.dotted import import_object
@@ -23,6 +24,8 @@ def build_module(run: ResolvedRun | TrainConfig) -> L.LightningModule:
     if isinstance(cfg.model, CustomModelConfig):
         built = _build_custom(cfg.model)
         if isinstance(built, L.LightningModule):
+            if not built.automatic_optimization:  # what its source did not tell before launch
+                refuse_with_manual_optimization(run)
             return built
         if run.entry.user_parallelizes:
             raise ConfigError(

@@ -79,8 +79,10 @@ def build_trainer(
     cfg = run.cfg
     t = cfg.trainer
     kwargs = precision_arguments(run)
-    if module_clip_val is not None:
-        kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
+    # As given (None when unset): Lightning hands it to configure_gradient_clipping and checks
+    # clip_gradients(..., gradient_clip_algorithm=...) against it. The value itself only when the
+    # module clips itself: otherwise our GradientClipping callback clips.
+    kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     if t.val_check_interval is not None:
         # Lightning counts validation intervals in batches; ours are optimizer steps.
         kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)

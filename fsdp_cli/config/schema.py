@@ -484,8 +484,10 @@ class TrainerConfig:
     ``model=hf`` and a plain nn.Module, none for a LightningModule trained as it is (Lightning's
     Trainer default; a module's own ``configure_gradient_clipping`` gets this value, as from
     ``Trainer(gradient_clip_val=...)``). 0: no clipping."""
-    gradient_clip_algorithm: str = "norm"
-    """norm: clip the global gradient norm; value: clip each gradient element."""
+    gradient_clip_algorithm: str | None = None
+    """norm: clip the global gradient norm; value: clip each gradient element. null: Lightning's
+    default, by norm (a module's own ``configure_gradient_clipping`` receives None, as from a
+    Trainer without ``gradient_clip_algorithm``)."""
     deterministic: bool = False
     """Lightning's deterministic mode (deterministic algorithms; slower)."""
     enable_progress_bar: bool = False

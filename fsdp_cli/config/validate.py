@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable
 
+from fsdp_cli.config.manual_optimization import check_manual_optimization
 from fsdp_cli.config.model_folder import check_hf_model
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import (
@@ -378,7 +379,7 @@ def check_trainer(run: ResolvedRun) -> None:
             allowed="a positive number of steps, or -1 with trainer.max_epochs=N",
             hint="set trainer.max_epochs=N, or trainer.max_steps=N",
         )
-    if trainer.gradient_clip_algorithm not in ("norm", "value"):
+    if trainer.gradient_clip_algorithm not in (None, "norm", "value"):
         raise ConfigError(
             "trainer.gradient_clip_algorithm",
             trainer.gradient_clip_algorithm,
@@ -494,6 +495,7 @@ def check_callbacks(run: ResolvedRun) -> None:
 CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
     check_custom_model,
+    check_manual_optimization,
     check_hf_model,
     check_llama_sizes,
     check_llama_tensor_parallel,

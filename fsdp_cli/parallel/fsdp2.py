@@ -21,7 +21,9 @@ def apply_fsdp(
     """``fully_shard`` each unit (children first) and then ``model`` itself.
 
     A 2-D ``dp_mesh`` (replicate x shard) gives HSDP: parameters are sharded along the second
-    dimension and replicated along the first.
+    dimension and replicated along the first. ``reshard_after_forward`` applies to the units; the
+    root keeps torch's default (``None``: gathered from its forward until its backward), unless it
+    is an int (reshard to groups of that size) or False.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -39,7 +41,12 @@ def apply_fsdp(
             reshard_after_forward=False if last and reshard_after_forward is True else reshard_after_forward,
             **kwargs,
         )
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's own parameters (an embedding, a head, a LightningModule's layers beside its blocks)
+    # are what a step uses around its forward: ``self.head(self(x))`` runs the head after the
+    # root's forward has ended. Passing True would reshard them there, and cost an all-gather
+    # again at the start of backward; torch's default (None) keeps the root gathered instead.
+    root = None if reshard_after_forward is True else reshard_after_forward
+    fully_shard(model, reshard_after_forward=root, **kwargs)
 
 
 @contextmanager

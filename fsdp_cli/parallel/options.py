@@ -59,7 +59,8 @@ class ParallelizeSettings:
 
     reshard_after_forward: Any = True
     """true: free the gathered parameters after forward (ZeRO-3, FULL_SHARD); false: keep them
-    until backward (ZeRO-2, SHARD_GRAD_OP); an int N: reshard to groups of N ranks."""
+    until backward (ZeRO-2, SHARD_GRAD_OP); an int N: reshard to groups of N ranks. For the
+    units; the root stays gathered from forward to backward with true (torch's default for a root)."""
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     """Recompute activations in backward instead of keeping them: none, full (every block) or
     selective."""

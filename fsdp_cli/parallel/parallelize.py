@@ -85,12 +85,24 @@ class ParallelizeReport:
     fsdp_units: list[str] = field(default_factory=list)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOptions) -> ParallelizeReport:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, options: ParallelizeOptions, *, called_directly: bool = False
+) -> ParallelizeReport:
     """Apply tensor parallel, activation checkpointing, compile and FSDP2 to ``model`` in place,
-    over the mesh ``dims`` has built."""
+    over the mesh ``dims`` has built.
+
+    ``called_directly``: code outside ``model``'s forward calls its children (a LightningModule's
+    steps: ``self.head(self(x))``, a GAN's critic, several backward passes per step). Each child
+    whose parameters no unit holds then becomes a unit of its own, whatever the wrap policy: its
+    own FSDP hooks gather it when it is called and reduce its gradients after each backward pass
+    that reaches it. Left to the root, such a child would be used sharded (or stale) outside the
+    root's forward, and a backward pass that reaches no unit would never reduce its gradients.
+    """
     report = ParallelizeReport()
     # Units are chosen before any wrapper is inserted, from the model as the user wrote it.
     units = wrap_units(model, options.wrap)
+    if called_directly:
+        units += loose_children(model, units)
     # Checkpointing and compile work per transformer block, whatever the FSDP units are.
     block_classes = repeated_block_classes(model)
     blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
@@ -134,6 +146,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelizeOption
     names = {id(m): canonical_name(n) for n, m in model.named_modules()}
     report.fsdp_units = [names.get(id(u), type(u).__name__) for u in units] + ["<root>"]
     return report
+
+
+def loose_children(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``model``'s direct children holding parameters that none of ``units`` holds (children
+    after the units inside them, as ``fully_shard`` must be applied)."""
+    held = {id(p) for unit in units for p in unit.parameters()}
+    return [c for c in model.children() if any(id(p) not in held for p in c.parameters())]
 
 
 def call_parallelize_fn(

@@ -211,7 +211,10 @@ def _fsdp2_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
     # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
     shapes = Counter((p.shape, p.tp_dim) for p in spec.params)
     buffers = _gather_buffers(
-        _unit_sizes(spec, layout.tp), dtypes, keep_all=strategy.reshard_after_forward is False
+        _unit_sizes(spec, layout.tp),
+        dtypes,
+        keep_all=strategy.reshard_after_forward is False,
+        keep_root=True,  # parallel/fsdp2.py leaves the root gathered from forward to backward
     )
     by_coordinate: dict[tuple[int, int], RankMemory] = {}
     ranks = []
@@ -260,13 +263,15 @@ def _fsdp2_rank(
     return mem
 
 
-def _gather_buffers(units: dict[str, int], dtypes: Dtypes, *, keep_all: bool) -> int:
+def _gather_buffers(units: dict[str, int], dtypes: Dtypes, *, keep_all: bool, keep_root: bool = False) -> int:
     """Unsharded parameters of the unit running and the one prefetched (of every unit when they
-    stay gathered until backward), and one unit's unsharded gradients plus their reduce copy."""
+    stay gathered until backward; plus the root's, ``""``, when it stays gathered), and one unit's
+    unsharded gradients plus their reduce copy."""
     if not units:
         return 0
     largest = max(units.values())
-    gathered = sum(units.values()) if keep_all else 2 * largest
+    root = units.get("", 0) if keep_root else 0
+    gathered = sum(units.values()) if keep_all else 2 * largest + (root if root < largest else 0)
     return gathered * dtypes.compute + largest * (dtypes.compute + dtypes.reduce)
 
 

@@ -41,12 +41,13 @@ from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.options import WrapOptions
 from fsdp_cli.parallel.wrap import block_classes, resolve_classes
+from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # torch's member names
 _AUTO_MESH = (0, 0)
 
 
-class FSDP1Strategy(DistributedCheckpointing, FSDPStrategy):
+class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
     """Lightning's FSDPStrategy; every constructor argument keeps its meaning.
 
     Additional arguments:

@@ -38,6 +38,7 @@ from fsdp_cli.parallel.parallelize import (
     call_parallelize_fn,
     parallelize,
 )
+from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 
 class MeshSizesError(ConfigError, RuntimeError):
@@ -45,7 +46,7 @@ class MeshSizesError(ConfigError, RuntimeError):
     raised as ModelParallelStrategy raises it, a RuntimeError."""
 
 
-class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
+class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelStrategy):
     """FSDP2 over ``data_parallel_size`` ranks × tensor parallel over ``tensor_parallel_size`` ranks.
 
     Arguments:
@@ -174,12 +175,15 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
             return
         assert self.dims is not None
         target = self.parallelize_target()
+        # Decided once (read on every step); the module's steps then call its children directly.
+        self._root_is_module = target is self.lightning_module
         if self.parallelize_fn is not None:
             call_parallelize_fn(self.parallelize_fn, target, self.dims.mesh, self.options)
         else:
-            self.parallelize_report = parallelize(target, self.dims, self.options)
+            self.parallelize_report = parallelize(
+                target, self.dims, self.options, called_directly=self._root_is_module
+            )
         self._parallelized = True
-        self._root_is_module = target is self.lightning_module
 
     def parallelize_target(self) -> nn.Module:
         """The module that is parallelized: the LightningModule's ``model`` attribute when it holds
@@ -305,10 +309,13 @@ class FSDP2Strategy(DistributedCheckpointing, ModelParallelStrategy):
 
     def _as_root_forward(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``step`` as the forward of the LightningModule, when the module itself is the root
-        FSDP unit: FSDP2 gathers the root's own parameters (an embedding or a head outside the
-        blocks) in its forward hooks, which a step that calls its submodules directly would never
-        run. Lightning reroutes steps through a wrapper's forward the same way for DDP and FSDP1
-        (its Strategy does so only when the model is a wrapper, which a fully_shard'ed module is not)."""
+        FSDP unit: FSDP2 must see the root's forward first (it decides there which unit is the root),
+        and gathers the root's own parameters in its hooks, which a step that calls its submodules
+        directly would never run. (Its children that no block holds are units of their own, see
+        :func:`~fsdp_cli.parallel.parallelize.parallelize`'s ``called_directly``: a step may call them
+        after ``self(x)`` and between backward passes.) Lightning reroutes steps through a wrapper's
+        forward the same way for DDP and FSDP1 (its Strategy does so only when the model is a
+        wrapper, which a fully_shard'ed module is not)."""
         from fsdp_cli.compat.lightning_internals import forward_redirection
 
         return forward_redirection(self)(self.lightning_module, self.lightning_module, step, *args, **kwargs)

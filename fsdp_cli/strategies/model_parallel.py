@@ -16,9 +16,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _LightningMode
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
 from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
+from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 
-class ModelParallelStrategy(DistributedCheckpointing, _LightningModelParallelStrategy):
+class ModelParallelStrategy(GlobalNormClipping, DistributedCheckpointing, _LightningModelParallelStrategy):
     def __init__(self, *args: Any, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
         self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"

@@ -1,0 +1,213 @@
+"""Lightning habits that depend on how a strategy runs a module's own code, trained by a plain
+Lightning Trainer (one process, in this test) and by fsdp-train (2 CPU ranks) and compared on what
+the module recorded (tests/assets/lightning_habits.py): ``self(x)`` then ``self.head(...)``, its
+own ``configure_gradient_clipping`` and ``clip_gradients`` by norm and by value, a GAN with two
+optimizers, ``toggle_optimizer`` and two backward passes per step. And what Lightning refuses with
+manual optimization, refused before launch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_ok, cli_in_process, run_cli
+from torch import nn
+
+SEED = 7
+ASSETS = "tests.assets.lightning_habits"
+TWO_CPU = ["model=custom", "devices=2", "accelerator=cpu", "precision=32-true", f"seed={SEED}"]
+# Optimizer steps: the GAN takes two per batch (its critic's and its generator's).
+HABITS = {
+    "HeadAfterForward": ["strategy=fsdp2", "trainer.max_steps=6"],
+    "ManualGAN": ["strategy=fsdp2", "trainer.max_steps=8"],
+}
+
+
+def plain_lightning(name: str, steps: int, root: Path) -> dict[str, Any]:
+    """What the module records under a plain Lightning Trainer, on one process."""
+    import lightning as L
+
+    from tests.assets import lightning_habits
+
+    L.seed_everything(SEED, workers=True, verbose=False)
+    module = getattr(lightning_habits, name)()
+    root.mkdir(parents=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        default_root_dir=str(root),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return json.loads((root / "habits.json").read_text())
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(HABITS))
+def test_a_modules_own_step_structure_trains_as_under_lightning(name: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "fsdp_train"
+    args = HABITS[name]
+    result = run_cli([*TWO_CPU, f"model._target_={ASSETS}.{name}", *args], run_dir)
+    assert_ok(result, run_dir)
+    ours = json.loads((run_dir / "habits.json").read_text())
+    steps = int(args[-1].split("=")[1])
+    reference = plain_lightning(name, steps, tmp_path / "lightning")
+    assert ours.keys() == reference.keys()
+    for key, values in reference.items():
+        assert len(ours[key]) == len(values) > 0, key
+        if key == "hook":  # what Lightning handed configure_gradient_clipping: the Trainer's own
+            assert ours[key] == values == [[None, None]] * len(values)
+            continue
+        worst = max(_relative(a, b) for a, b in zip(ours[key], values))
+        assert worst < 1e-5, (key, ours[key], values)
+
+
+# ------------------------------------------------------------------------------ no processes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (
+            ["strategy=fsdp2", "trainer.gradient_clip_val=0.5"],
+            "trainer.gradient_clip_val=0.5",
+            ["not supported for manual optimization", "self.clip_gradients"],
+        ),
+        (["strategy=fsdp"], "strategy=fsdp", ["manual optimization", "use strategy=fsdp2"]),
+    ],
+)
+def test_what_manual_optimization_cannot_have_is_refused_before_launch(
+    tmp_path: Path, overrides: list[str], key: str, words: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    args = ["model=custom", f"model._target_={ASSETS}.ManualGAN", "devices=2", "accelerator=cpu", *overrides]
+    result = cli_in_process(args, run_dir, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fsdp-train: error: "), result.stderr
+    assert key in lines[0] and all(word in lines[0] for word in words), lines[0]
+    assert not (run_dir / "logs").exists(), "no rank started"
+
+
+def test_manual_optimization_is_read_from_the_modules_source() -> None:
+    from fsdp_cli.config.manual_optimization import declares_manual_optimization
+
+    assert declares_manual_optimization(f"{ASSETS}.ManualGAN")
+    assert declares_manual_optimization("tests.assets.lightning_style.EncoderDecoderLM")
+    assert not declares_manual_optimization(f"{ASSETS}.HeadAfterForward")
+    assert not declares_manual_optimization("lightning.pytorch.demos.boring_classes.BoringModel")
+
+
+def test_the_clipping_hook_gets_the_trainers_algorithm_as_given() -> None:
+    from conftest import composed, run_of
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    from fsdp_cli.builders.trainer import build_trainer
+
+    def algorithm(*overrides: str) -> Any:
+        run = run_of(composed("accelerator=cpu", "devices=1", "strategy=ddp", "logger=none", *overrides))
+        return build_trainer(run, "auto", callbacks=[], accumulation=1).gradient_clip_algorithm
+
+    assert algorithm() is None, "unset: None, as from a Trainer without the argument"
+    assert algorithm("trainer.gradient_clip_algorithm=value") == GradClipAlgorithmType.VALUE
+
+
+@pytest.fixture
+def gloo_rank(tmp_path: Path) -> Iterator[None]:
+    """A process group of one in-process rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_clip_gradients_by_norm_totals_gradients_on_several_meshes(gloo_rank: None) -> None:
+    """Tensor-parallel weights on the (dp, tp) mesh beside others on the dp mesh: the plugin's norm
+    clipping (what ``self.clip_gradients`` calls) scales both by the one global norm, where
+    torch's clip_grad_norm_ refuses to mix meshes."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fsdp_cli.strategies import FSDP2Strategy
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    grads = [torch.full((4,), 3.0), torch.full((2,), 4.0)]
+    params = []
+    for grad, sub in zip(grads, (mesh, mesh["dp"])):
+        p = nn.Parameter(distribute_tensor(torch.zeros_like(grad), sub, [Replicate()] * sub.ndim))
+        p.grad = distribute_tensor(grad.clone(), sub, [Replicate()] * sub.ndim)
+        params.append(p)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    strategy = FSDP2Strategy()
+    strategy.precision_plugin = Precision()
+    strategy.model = nn.ParameterList(params)
+    strategy.setup_precision_plugin()
+    strategy.precision_plugin.clip_gradients(optimizer, 1.0)
+    total = torch.cat(grads).norm()  # sqrt(4 * 9 + 2 * 16) = sqrt(68)
+    for p, grad in zip(params, grads):
+        torch.testing.assert_close(p.grad.full_tensor(), grad / total, rtol=1e-5, atol=1e-6)
+    # By value: each element, on either mesh.
+    strategy.precision_plugin.clip_gradients(optimizer, 0.3, GradClipAlgorithmType.VALUE)
+    for p, grad in zip(params, grads):
+        torch.testing.assert_close(p.grad.full_tensor(), (grad / total).clamp(-0.3, 0.3))
+
+
+def test_clip_gradients_by_norm_under_fsdp1_uses_the_roots_own(gloo_rank: None) -> None:
+    """Lightning's FSDPPrecision refuses norm clipping; FSDP1Strategy's clips through the root's
+    ``clip_grad_norm_``, the same numbers as torch's clip_grad_norm_ on the unsharded module."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_cli.strategies import FSDP1Strategy
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    sharded = FSDP(
+        nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), device_id=torch.device("cpu"), use_orig_params=True
+    )
+    sharded.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4)
+    for model in (plain, sharded):
+        model(x).square().sum().backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    strategy = FSDP1Strategy()
+    strategy.precision_plugin = FSDPPrecision("32-true")
+    strategy.model = sharded
+    strategy.setup_precision_plugin()
+    strategy.precision_plugin.clip_gradients(torch.optim.SGD(sharded.parameters(), lr=0.1), 0.1)
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_the_ranks_refuse_what_the_source_did_not_tell() -> None:
+    """The built module is asked again (manual optimization may be decided at run time)."""
+    from conftest import composed, run_of
+
+    from fsdp_cli.builders.model import build_module
+    from fsdp_cli.errors import ConfigError
+
+    def built(*overrides: str) -> Any:
+        target = f"model._target_={ASSETS}.ManualGAN"
+        return build_module(run_of(composed("accelerator=cpu", "model=custom", target, *overrides)))
+
+    assert not built("strategy=fsdp2").automatic_optimization
+    with pytest.raises(ConfigError, match="use strategy=fsdp2"):
+        built("strategy=fsdp")
+    with pytest.raises(ConfigError, match="trainer.gradient_clip_val=0.5"):
+        built("strategy=fsdp2", "trainer.gradient_clip_val=0.5")
