@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.config.callback_classes import check_callback_classes
 from fsdp_cli.config.convert import to_train_config
+from fsdp_cli.config.datamodule_class import check_datamodule_class
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
 from fsdp_cli.config.resolved import Layout, ResolvedRun
@@ -59,7 +60,11 @@ def memory_plan_check(cfg: TrainConfig) -> None:
         raise Advisory("memory plan", "does not fit", problem.removeprefix("memory plan: "), warning=problem)
 
 
-PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check, check_callback_classes)
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
+    memory_plan_check,
+    check_callback_classes,
+    check_datamodule_class,
+)
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
 The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in
