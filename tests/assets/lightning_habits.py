@@ -107,7 +107,8 @@ class RecordingRegressor(L.LightningModule):
         self.record["val_runs"].append([kind, self._val_batches])
 
     def on_train_epoch_end(self) -> None:
-        self.record["val_loss"].append(float(self.trainer.callback_metrics["val_loss"]))
+        value = self.trainer.callback_metrics.get("val_loss")  # None: no validation this epoch
+        self.record["val_loss"].append(None if value is None else float(value))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
