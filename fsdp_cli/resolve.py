@@ -20,9 +20,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
+from fsdp_cli.config.batch_source import check_batch_source
 from fsdp_cli.config.callback_classes import check_callback_classes
 from fsdp_cli.config.convert import to_train_config
-from fsdp_cli.config.datamodule_class import check_datamodule_class
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
 from fsdp_cli.config.resolved import Layout, ResolvedRun
@@ -63,7 +63,7 @@ def memory_plan_check(cfg: TrainConfig) -> None:
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
     memory_plan_check,
     check_callback_classes,
-    check_datamodule_class,
+    check_batch_source,
 )
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 

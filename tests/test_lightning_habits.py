@@ -128,6 +128,7 @@ def test_validation_defaults_follow_the_path(capsys: Any) -> None:
 
 
 def test_a_module_with_neither_loaders_nor_a_datamodule_is_told_what_it_needs(tmp_path: Path) -> None:
+    """In the rank too, for a module a factory builds (the parent checks classes)."""
     from fsdp_cli.builders.data import build_datamodule
     from tests.assets.lightning_habits import RecordingRegressor
 
@@ -154,6 +155,12 @@ def test_a_datamodule_config_round_trips_through_the_run_directory(tmp_path: Pat
 REFUSALS = [
     # fsdp-train's data accumulates by its batch sizes.
     (["trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches=4", ["data.micro_batch_size"]),
+    # A LightningModule with neither loaders nor a DataModule (checked on its class).
+    (
+        MODULE,
+        f"model._target_={ASSETS}.RecordingRegressor",
+        ["RecordingRegressor defines no train_dataloader()", "data=datamodule data._target_="],
+    ),
     ([*MODULE, "data=datamodule"], "data._target_", ["needs the LightningDataModule class"]),
     ([*MODULE, "data=datamodule", "data._target_=no_such_pkg.Data"], "data._target_", ["cannot be imported"]),
     (

@@ -9,6 +9,7 @@ import sys
 import lightning as L
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from fsdp_cli.config.batch_source import no_batches
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import DataModuleConfig, TrainConfig
 from fsdp_cli.config.validate import data_checks_deferred, validate_data
@@ -46,7 +47,7 @@ def build_datamodule(run: ResolvedRun, module: L.LightningModule) -> L.Lightning
         _data_group_unused(cfg, module)
         return None
     if not isinstance(module, CausalLMModule) and not cfg.explicit_data:
-        _no_batches(cfg, module)
+        raise no_batches(type(module).__qualname__, cfg.model.target)
     if data_checks_deferred(cfg):
         validate_data(cfg)  # the parent could not know this module trains on the data group
     data_cls = TokenDataModule if cfg.trainer.val_check_interval is None else ValidatedTokenDataModule
@@ -64,17 +65,6 @@ def build_user_datamodule(data: DataModuleConfig) -> L.LightningDataModule:
             allowed="a lightning.pytorch.LightningDataModule subclass, or a factory returning one",
         )
     return built
-
-
-def _no_batches(cfg: TrainConfig, module: L.LightningModule) -> None:
-    name = type(module).__qualname__
-    raise ConfigError(
-        "model._target_",
-        cfg.model.target,
-        f"{name} defines no train_dataloader() and no LightningDataModule gives it batches",
-        allowed="a train_dataloader() in the module, or data=datamodule data._target_=pkg.MyDataModule",
-        hint="a module written for token batches [B, T+1] takes fsdp-train's data: data=synthetic +model.vocab_size=N",
-    )
 
 
 def _data_group_unused(cfg: TrainConfig, module: L.LightningModule) -> None:

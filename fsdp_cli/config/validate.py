@@ -144,7 +144,7 @@ def check_custom_model(run: ResolvedRun) -> None:
 def check_datamodule(run: ResolvedRun) -> None:
     """``data=datamodule`` feeds a LightningModule (``model=custom``), from a module that can be
     found (whether it holds a LightningDataModule taking those arguments is asked on the resolve
-    path, :mod:`fsdp_cli.config.datamodule_class`)."""
+    path, :mod:`fsdp_cli.config.batch_source`)."""
     cfg = run.cfg
     if not isinstance(cfg.data, DataModuleConfig):
         return
