@@ -70,10 +70,10 @@ def build_trainer(
     """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
     (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes.
 
-    ``module_loaders``: the LightningModule's own DataLoaders are used. Lightning then gives each
-    one a DistributedSampler over the strategy's data-parallel ranks (as ``Trainer`` does by
-    default), so each data-parallel rank sees different samples and tensor-parallel peers the
-    same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
+    ``module_loaders``: the user's DataLoaders are used (the LightningModule's own, or those of
+    its ``data=datamodule``). Lightning then gives each one a DistributedSampler over the
+    strategy's data-parallel ranks (as ``Trainer`` does by default), so each data-parallel rank
+    sees different samples and tensor-parallel peers the same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
 
     ``module_clip_val``: for a module with its own ``configure_gradient_clipping``, the
     ``gradient_clip_val`` Lightning passes to it.
