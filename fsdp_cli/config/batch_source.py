@@ -15,6 +15,7 @@ download data, which the ranks do through its hooks.
 from __future__ import annotations
 
 import inspect
+import sys
 
 from fsdp_cli.config.callback_classes import check_arguments, locate
 from fsdp_cli.config.schema import CustomModelConfig, DataModuleConfig, TrainConfig
@@ -47,14 +48,13 @@ def check_datamodule_class(data: DataModuleConfig) -> None:
 
 
 def check_module_has_batches(model: CustomModelConfig) -> None:
-    from lightning.pytorch import LightningModule
-
     target = locate("model", model.target)
-    if (
-        inspect.isclass(target)
-        and issubclass(target, LightningModule)
-        and target.train_dataloader is LightningModule.train_dataloader
-    ):
+    # A LightningModule's module imported Lightning; a plain nn.Module's need not (nor do we).
+    lightning = sys.modules.get("lightning.pytorch")
+    if lightning is None or not inspect.isclass(target):
+        return  # (a factory is asked in the rank, once it has built the module)
+    base = lightning.LightningModule
+    if issubclass(target, base) and target.train_dataloader is base.train_dataloader:
         raise no_batches(target.__qualname__, model.target)
 
 
