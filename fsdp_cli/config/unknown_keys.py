@@ -2,10 +2,11 @@
 
 Two ways in. ``trainer.check_val_every_n_epoch=2`` is refused by Hydra's composition (the key is
 not in the schema), and :mod:`fsdp_cli.cli.hydra_errors` prints the line.
-``+trainer.check_val_every_n_epoch=2`` is accepted by Hydra (``+`` appends) but a typed section has no field to hold it:
-:func:`unknown_keys` finds it in :mod:`fsdp_cli.config.convert`, which refuses it rather than
-letting the conversion drop it. In fsdp-train's own sections, ``+`` adds keys only where the
-config takes free keyword arguments: a custom model (``model=custom``) and ``callbacks``.
+``+trainer.check_val_every_n_epoch=2`` is accepted by Hydra (``+`` appends) but a typed section
+has no field to hold it: :func:`unknown_keys` finds it in :mod:`fsdp_cli.config.convert`, which
+refuses it rather than letting the conversion drop it. In fsdp-train's own sections, ``+`` adds
+keys only where the config takes free keyword arguments: a custom model (``model=custom``), a
+DataModule (``data=datamodule``) and ``callbacks``.
 
 Our users come from Lightning scripts, so a key that is one of Lightning ``Trainer``'s arguments
 gets the way to say the same thing here, or is named as one fsdp-train does not take; any other
@@ -68,7 +69,7 @@ LIGHTNING_TRAINER_ONLY = frozenset(
 (tests/test_config.py checks that every argument of the installed Lightning is ours, answered
 above or listed here)."""
 
-PLUS_NOTE = "+ adds keys only to a custom model's arguments and to callbacks"
+PLUS_NOTE = "+ adds keys only to the arguments of a custom model and a data=datamodule, and to callbacks"
 
 
 def field_names(schema: type) -> list[str]:
