@@ -39,9 +39,11 @@ def test_every_group_has_options() -> None:
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes(group: str, option: str) -> None:
-    extra = (
-        ["model._target_=tests.assets.custom_models.TinyLM"] if (group, option) == ("model", "custom") else []
-    )
+    needs_target = {
+        ("model", "custom"): ["model._target_=tests.assets.custom_models.TinyLM"],
+        ("data", "datamodule"): ["data._target_=tests.assets.lightning_habits.RegressionData"],
+    }
+    extra = needs_target.get((group, option), [])
     cfg = composed(f"{group}='{option}'", *extra)  # quoted: option names such as 16 are strings
     assert isinstance(cfg, TrainConfig)
     node = getattr(cfg, group)

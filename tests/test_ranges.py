@@ -74,7 +74,7 @@ def _refused(*overrides: str) -> ConfigError:
         ("wrap.min_num_params=-5", "wrap.min_num_params=-5", "must be at least 1"),
         ("optim.eps=0", "optim.eps=0.0", "must be positive"),
         ("model.rope_theta=-1", "model.rope_theta=-1.0", "must be positive"),
-        ("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1", "must be at least 1"),
+        ("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1", "must be a finite number >= 0"),
         ("data.num_workers=-2", "data.num_workers=-2", "must be a finite number >= 0"),
         ("optim.lr=nan", "optim.lr=nan", "must be a finite number >= 0"),
         ("seed=-1", "seed=-1", "must be 0..4294967295"),
@@ -100,12 +100,12 @@ def test_null_is_allowed_where_the_type_allows_it_and_named_in_the_line() -> Non
     assert "hint: " in line, line
 
 
-def test_lightnings_limit_val_batches_0_is_refused_with_the_way_to_turn_validation_off() -> None:
-    """A Lightning user turns validation off with limit_val_batches=0; here validation is off
-    unless trainer.val_check_interval is set, and the line says so."""
-    line = _refused("trainer.limit_val_batches=0").one_line()
-    assert line.startswith("trainer.limit_val_batches=0: must be at least 1"), line
-    assert "hint: to turn validation off, leave trainer.val_check_interval null" in line, line
+def test_lightnings_limit_val_batches_0_turns_validation_off_and_below_is_refused_saying_so() -> None:
+    """A Lightning user turns validation off with limit_val_batches=0, and so does this config."""
+    validate(resolve_layout(composed("trainer.limit_val_batches=0"), {}, gpus=0))
+    line = _refused("trainer.limit_val_batches=-1").one_line()
+    assert line.startswith("trainer.limit_val_batches=-1: must be a finite number >= 0"), line
+    assert "hint: trainer.limit_val_batches=0 turns validation off" in line, line
 
 
 def test_a_range_reaches_the_config_reference() -> None:

@@ -50,15 +50,15 @@ CLI_CASES = [
     (["trainer.max_time=9"], "trainer.max_time", ["a Lightning Trainer argument that fsdp-train sets"]),
     # A Lightning Trainer argument: where the setting lives here.
     (
-        ["trainer.accumulate_grad_batches=4"],
-        "trainer.accumulate_grad_batches",
-        ["not a key", "data.micro_batch_size", "data.global_batch_size"],
+        ["trainer.check_val_every_n_epoch=2"],
+        "trainer.check_val_every_n_epoch",
+        ["not a key", "trainer.val_check_interval=N validates every N optimizer steps"],
     ),
     # `+` appends to a typed section: the key would be dropped without a word, so it is refused.
     (
-        ["+trainer.accumulate_grad_batches=4"],
-        "trainer.accumulate_grad_batches=4",
-        ["not a key", "allowed: max_steps,", "data.micro_batch_size", "+ adds keys only to"],
+        ["+trainer.check_val_every_n_epoch=2"],
+        "trainer.check_val_every_n_epoch=2",
+        ["not a key", "allowed: max_steps,", "trainer.val_check_interval=N", "+ adds keys only to"],
     ),
     (
         ["+strategy.mp_policy.param_dtyp=bfloat16"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from fsdp_cli.builders.precision import precision_plugin
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig
+from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig, TrainerConfig
+from fsdp_cli.launch.environment import global_rank
 from fsdp_cli.rundir.files import profiler_dir
 
 
@@ -68,13 +70,16 @@ def build_trainer(
     """``accumulation``: micro-batches per optimizer step. Gradient clipping is a callback
     (:mod:`fsdp_cli.callbacks.clipping`), not Lightning's, so it works under FSDP1 and mixed meshes.
 
-    ``module_loaders``: the LightningModule's own DataLoaders are used. Lightning then gives each
-    one a DistributedSampler over the strategy's data-parallel ranks (as ``Trainer`` does by
-    default), so each data-parallel rank sees different samples and tensor-parallel peers the
-    same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
+    ``module_loaders``: the user's DataLoaders are used (the LightningModule's own, or those of
+    its ``data=datamodule``). Lightning then gives each one a DistributedSampler over the
+    strategy's data-parallel ranks (as ``Trainer`` does by default), so each data-parallel rank
+    sees different samples and tensor-parallel peers the same ones. Our own DataModule shards by itself (the step-aligned sampler) and opts out.
 
     ``module_clip_val``: for a module with its own ``configure_gradient_clipping``, the
     ``gradient_clip_val`` Lightning passes to it.
+
+    Validation follows the path: Lightning's defaults for the module's own loaders
+    (:func:`module_validation`), fsdp-train's for its data (:func:`token_validation`).
     """
     cfg = run.cfg
     t = cfg.trainer
@@ -83,12 +88,8 @@ def build_trainer(
     # clip_gradients(..., gradient_clip_algorithm=...) against it. The value itself only when the
     # module clips itself: otherwise our GradientClipping callback clips.
     kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
-    if t.val_check_interval is not None:
-        # Lightning counts validation intervals in batches; ours are optimizer steps.
-        kwargs.update(val_check_interval=t.val_check_interval * accumulation, check_val_every_n_epoch=None)
-        kwargs["limit_val_batches"] = t.limit_val_batches
-    else:
-        kwargs["limit_val_batches"] = 0
+    validation = module_validation if module_loaders else token_validation
+    kwargs.update(validation(t, accumulation))
     return L.Trainer(
         accelerator=run.layout.accelerator,
         devices=run.layout.devices,
@@ -107,9 +108,58 @@ def build_trainer(
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
         enable_progress_bar=t.enable_progress_bar or any(isinstance(c, ProgressBar) for c in callbacks),
         enable_model_summary=False,
-        num_sanity_val_steps=0,
         use_distributed_sampler=module_loaders,
         default_root_dir=cfg.run_dir,
         profiler=build_profiler(cfg, accumulation),
         **kwargs,
     )
+
+
+def module_validation(t: TrainerConfig, accumulation: int) -> dict[str, Any]:
+    """A module's own ``val_dataloader`` (or its DataModule's) validates as under a plain
+    ``Trainer``: a sanity check of 2 batches, the whole loader, after every epoch; each key the
+    config sets replaces Lightning's default (``val_check_interval`` in optimizer steps)."""
+    kwargs: dict[str, Any] = {}
+    if t.val_check_interval is not None:
+        kwargs.update(_every_n_steps(t.val_check_interval, accumulation))
+    if t.limit_val_batches is not None:
+        kwargs["limit_val_batches"] = t.limit_val_batches
+    if t.num_sanity_val_steps is not None:
+        kwargs["num_sanity_val_steps"] = t.num_sanity_val_steps
+    return kwargs
+
+
+def token_validation(t: TrainerConfig, accumulation: int) -> dict[str, Any]:
+    """fsdp-train's data validates only with ``val_check_interval`` (its held-out batches,
+    ``limit_val_batches`` of them, 4 by default) and runs no sanity check unless asked; a
+    validation setting given without the interval is named in a note, not ignored silently."""
+    if t.val_check_interval is None:
+        _note_unused_validation(t)
+        return {"limit_val_batches": 0, "num_sanity_val_steps": 0}
+    return {
+        **_every_n_steps(t.val_check_interval, accumulation),
+        "limit_val_batches": TOKEN_VAL_BATCHES if t.limit_val_batches is None else t.limit_val_batches,
+        "num_sanity_val_steps": t.num_sanity_val_steps or 0,
+    }
+
+
+def _note_unused_validation(t: TrainerConfig) -> None:
+    unused = [
+        f"trainer.{k}" for k in ("limit_val_batches", "num_sanity_val_steps") if getattr(t, k) is not None
+    ]
+    if unused and global_rank() == 0:
+        print(
+            f"fsdp-train: note: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: "
+            "fsdp-train's data validates only with trainer.val_check_interval=N",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+TOKEN_VAL_BATCHES = 4
+"""Held-out batches per validation of fsdp-train's data when ``trainer.limit_val_batches`` is null."""
+
+
+def _every_n_steps(steps: int, accumulation: int) -> dict[str, Any]:
+    # Lightning counts validation intervals in batches; ours are optimizer steps.
+    return {"val_check_interval": steps * accumulation, "check_val_every_n_epoch": None}

@@ -67,7 +67,7 @@ def _check_entry(cfg: TrainConfig, key: str, entry: Mapping[str, Any]) -> None:
         )
     if not callable(target):
         raise ConfigError(f"{key}._target_", path, "is not a class or a function")
-    _check_arguments(key, target, entry)
+    check_arguments(key, target, entry)
     needs_logger = inspect.isclass(target) and any(c.__name__ in NEEDS_A_LOGGER for c in target.__mro__)
     if needs_logger and cfg.logger.name is LoggerName.none:
         raise ConfigError(
@@ -79,7 +79,7 @@ def _check_entry(cfg: TrainConfig, key: str, entry: Mapping[str, Any]) -> None:
         )
 
 
-def _check_arguments(key: str, target: Any, entry: Mapping[str, Any]) -> None:
+def check_arguments(key: str, target: Any, entry: Mapping[str, Any]) -> None:
     """The entry's arguments bind to the target's signature (Hydra's ``_args_``/``_partial_`` too):
     an unknown keyword first (the likelier typo), then a missing required one."""
     kwargs = {k: v for k, v in entry.items() if not (k.startswith("_") and k.endswith("_"))}

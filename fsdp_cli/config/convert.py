@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
+    DataModuleConfig,
     HFModelConfig,
     JsonlDataConfig,
     LauncherConfig,
@@ -78,7 +79,7 @@ def to_train_config(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     fields: dict[str, Any] = {}
     fields["strategy"] = _by_name("strategy", raw.get("strategy"), STRATEGY_SCHEMAS)
     fields["model"] = _model(raw.get("model"))
-    fields["data"] = _by_name("data", raw.get("data"), DATA_SCHEMAS)
+    fields["data"] = _data(raw.get("data"))
     if "callbacks" in raw:
         fields["callbacks"] = _callbacks(raw["callbacks"])
     for key, schema in SECTION_SCHEMAS.items():
@@ -119,6 +120,8 @@ def to_container(cfg: TrainConfig) -> dict[str, Any]:
     assert isinstance(out, dict)
     if isinstance(cfg.model, CustomModelConfig):
         out["model"] = {"_target_": cfg.model.target, **cfg.model.kwargs}
+    if isinstance(cfg.data, DataModuleConfig):
+        out["data"] = {"name": cfg.data.name, "_target_": cfg.data.target, **cfg.data.kwargs}
     return out
 
 
@@ -142,7 +145,7 @@ def _typed(key: str, schema: type, node: Mapping[str, Any]) -> Any:
     try:
         if isinstance(node, DictConfig) and OmegaConf.get_type(node) is schema:
             # Composed against this schema: types checked. A key Hydra appended to it
-            # (`+trainer.accumulate_grad_batches=4`) to_object would drop without a word.
+            # (`+trainer.check_val_every_n_epoch=2`) to_object would drop without a word.
             # (The merge below refuses such keys itself.)
             for full, name, owner, value in unknown_keys(schema, node, key):
                 raise ConfigError(
@@ -210,3 +213,22 @@ def _model(node: Any) -> Any:
         vocab = kwargs.get("vocab_size")
         return CustomModelConfig(target=str(target), kwargs=kwargs, vocab_size=vocab)
     return _by_name("model", node, MODEL_SCHEMAS)
+
+
+def _data(node: Any) -> Any:
+    """The ``data`` group: a token data option by its schema, or ``data=datamodule`` (a
+    LightningDataModule of the user's, its free keys its constructor's arguments)."""
+    if not (isinstance(node, Mapping) and node.get("name") == DataModuleConfig.name):
+        return _by_name("data", node, DATA_SCHEMAS)
+    plain = _plain(node, resolve=True)
+    target = plain.get("_target_")
+    if not target or target == _MISSING:
+        raise ConfigError(
+            "data._target_",
+            None,
+            "data=datamodule needs the LightningDataModule class to build",
+            allowed="an importable dotted path",
+            hint="data._target_=my_pkg.my_module.MyDataModule +data.batch_size=32",
+        )
+    kwargs = {k: v for k, v in plain.items() if k not in ("_target_", "name")}
+    return DataModuleConfig(target=str(target), kwargs=kwargs)

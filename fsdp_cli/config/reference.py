@@ -26,7 +26,7 @@ from typing import Any
 
 from fsdp_cli.config import schema
 from fsdp_cli.config.convert import GROUP_SCHEMAS
-from fsdp_cli.config.schema import CustomModelConfig, TrainConfig
+from fsdp_cli.config.schema import CustomModelConfig, DataModuleConfig, TrainConfig
 from fsdp_cli.models import args
 from fsdp_cli.parallel import options
 from fsdp_cli.ranges import field_range
@@ -210,6 +210,18 @@ def group_section(group: str) -> list[str]:
             "|---|---|---|---|",
             "| `model._target_` | str | required | Dotted path of the class or factory that builds the model. |",
             "| `model.NAME` (`+model.NAME=VALUE`) | any | | A keyword argument of the target. |",
+            "",
+        ]
+    if group == "data":
+        lines += [
+            f"### `data=datamodule` ({DataModuleConfig.__name__})",
+            "",
+            cell(class_doc(DataModuleConfig)),
+            "",
+            "| key | type | default | description |",
+            "|---|---|---|---|",
+            "| `data._target_` | str | required | Dotted path of the LightningDataModule class or factory. |",
+            "| `data.NAME` (`+data.NAME=VALUE`) | any | | A keyword argument of the target. |",
             "",
         ]
     return lines

@@ -459,6 +459,25 @@ class JsonlDataConfig(DataConfig):
     """Where tokenized corpora are kept; null = a ``.fsdp_cli_tokens`` folder beside the first input file."""
 
 
+@dataclass
+class DataModuleConfig:
+    """``data=datamodule``: a LightningDataModule of your own, handed to ``trainer.fit(model,
+    datamodule=...)`` as under Lightning (``prepare_data`` on local rank 0 of each node,
+    ``setup("fit")`` and the loaders on every rank, a ``DistributedSampler`` per data-parallel
+    rank). The model must be a LightningModule (``model=custom``).
+
+    Not registered as a schema (arbitrary ``+data.NAME=VALUE`` keys are its constructor's
+    arguments); the converter builds this object from the composed node.
+    """
+
+    target: str = MISSING
+    """Dotted path of the LightningDataModule class or factory (``data._target_`` in YAML)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the target (the other ``data.*`` keys)."""
+    name: str = "datamodule"
+    """Always ``datamodule``."""
+
+
 # --------------------------------------------------------------------------- fixed sections
 
 
@@ -493,14 +512,24 @@ class TrainerConfig:
     enable_progress_bar: bool = False
     """Lightning's progress bar (the per-step log lines replace it)."""
     val_check_interval: int | None = field(default=None, metadata=at_least(1))
-    """Run validation every N steps on held-out batches; null = no validation."""
-    limit_val_batches: int = field(
-        default=4,
-        metadata=at_least(
-            1, hint="to turn validation off, leave trainer.val_check_interval null (the default)"
-        ),
+    """Validate every N optimizer steps. null = the path's default: no validation on
+    fsdp-train's ``data`` group; Lightning's default for a LightningModule with its own
+    ``val_dataloader`` (or a ``data=datamodule`` that has one): after every training epoch."""
+    limit_val_batches: int | None = field(
+        default=None,
+        metadata=at_least(0, hint="trainer.limit_val_batches=0 turns validation off (Lightning's way)"),
     )
-    """Held-out batches per validation run."""
+    """Batches per validation run (per data-parallel rank); 0 = no validation. null = the path's
+    default: 4 held-out batches of fsdp-train's ``data`` group; the whole loader for a module's
+    own ``val_dataloader`` (Lightning's default)."""
+    num_sanity_val_steps: int | None = field(default=None, metadata=at_least(0, also=(-1,)))
+    """Validation batches run before training starts, to catch a broken ``validation_step``
+    early (-1 = the whole loader). null = the path's default: none on fsdp-train's ``data``
+    group; 2 for a module's own ``val_dataloader`` (Lightning's default)."""
+    accumulate_grad_batches: int | None = field(default=None, metadata=at_least(1))
+    """Batches of a module's own ``train_dataloader`` (or of ``data=datamodule``) per optimizer
+    step, gradients synchronised once per step; null = 1. fsdp-train's ``data`` group derives its
+    accumulation from ``data.global_batch_size`` and ``data.micro_batch_size`` and refuses this key."""
     profiler: Profiler = Profiler.none
     """none, simple (time per Lightning hook) or torch (a trace of a few steps per rank); written
     to ``<run dir>/profiler/``."""

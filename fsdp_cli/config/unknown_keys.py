@@ -1,11 +1,12 @@
 """A key the schema does not have: found before launch, answered with where the setting lives.
 
-Two ways in. ``trainer.accumulate_grad_batches=4`` is refused by Hydra's composition (the key is
-not in the schema), and :mod:`fsdp_cli.cli.hydra_errors` prints the line. ``+trainer.accumulate_grad_batches=4``
-is accepted by Hydra (``+`` appends) but a typed section has no field to hold it:
-:func:`unknown_keys` finds it in :mod:`fsdp_cli.config.convert`, which refuses it rather than
-letting the conversion drop it. In fsdp-train's own sections, ``+`` adds keys only where the
-config takes free keyword arguments: a custom model (``model=custom``) and ``callbacks``.
+Two ways in. ``trainer.check_val_every_n_epoch=2`` is refused by Hydra's composition (the key is
+not in the schema), and :mod:`fsdp_cli.cli.hydra_errors` prints the line.
+``+trainer.check_val_every_n_epoch=2`` is accepted by Hydra (``+`` appends) but a typed section
+has no field to hold it: :func:`unknown_keys` finds it in :mod:`fsdp_cli.config.convert`, which
+refuses it rather than letting the conversion drop it. In fsdp-train's own sections, ``+`` adds
+keys only where the config takes free keyword arguments: a custom model (``model=custom``), a
+DataModule (``data=datamodule``) and ``callbacks``.
 
 Our users come from Lightning scripts, so a key that is one of Lightning ``Trainer``'s arguments
 gets the way to say the same thing here, or is named as one fsdp-train does not take; any other
@@ -22,17 +23,15 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 LIGHTNING_TRAINER_ARGUMENTS: dict[str, str] = {
-    "accumulate_grad_batches": (
-        "accumulation follows from the batch sizes: data.micro_batch_size sequences per rank and "
-        "forward, data.global_batch_size per optimizer step"
-    ),
     "precision": "precision=NAME is a config group of its own; fsdp-train --help lists the names",
     "devices": "devices=N, a top-level key",
     "num_nodes": "num_nodes=N, a top-level key",
     "accelerator": "accelerator=cpu or accelerator=gpu, a top-level key",
     "strategy": "strategy=NAME is a config group of its own (fsdp2, fsdp, model_parallel, ddp, ...)",
-    "check_val_every_n_epoch": "trainer.val_check_interval=N validates every N optimizer steps",
-    "num_sanity_val_steps": "no sanity validation runs before training here",
+    "check_val_every_n_epoch": (
+        "trainer.val_check_interval=N validates every N optimizer steps; null (the default) validates "
+        "a module's own val_dataloader after every epoch"
+    ),
     "callbacks": "+callbacks.NAME._target_=dotted.Class adds a callback",
     "logger": "logger=csv, tensorboard, mlflow or wandb is a config group of its own",
     "default_root_dir": "hydra.run.dir=PATH chooses the run directory",
@@ -70,7 +69,7 @@ LIGHTNING_TRAINER_ONLY = frozenset(
 (tests/test_config.py checks that every argument of the installed Lightning is ours, answered
 above or listed here)."""
 
-PLUS_NOTE = "+ adds keys only to a custom model's arguments and to callbacks"
+PLUS_NOTE = "+ adds keys only to the arguments of a custom model and a data=datamodule, and to callbacks"
 
 
 def field_names(schema: type) -> list[str]:

@@ -19,6 +19,7 @@ from fsdp_cli.config.schema import (
     Accelerator,
     CheckpointFormat,
     CustomModelConfig,
+    DataModuleConfig,
     LlamaConfig,
     LoggerName,
     Profiler,
@@ -67,8 +68,11 @@ def data_checks_deferred(cfg: TrainConfig) -> bool:
 
 
 def validate_data(cfg: TrainConfig | ResolvedRun) -> None:
-    """The checks of the ``data`` group (batch split, vocabulary, sequence length, files)."""
+    """The checks of the ``data`` group (batch split, vocabulary, sequence length, files); none
+    for ``data=datamodule``, whose batches are the user's DataModule's."""
     run = ResolvedRun.of(cfg)
+    if isinstance(run.cfg.data, DataModuleConfig):
+        return
     for check in DATA_CHECKS:
         check(run)
 
@@ -137,6 +141,40 @@ def check_custom_model(run: ResolvedRun) -> None:
     cfg = run.cfg
     if isinstance(cfg.model, CustomModelConfig):
         check_dotted("model._target_", cfg.model.target)
+
+
+def check_datamodule(run: ResolvedRun) -> None:
+    """``data=datamodule`` feeds a LightningModule (``model=custom``), from a module that can be
+    found (whether it holds a LightningDataModule taking those arguments is asked on the resolve
+    path, :mod:`fsdp_cli.config.batch_source`)."""
+    cfg = run.cfg
+    if not isinstance(cfg.data, DataModuleConfig):
+        return
+    if not isinstance(cfg.model, CustomModelConfig):
+        raise ConfigError(
+            "data",
+            cfg.data.name,
+            f"a LightningDataModule feeds a LightningModule of yours, and model={cfg.model.name} trains on fsdp-train's data",
+            allowed="model=custom model._target_=pkg.MyLightningModule",
+            hint="data=synthetic, text, tokens or jsonl for the built-in and Hugging Face models",
+        )
+    check_dotted("data._target_", cfg.data.target)
+
+
+def check_accumulation(run: ResolvedRun) -> None:
+    """fsdp-train's own data accumulates by its batch sizes; ``trainer.accumulate_grad_batches``
+    is for a module's own loaders (or a DataModule's)."""
+    cfg = run.cfg
+    if cfg.trainer.accumulate_grad_batches is None:
+        return
+    raise ConfigError(
+        "trainer.accumulate_grad_batches",
+        cfg.trainer.accumulate_grad_batches,
+        f"data={cfg.data.name} sets accumulation by its batch sizes: data.micro_batch_size sequences per rank and forward, "
+        "data.global_batch_size per optimizer step",
+        allowed="null with fsdp-train's data (a module's own train_dataloader or data=datamodule takes N)",
+        hint=f"data.micro_batch_size=N under data.global_batch_size={cfg.data.global_batch_size}",
+    )
 
 
 def check_llama_sizes(run: ResolvedRun) -> None:
@@ -496,6 +534,7 @@ CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
     check_custom_model,
     check_manual_optimization,
+    check_datamodule,
     check_hf_model,
     check_llama_sizes,
     check_llama_tensor_parallel,
@@ -510,6 +549,7 @@ CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
 """Cross-field checks, in order, after :func:`check_ranges` (each field's own range) and
 :func:`check_precision` (the precision table must know the name before a run can be resolved)."""
 DATA_CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
+    check_accumulation,
     check_batch,
     check_vocabulary,
     check_sequence,

@@ -56,6 +56,8 @@ class RankRun:
     trainer: Any
     callbacks: Any  # fsdp_cli.builders.callbacks.RunCallbacks
     parameters_at_build: int = 0
+    tokens: bool = True
+    """Trained on fsdp-train's token batches (else the module's or its DataModule's loaders)."""
 
 
 @dataclass
@@ -174,7 +176,7 @@ def build(run: ResolvedRun, monitor: RankMonitor | None = None) -> RankRun:
 
     _quiet_known_noise()
     from fsdp_cli.builders.callbacks import build_callbacks
-    from fsdp_cli.builders.data import build_datamodule
+    from fsdp_cli.builders.data import build_datamodule, feeds_tokens
     from fsdp_cli.builders.model import build_module
     from fsdp_cli.builders.strategy import build_strategy
     from fsdp_cli.builders.trainer import build_trainer
@@ -182,14 +184,16 @@ def build(run: ResolvedRun, monitor: RankMonitor | None = None) -> RankRun:
     L.seed_everything(run.cfg.seed, workers=True, verbose=False)
     module = build_module(run)
     datamodule = build_datamodule(run, module)  # None: the module's own DataLoaders
-    own = datamodule is None
+    own = not feeds_tokens(datamodule)  # the user's loaders: the module's or its DataModule's
+    if not own:
+        _quiet_token_validation_note()
     strategy = build_strategy(run)
     callbacks = build_callbacks(run, module, module_loaders=own, monitor=monitor)
     trainer = build_trainer(
         run,
         strategy,
         callbacks=callbacks.as_list(),
-        accumulation=1 if own else datamodule.accumulation,
+        accumulation=(run.cfg.trainer.accumulate_grad_batches or 1) if own else datamodule.accumulation,
         module_loaders=own,
         module_clip_val=callbacks.module_clip_val,
     )
@@ -199,6 +203,7 @@ def build(run: ResolvedRun, monitor: RankMonitor | None = None) -> RankRun:
         trainer=trainer,
         callbacks=callbacks,
         parameters_at_build=_parameter_count(module),
+        tokens=not own,
     )
 
 
@@ -239,7 +244,7 @@ def _summary(
     val_rows = metrics.val_rows if metrics is not None else []
     steady = steady_state(rows)
     data = run.cfg.data
-    tokens = built is None or built.datamodule is not None  # else batches from the module's loaders
+    tokens = built is None or built.tokens  # else batches from the user's loaders
     return RunSummary(
         status=outcome.status,
         error=outcome.error,
@@ -296,13 +301,20 @@ def _quiet_known_noise() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
 
     class _NormPartialNote(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             return "_NormPartial" not in record.getMessage()
 
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NormPartialNote())
+
+
+def _quiet_token_validation_note() -> None:
+    """fsdp-train's data has a validation loader only with ``trainer.val_check_interval``, which
+    the docs say; Lightning's note is kept for a user's module (its validation loop is skipped)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
 
 
 def _redirect_output(path: Path) -> None:
