@@ -479,7 +479,8 @@ def test_without_transformers_model_hf_names_the_extra(
     )
     cfg = replace(composed("model=hf", f"model.path={hf_files['llama']}"), dp=2)
     with pytest.raises(
-        ConfigError, match=r'^model=hf: needs the transformers package; hint: pip install "fsdp-cli\[hf\]"'
+        ConfigError,
+        match=r'^model=hf: needs the transformers package; hint: pip install "transformers<6,>=5.23" "tokenizers>=0.22" \(or pip install "\.\[hf\]" in a checkout of fsdp_cli\)$',
     ):
         model_folder.check_hf_model(run_of(cfg))
 

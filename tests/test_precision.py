@@ -106,7 +106,7 @@ def precision_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], t
         if name not in done:
             where = root / name
             run_dir = where / "run"
-            result = run_cli([*RUNS[name][0], *COMMON], run_dir, env=probe_env(where))
+            result = run_cli([*RUNS[name][0], *COMMON], run_dir, env=probe_env(where, step_work=True))
             done[name] = (where, assert_ok(result, run_dir))
             (where / "stdout.txt").write_text(result.stdout)
         return done[name]

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PROBE_DIR_ENV = "FSDP_CLI_TEST_PROBE_DIR"
+STEP_WORK_ENV = "FSDP_CLI_TEST_PROBE_STEP_WORK"
 RECORDED_BATCH = 2
 """The batch whose backward's collectives are recorded: after the first steps' lazy
 initialisation and compile."""
@@ -59,9 +60,11 @@ _FR_DTYPES = {
 """The flight recorder's dtype names (c10's ScalarType names) as torch's."""
 
 
-def probe_env(root: Path) -> dict[str, str]:
+def probe_env(root: Path, *, step_work: bool = False) -> dict[str, str]:
     """The environment that makes every rank of a run load :class:`LiveProbe`, writing under
-    ``root/probe``; the entry point lives in ``root/entry_point``."""
+    ``root/probe``; the entry point lives in ``root/entry_point``. ``step_work``: count one step's
+    work too (its dispatch mode and profile hook change what dynamo guards on: a compiled run
+    would recompile, so runs that test compilation leave it off)."""
     dist_info = root / "entry_point" / "fsdp_cli_test_probe-0.dist-info"
     dist_info.mkdir(parents=True, exist_ok=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: fsdp-cli-test-probe\nVersion: 0\n")
@@ -73,6 +76,7 @@ def probe_env(root: Path) -> dict[str, str]:
     return {
         "PYTHONPATH": os.pathsep.join(p for p in paths if p),
         PROBE_DIR_ENV: str(root / "probe"),
+        STEP_WORK_ENV: "1" if step_work else "",
         "TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),  # its name in older torch
     }
@@ -225,7 +229,7 @@ class LiveProbe(L.Callback):
         if idx == RECORDED_BATCH + 1 and self._step_work is not None:
             self.info["step_work"] = self._step_work.stop()
             self._step_work = None
-        if idx == RECORDED_BATCH and "step_work" not in self.info:
+        if idx == RECORDED_BATCH and "step_work" not in self.info and os.environ.get(STEP_WORK_ENV):
             self._step_work = StepWork()
             self._step_work.start()
 
