@@ -16,13 +16,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_cli.config.model_kinds import KINDS, kind_of
 from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
-    HFModelConfig,
     JsonlDataConfig,
     LauncherConfig,
-    LlamaConfig,
     LoggerConfig,
     OptimConfig,
     PrecisionConfig,
@@ -39,7 +38,7 @@ from fsdp_cli.config.unknown_keys import field_names, unknown_key_hint, unknown_
 from fsdp_cli.errors import ConfigError
 
 # The `name` key of each group's node selects its schema (strategies: their registry entries).
-MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "hf": HFModelConfig}
+MODEL_SCHEMAS: dict[str, type] = {k.name: k.schema for k in KINDS.values() if not k.target_decides}
 DATA_SCHEMAS: dict[str, type] = {
     "synthetic": SyntheticDataConfig,
     "text": TextDataConfig,
@@ -117,8 +116,9 @@ def to_container(cfg: TrainConfig) -> dict[str, Any]:
     """Plain dict of the typed config (enums as their values); custom models keep ``_target_``."""
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert isinstance(out, dict)
-    if isinstance(cfg.model, CustomModelConfig):
-        out["model"] = {"_target_": cfg.model.target, **cfg.model.kwargs}
+    node = kind_of(cfg.model).yaml_node
+    if node is not None:
+        out["model"] = node(cfg.model)
     return out
 
 
