@@ -57,7 +57,10 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
 }
 PROCESS_ENTRIES: dict[tuple[str, str], str] = {
-    ("fsdp_cli.launch.launcher", "fsdp_cli.launch.agent"): "the agent runs as python -m fsdp_cli.launch.agent",
+    (
+        "fsdp_cli.launch.launcher",
+        "fsdp_cli.launch.agent",
+    ): "the agent runs as python -m fsdp_cli.launch.agent",
     ("fsdp_cli.launch.launcher", "fsdp_cli.worker"): "each rank runs python -m fsdp_cli.worker",
     (
         "fsdp_cli.launch.environment",
