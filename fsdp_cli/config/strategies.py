@@ -1,4 +1,4 @@
-"""One entry per strategy: everything fsdp-train needs to know about it, in one place.
+"""One entry per strategy: what fsdp-train checks and accepts of it; its schema answers the rest.
 
 Validation, the resolved layout, the precision in effect, the builders, the memory plan and the
 model's initialisation each ask a strategy's :class:`StrategyEntry` (or its schema) instead of
