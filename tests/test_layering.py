@@ -3,7 +3,11 @@
 A room is a folder of ``fsdp_cli`` (``config``, ``parallel``, ...), a top-level module
 (``resolve``, ``precision``, ...), or ``hydra_plugins``. :data:`ALLOWED` lists, for each room,
 the rooms it may import (at module level or inside a function; an import under
-``if TYPE_CHECKING:`` is for annotations only and creates no dependency). The table runs one
+``if TYPE_CHECKING:`` is for annotations only and creates no dependency). An import by string is
+an import too: ``importlib.import_module("fsdp_cli...")`` (an f-string's fixed prefix included)
+and a string that names one of our modules, or an object in one (``module:attribute`` as
+registries write it, or ``module.Attribute``), count as edges; only :data:`PROCESS_ENTRIES`, the
+modules another process runs, are not imports of the room that names them. The table runs one
 way: argv -> cli -> sweep -> resolve -> plan -> worker -> builders -> callbacks / strategies ->
 checkpoint -> launch -> config -> models / data -> parallel -> the leaves. A new edge is added
 to the table on purpose, and the table itself must stay free of cycles.
@@ -52,6 +56,18 @@ ALLOWED: dict[str, set[str]] = {
     **{leaf: {"errors"} for leaf in LEAVES - {"errors"}},
     "errors": set(),
 }
+PROCESS_ENTRIES: dict[tuple[str, str], str] = {
+    (
+        "fsdp_cli.launch.launcher",
+        "fsdp_cli.launch.agent",
+    ): "the agent runs as python -m fsdp_cli.launch.agent",
+    ("fsdp_cli.launch.launcher", "fsdp_cli.worker"): "each rank runs python -m fsdp_cli.worker",
+    (
+        "fsdp_cli.launch.environment",
+        "fsdp_cli.worker.preload",
+    ): "what the agent process imports before it forks the ranks",
+}
+"""(module, the module a string in it names): started in another process, not imported here."""
 LIBRARY = {"parallel", "models", "strategies"}
 """Usable from Python without the CLI: nothing they import, however indirectly, is the CLI's."""
 CLI_ROOMS = {"cli", "sweep", "resolve", "config"}
@@ -78,13 +94,43 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return [n for n in ast.walk(tree) if id(n) not in skipped]
 
 
+def _named_module(text: str, modules: dict[str, Path]) -> str | None:
+    """The module of ours a string names: the module itself, or one attribute of it
+    (``module:attr``, ``module.Attr``; not of the top package, whose data folders share the form)."""
+    path, _, attr = text.partition(":")
+    if attr and not attr.isidentifier():
+        return None
+    if path in modules:
+        return path
+    parent, _, last = path.rpartition(".")
+    if not attr and parent in modules and "." in parent and last.isidentifier():
+        return parent
+    return None
+
+
+def _string_imports(node: ast.AST, modules: dict[str, Path]) -> list[str]:
+    """The modules of ours a string constant names, or an ``import_module`` call's fixed prefix
+    (an f-string's leading text: the package it imports from)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        found = _named_module(node.value, modules)
+        return [found] if found else []
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+        arg = node.args[0]
+        if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+            prefix = str(arg.values[0].value).rstrip(".")
+            return [prefix] if prefix in modules else []
+    return []
+
+
 def _imports() -> dict[str, set[str]]:
-    """Every module of ours each module imports (our modules only), and third-party roots too
-    (as ``ext:<name>``)."""
+    """Every module of ours each module imports (our modules only; by string too), and
+    third-party roots too (as ``ext:<name>``)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         for node in _runtime_nodes(ast.parse(path.read_text())):
+            named = [t for t in _string_imports(node, modules) if (name, t) not in PROCESS_ENTRIES]
+            graph[name].update(t for t in named if t != name)
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
@@ -174,3 +220,24 @@ def test_the_parallel_layer_never_imports_a_concrete_model() -> None:
         if m.startswith("fsdp_cli.parallel")
     }
     assert {m: ts for m, ts in offenders.items() if ts} == {}
+
+
+def test_imports_by_string_are_edges() -> None:
+    """A registry that names its builder by dotted path, or imports a module by string, depends
+    on it as surely as an import statement does."""
+    modules = _modules()
+    registry = ast.parse(
+        """ENTRY = Entry(builder="fsdp_cli.builders.strategy:build_ddp", block="fsdp_cli.models.llama.Llama")
+importlib.import_module("fsdp_cli.plan.memory")
+importlib.import_module(f"fsdp_cli.strategies.{name}")
+NOT_MODULES = ("fsdp_cli.configs", "fsdp_cli.range", "fsdp_cli.models.llama:two words")"""
+    )
+    found = sorted({t for node in ast.walk(registry) for t in _string_imports(node, modules)})
+    assert found == [
+        "fsdp_cli.builders.strategy",
+        "fsdp_cli.models.llama",
+        "fsdp_cli.plan.memory",
+        "fsdp_cli.strategies",
+    ]
+    assert "fsdp_cli.models.llama" in _imports()["fsdp_cli.plan.model"]  # its wrap class, by name
+    assert "fsdp_cli.worker" not in _imports()["fsdp_cli.launch.launcher"]  # a process it starts

@@ -14,16 +14,11 @@ from fsdp_cli.callbacks.metrics import MetricsCallback
 from fsdp_cli.callbacks.nonfinite import NonFiniteGuard
 from fsdp_cli.callbacks.progress import ProgressDisplay
 from fsdp_cli.callbacks.setup_report import SetupReport
-from fsdp_cli.callbacks.throughput import (
-    Throughput,
-    counted_flops_per_token,
-    device_peak_tflops,
-    llama_flops_per_token,
-)
+from fsdp_cli.callbacks.throughput import Throughput, device_peak_tflops
 from fsdp_cli.checkpoint.callback import CheckpointCallback
 from fsdp_cli.checkpoint.run import checkpoint_dir
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import LlamaConfig, TrainConfig
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.dotted import instantiate
 from fsdp_cli.errors import ConfigError
 
@@ -85,16 +80,12 @@ def clips_itself(module: Any) -> bool:
 
 
 def build_throughput(run: ResolvedRun, module: Any, device_name: str | None = None) -> Throughput:
-    """FLOPs per token of the model (formula for the built-in one, counted for others) and the
+    """FLOPs per token of the model (its kind's answer: the formula for the built-in one, counted for
+    others) and the
     device's peak for the compute dtype in effect (``device_name``: the CUDA device's, looked up
     when None and the run is on a GPU)."""
     cfg = run.cfg
-    seq = getattr(cfg.data, "seq_len", None)
-    flops: float | None = None
-    if isinstance(cfg.model, LlamaConfig):
-        flops = llama_flops_per_token(cfg.model, seq)
-    elif seq and callable(getattr(module, "model_factory", None)):  # a plain nn.Module in CausalLMModule
-        flops = counted_flops_per_token(module.model_factory, seq, cfg.data.vocab_size)
+    flops = run.model_kind.flops_per_token(run, module)
     peak = cfg.trainer.peak_tflops
     if peak is None and run.layout.on_gpu:
         name = device_name if device_name is not None else _cuda_device_name()

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 
-from fsdp_cli.builders.strategy import checkpointing
+from fsdp_cli.builders.checkpointing import checkpointing
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import BackwardPrefetch, WrapPolicy
 from fsdp_cli.parallel.options import WrapOptions

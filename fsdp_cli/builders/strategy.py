@@ -1,41 +1,26 @@
-"""Strategy builders: a resolved run -> its Lightning strategy (each strategy's registry entry names
-its builder: :mod:`fsdp_cli.config.strategies`)."""
+"""Strategy builders: a resolved run -> its Lightning strategy, one per registry entry
+(:mod:`fsdp_cli.config.strategies`), found by the entry's name in :data:`BUILDERS`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 
+from fsdp_cli.builders.checkpointing import checkpointing
+from fsdp_cli.builders.fsdp1 import build_fsdp1
 from fsdp_cli.builders.precision import fsdp2_mp_policy
-from fsdp_cli.checkpoint.run import RUN_ID_KEY
 from fsdp_cli.compat.torch_internals import ddp_buffer_sync
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import CheckpointFormat, LlamaConfig
+from fsdp_cli.config.schema import CheckpointFormat
 from fsdp_cli.dotted import import_object
 from fsdp_cli.parallel.parallelize import ParallelizeOptions
 
 
 def build_strategy(run: ResolvedRun) -> Strategy:
-    return run.entry.build(run)
-
-
-def checkpointing(run: ResolvedRun) -> dict[str, Any]:
-    """What every strategy's checkpointing is told at construction: the format, what each
-    checkpoint's manifest records, and whether sharded saves are written in the background."""
-    from fsdp_cli.config.convert import to_container
-
-    return {
-        "checkpoint_format": run.checkpoint_format.value,
-        "checkpoint_manifest": {
-            "config": to_container(run.cfg),
-            "dp": run.layout.dp,
-            "tp": run.layout.tp,
-            RUN_ID_KEY: run.cfg.run_id,  # whose saves retention may remove (CheckpointCallback.prune)
-        },
-        "async_checkpointing": run.cfg.checkpoint.async_save,
-    }
+    """The Lightning strategy of the run's registry entry (:data:`BUILDERS`)."""
+    return BUILDERS[run.entry.name](run)
 
 
 def build_ddp(run: ResolvedRun) -> Strategy:
@@ -55,12 +40,13 @@ def build_ddp(run: ResolvedRun) -> Strategy:
 
 
 def ddp_broadcasts_buffers(run: ResolvedRun) -> bool:
-    """``strategy.broadcast_buffers``; null: no per-step broadcast for the built-in Llama (its
-    buffers are RoPE tables every rank computes alike), DDP's default for every other model."""
+    """``strategy.broadcast_buffers``; null: no per-step broadcast for a model whose buffers every
+    rank computes alike (the built-in Llama's RoPE tables: its kind's ``recomputes_buffers``),
+    DDP's default for every other model."""
     strategy = run.cfg.strategy
     if strategy.broadcast_buffers is not None:
         return strategy.broadcast_buffers
-    return not isinstance(run.cfg.model, LlamaConfig)
+    return not run.model_kind.recomputes_buffers
 
 
 def build_fsdp2(run: ResolvedRun) -> Strategy:
@@ -109,3 +95,12 @@ def build_model_parallel(run: ResolvedRun) -> Strategy:
         timeout=timedelta(seconds=strategy.timeout_s),
         **checkpointing(run),
     )
+
+
+BUILDERS: dict[str, Callable[[ResolvedRun], Strategy]] = {
+    "ddp": build_ddp,
+    "fsdp2": build_fsdp2,
+    "fsdp": build_fsdp1,
+    "model_parallel": build_model_parallel,
+}
+"""Each strategy's builder by its registry entry's name (:data:`fsdp_cli.config.strategies.ENTRIES`)."""

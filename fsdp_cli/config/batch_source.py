@@ -18,6 +18,7 @@ import inspect
 import sys
 
 from fsdp_cli.config.callback_classes import check_arguments, locate
+from fsdp_cli.config.model_kinds import kind_of
 from fsdp_cli.config.schema import CustomModelConfig, DataModuleConfig, TrainConfig
 from fsdp_cli.errors import ConfigError
 
@@ -25,7 +26,7 @@ from fsdp_cli.errors import ConfigError
 def check_batch_source(cfg: TrainConfig) -> None:
     if isinstance(cfg.data, DataModuleConfig):
         check_datamodule_class(cfg.data)
-    elif isinstance(cfg.model, CustomModelConfig) and not cfg.explicit_data:
+    elif kind_of(cfg.model).target_decides and not cfg.explicit_data:
         check_module_has_batches(cfg.model)
 
 

@@ -16,14 +16,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_cli.config.model_kinds import KINDS, kind_of
 from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
     DataModuleConfig,
-    HFModelConfig,
     JsonlDataConfig,
     LauncherConfig,
-    LlamaConfig,
     LoggerConfig,
     OptimConfig,
     PrecisionConfig,
@@ -40,7 +39,7 @@ from fsdp_cli.config.unknown_keys import field_names, unknown_key_hint, unknown_
 from fsdp_cli.errors import ConfigError
 
 # The `name` key of each group's node selects its schema (strategies: their registry entries).
-MODEL_SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "hf": HFModelConfig}
+MODEL_SCHEMAS: dict[str, type] = {k.name: k.schema for k in KINDS.values() if not k.target_decides}
 DATA_SCHEMAS: dict[str, type] = {
     "synthetic": SyntheticDataConfig,
     "text": TextDataConfig,
@@ -118,8 +117,9 @@ def to_container(cfg: TrainConfig) -> dict[str, Any]:
     """Plain dict of the typed config (enums as their values); custom models keep ``_target_``."""
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert isinstance(out, dict)
-    if isinstance(cfg.model, CustomModelConfig):
-        out["model"] = {"_target_": cfg.model.target, **cfg.model.kwargs}
+    node = kind_of(cfg.model).yaml_node
+    if node is not None:
+        out["model"] = node(cfg.model)
     if isinstance(cfg.data, DataModuleConfig):
         out["data"] = {"name": cfg.data.name, "_target_": cfg.data.target, **cfg.data.kwargs}
     return out

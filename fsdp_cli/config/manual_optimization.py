@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import CustomModelConfig
 from fsdp_cli.dotted import find_module
 from fsdp_cli.errors import ConfigError
+
+if TYPE_CHECKING:  # (type-only: the model registry names this check, and the resolved run asks the registry)
+    from fsdp_cli.config.resolved import ResolvedRun
 
 _ATTRIBUTE = "automatic_optimization"
 
 
 def check_manual_optimization(run: ResolvedRun) -> None:
-    """Before launch: ``model._target_`` declares manual optimization in its source."""
-    model = run.cfg.model
-    if isinstance(model, CustomModelConfig) and declares_manual_optimization(model.target):
+    """Before launch (``model=custom``: its registry entry's check): ``model._target_`` declares
+    manual optimization in its source."""
+    if declares_manual_optimization(run.cfg.model.target):
         refuse_with_manual_optimization(run)
 
 

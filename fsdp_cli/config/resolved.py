@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_cli.config.schema import CheckpointFormat, CustomModelConfig, HFModelConfig, TrainConfig
+from fsdp_cli.config.model_kinds import ModelKind, kind_of
+from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
 from fsdp_cli.config.strategies import StrategyEntry, entry_of, policy_dtypes
 from fsdp_cli.precision import ResolvedPrecision, resolve_precision
 
@@ -63,7 +64,7 @@ class ResolvedRun:
         entry = entry_of(cfg)
         devices, dp = int(cfg.devices), int(cfg.dp)
         world = devices * cfg.num_nodes
-        split = entry.sharding(cfg.strategy, dp, devices, world)
+        split = cfg.strategy.sharding(dp, devices, world)
         layout = Layout(
             accelerator=cfg.accelerator.value,
             devices=devices,
@@ -73,14 +74,20 @@ class ResolvedRun:
             replicate=split.replicate,
             shard=split.shard,
         )
-        precision = resolve_precision(cfg.precision.name, policy_dtypes(entry.explicit_policy(cfg.strategy)))
+        precision = resolve_precision(cfg.precision.name, policy_dtypes(cfg.strategy.explicit_policy()))
         return cls(
             cfg=cfg,
             entry=entry,
             layout=layout,
             precision=precision,
-            checkpoint_format=entry.checkpoint_format(cfg),
+            checkpoint_format=cfg.strategy.checkpoint_format(cfg.checkpoint.format),
         )
+
+    @property
+    def model_kind(self) -> ModelKind:
+        """The registry entry that answers every question about the model (:data:`MODULE` for
+        ``model=custom`` until its target is imported)."""
+        return kind_of(self.cfg.model)
 
     @property
     def run_dir(self) -> Path:
@@ -104,9 +111,4 @@ class ResolvedRun:
 
 
 def model_label(cfg: TrainConfig) -> str:
-    model = cfg.model
-    if isinstance(model, CustomModelConfig):
-        return model.target
-    if isinstance(model, HFModelConfig):
-        return f"hf:{model.path}"
-    return model.name
+    return kind_of(cfg.model).label(cfg.model)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import MISSING
 
@@ -134,8 +134,52 @@ TIMEOUT = at_least(1)
 # --------------------------------------------------------------------------- strategy group
 
 
+class Sharding(NamedTuple):
+    """How a strategy lays its data-parallel ranks out: ``replicate`` groups of ``shard`` ranks
+    (``shard=1``: every rank holds every parameter)."""
+
+    replicate: int
+    shard: int
+
+
+class StrategyAnswers:
+    """What every strategy schema answers about itself (its registry entry,
+    :mod:`fsdp_cli.config.strategies`, holds what it does not know: checks, builder, planner).
+    The defaults are DDP's; a schema overrides what it changes. (Methods, not fields: nothing
+    here is a config key.)"""
+
+    def sharding(self, dp: int, devices: int, world: int) -> Sharding:
+        """The replicate x shard split of ``dp`` data-parallel ranks (``devices`` per node)."""
+        return Sharding(replicate=world, shard=1)
+
+    def replicas(self) -> int:
+        """The replicate factor the layout checks against ``dp`` (FSDP2's HSDP)."""
+        return 1
+
+    def parallelize_settings(self) -> ParallelizeSettings | None:
+        """The parallelize settings it applies to the built-in and Hugging Face models (FSDP2)."""
+        return None
+
+    def explicit_policy(self) -> MixedPrecisionPolicyConfig | None:
+        """Its own mixed-precision policy config, whose set fields override the precision."""
+        return None
+
+    def builds_on_meta(self) -> bool:
+        """The built-in model is created on the meta device and each rank materialises only its
+        shard (after parallelizing it)."""
+        return False
+
+    def offloads(self) -> bool:
+        """Keeps shards (or parameters) in host memory."""
+        return False
+
+    def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
+        """The format it saves in, given ``checkpoint.format``."""
+        return configured
+
+
 @dataclass
-class DDPConfig:
+class DDPConfig(StrategyAnswers):
     """``strategy=ddp``: Lightning's DDPStrategy, the baseline every sharded layout is compared with."""
 
     name: str = "ddp"
@@ -174,7 +218,7 @@ class MixedPrecisionPolicyConfig:
 
 
 @dataclass
-class FSDP2Config(ParallelizeSettings):
+class FSDP2Config(ParallelizeSettings, StrategyAnswers):
     """``strategy=fsdp2``: :class:`fsdp_cli.strategies.FSDP2Strategy` (FSDP2 + optional tensor parallel).
 
     The data-parallel and tensor-parallel sizes come from the top-level ``dp`` and ``tp``; the
@@ -199,9 +243,27 @@ class FSDP2Config(ParallelizeSettings):
     timeout_s: int = field(default=1800, metadata=TIMEOUT)
     """Collective timeout in seconds."""
 
+    def sharding(self, dp: int, devices: int, world: int) -> Sharding:
+        return Sharding(replicate=self.replicate_size, shard=dp // self.replicate_size)
+
+    def replicas(self) -> int:
+        return self.replicate_size
+
+    def parallelize_settings(self) -> ParallelizeSettings:
+        return self
+
+    def explicit_policy(self) -> MixedPrecisionPolicyConfig:
+        return self.mp_policy
+
+    def builds_on_meta(self) -> bool:
+        return self.parallelize_fn is None  # a user's parallelize_fn gets a real model
+
+    def offloads(self) -> bool:
+        return self.cpu_offload
+
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(StrategyAnswers):
     """``strategy=fsdp``: Lightning's FSDPStrategy (FSDP1), every documented option."""
 
     name: str = "fsdp"
@@ -238,6 +300,25 @@ class FSDPConfig:
     activation_checkpointing: list[str] | None = None
     """Deprecated (Lightning's old keyword): use ``activation_checkpointing_policy``."""
 
+    def hybrid(self) -> bool:
+        return self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    def sharding(self, dp: int, devices: int, world: int) -> Sharding:
+        """FSDP1's shard groups: the hybrid size (default: the processes of one node) for HYBRID_*,
+        the whole world for the fully sharded strategies, single ranks for NO_SHARD."""
+        if self.sharding_strategy is ShardingStrategy.NO_SHARD:
+            return Sharding(replicate=world, shard=1)
+        if self.hybrid():
+            shard = self.hybrid_shard_size or devices
+            return Sharding(replicate=world // shard, shard=shard)
+        return Sharding(replicate=1, shard=world)
+
+    def explicit_policy(self) -> MixedPrecisionPolicyConfig:
+        return self.mixed_precision
+
+    def offloads(self) -> bool:
+        return self.cpu_offload
+
 
 @dataclass
 class FSDPNativeConfig(FSDPConfig):
@@ -271,7 +352,7 @@ class DDPFullyShardedConfig(FSDPConfig):
 
 
 @dataclass
-class ModelParallelConfig:
+class ModelParallelConfig(StrategyAnswers):
     """``strategy=model_parallel``: Lightning's ModelParallelStrategy for a LightningModule that
     implements ``configure_model`` itself. Sizes come from the top-level ``dp`` and ``tp``."""
 
@@ -283,6 +364,15 @@ class ModelParallelConfig:
     """``gloo`` or ``nccl``; null picks nccl on GPUs and gloo on CPUs."""
     timeout_s: int = field(default=1800, metadata=TIMEOUT)
     """Collective timeout in seconds."""
+
+    def sharding(self, dp: int, devices: int, world: int) -> Sharding:
+        return Sharding(replicate=1, shard=dp)
+
+    def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
+        sharded = self.save_distributed_checkpoint
+        if sharded is None:
+            return configured
+        return CheckpointFormat.sharded if sharded else CheckpointFormat.full
 
 
 # --------------------------------------------------------------------------- other groups

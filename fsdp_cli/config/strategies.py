@@ -1,22 +1,22 @@
-"""One entry per strategy: everything fsdp-train needs to know about it, in one place.
+"""One entry per strategy: what fsdp-train checks and accepts of it; its schema answers the rest.
 
 Validation, the resolved layout, the precision in effect, the builders, the memory plan and the
-model's initialisation each ask a strategy's :class:`StrategyEntry` instead of switching on its
-config class (in the manner of torchtitan's ``TrainSpec``). Adding a strategy means a schema in
-:mod:`fsdp_cli.config.schema`, a builder, a memory planner, and an entry here.
-
-Builders and planners are named by dotted path (``module:attribute``) and imported when used, so
-the config-only paths (``--cfg job``, config errors) import neither torch nor Lightning.
+model's initialisation each ask a strategy's :class:`StrategyEntry` (or its schema) instead of
+switching on its config class (in the manner of torchtitan's ``TrainSpec``). Adding a strategy
+means a schema in :mod:`fsdp_cli.config.schema` (answering :class:`~fsdp_cli.config.schema.StrategyAnswers`
+for itself: its sharding, policy, offload, checkpoint format), an entry here (its checks and what
+it accepts), its builder in :data:`fsdp_cli.builders.strategy.BUILDERS` and its memory planner in
+:data:`fsdp_cli.plan.memory.PLANNERS` (both keyed by the entry's name, each in the room the
+layering lets reference it: the config room is below both; a test holds the three to the same
+names).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from fsdp_cli.config.schema import (
-    CheckpointFormat,
     DDPConfig,
     DDPFullyShardedConfig,
     DType,
@@ -25,25 +25,15 @@ from fsdp_cli.config.schema import (
     FSDPNativeConfig,
     MixedPrecisionPolicyConfig,
     ModelParallelConfig,
-    ShardingStrategy,
     TrainConfig,
 )
 from fsdp_cli.errors import ConfigError
 
 if TYPE_CHECKING:  # (type-only: the resolved run is made from an entry)
     from fsdp_cli.config.resolved import ResolvedRun
-    from fsdp_cli.parallel.options import ParallelizeSettings
     from fsdp_cli.precision import PolicyDtypes
 
 Check = Callable[["ResolvedRun"], None]
-
-
-class Sharding(NamedTuple):
-    """How a strategy lays its data-parallel ranks out: ``replicate`` groups of ``shard`` ranks
-    (``shard=1``: every rank holds every parameter)."""
-
-    replicate: int
-    shard: int
 
 
 class StrategyEntry(NamedTuple):
@@ -52,48 +42,17 @@ class StrategyEntry(NamedTuple):
 
     name: str
     schema: type
-    builder: str
-    """``module:function(run) -> lightning Strategy``."""
-    planner: str | None
-    """``module:Planner`` (:class:`fsdp_cli.plan.memory.Planner`); None: no memory plan."""
-    sharding: Callable[[Any, int, int, int], Sharding]
-    """``(strategy config, dp, devices per node, world size)`` -> the replicate x shard split of
-    the data-parallel ranks."""
     checks: tuple[Check, ...] = ()
     """Strategy-specific validation (after the generic range checks and the layout's)."""
     tensor_parallel: bool = False
     """Accepts ``tp > 1``."""
-    replicate_size: Callable[[Any], int] = lambda strategy: 1
-    """The replicate factor the layout checks against ``dp`` (FSDP2's HSDP)."""
-    parallelize: Callable[[Any], ParallelizeSettings | None] = lambda strategy: None
-    """The parallelize settings it applies to the built-in and Hugging Face models (FSDP2)."""
-    explicit_policy: Callable[[Any], MixedPrecisionPolicyConfig | None] = lambda strategy: None
-    """The strategy's own mixed-precision policy config, whose set fields override the precision."""
     policy_casts: bool = False
     """Mixed precision is realised by the FSDP policy alone (no autocast on top)."""
-    builds_on_meta: Callable[[Any], bool] = lambda strategy: False
-    """The built-in model is created on the meta device and each rank materialises only its shard
-    (after parallelizing it)."""
     fills_after_sharding: bool = False
     """A Hugging Face model stays on the meta device until it is sharded, then each rank reads
     only its own slices of the weights (nothing whole is ever allocated)."""
     user_parallelizes: bool = False
     """The LightningModule applies its own parallelism in ``configure_model``."""
-    offloads: Callable[[Any], bool] = lambda strategy: False
-    """Keeps shards (or parameters) in host memory."""
-    checkpoint_format: Callable[[TrainConfig], CheckpointFormat] = lambda cfg: cfg.checkpoint.format
-
-    def build(self, run: Any) -> Any:
-        return _load(self.builder)(run)
-
-    def load_planner(self) -> Any:
-        """The :class:`fsdp_cli.plan.memory.Planner` it names, or None."""
-        return _load(self.planner) if self.planner else None
-
-
-def _load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 # --------------------------------------------------------------------------- checks
@@ -149,7 +108,7 @@ def _shardable_precision(run: ResolvedRun) -> None:
 def _policy_fits_precision(key: str) -> Check:
     def check(run: ResolvedRun) -> None:
         cfg = run.cfg
-        policy = run.entry.explicit_policy(cfg.strategy)
+        policy = cfg.strategy.explicit_policy()
         if policy is None or policy.param_dtype is None:
             return
         if run.precision.spec.fixes_param_dtype:
@@ -186,7 +145,7 @@ def _check_fsdp1(run: ResolvedRun) -> None:
     strategy: FSDPConfig = run.cfg.strategy
     layout = run.layout
     world = layout.world_size
-    if _hybrid(strategy):
+    if strategy.hybrid():
         if world % layout.shard != 0:
             raise ConfigError(
                 "strategy.hybrid_shard_size",
@@ -221,9 +180,7 @@ def _check_fsdp1(run: ResolvedRun) -> None:
 
 
 def _needs_configure_model(run: ResolvedRun) -> None:
-    from fsdp_cli.config.schema import CustomModelConfig
-
-    if not isinstance(run.cfg.model, CustomModelConfig):
+    if not run.model_kind.target_decides:
         raise ConfigError(
             "strategy",
             "model_parallel",
@@ -236,72 +193,30 @@ def _needs_configure_model(run: ResolvedRun) -> None:
 # --------------------------------------------------------------------------- layouts
 
 
-def _hybrid(strategy: FSDPConfig) -> bool:
-    return strategy.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
-
-
-def fsdp1_sharding(strategy: FSDPConfig, dp: int, devices: int, world: int) -> Sharding:
-    """FSDP1's shard groups: the hybrid size (default: the processes of one node) for HYBRID_*,
-    the whole world for the fully sharded strategies, single ranks for NO_SHARD."""
-    if strategy.sharding_strategy is ShardingStrategy.NO_SHARD:
-        return Sharding(replicate=world, shard=1)
-    if _hybrid(strategy):
-        shard = strategy.hybrid_shard_size or devices
-        return Sharding(replicate=world // shard, shard=shard)
-    return Sharding(replicate=1, shard=world)
-
-
-def _model_parallel_format(cfg: TrainConfig) -> CheckpointFormat:
-    sharded = cfg.strategy.save_distributed_checkpoint
-    if sharded is None:
-        return cfg.checkpoint.format
-    return CheckpointFormat.sharded if sharded else CheckpointFormat.full
-
-
 FSDP2 = StrategyEntry(
     name="fsdp2",
     schema=FSDP2Config,
-    builder="fsdp_cli.builders.strategy:build_fsdp2",
-    planner="fsdp_cli.plan.memory:FSDP2",
-    sharding=lambda s, dp, devices, world: Sharding(replicate=s.replicate_size, shard=dp // s.replicate_size),
     checks=(_check_fsdp2, _shardable_precision, _no_sharded_fp16, _policy_fits_precision("mp_policy")),
     tensor_parallel=True,
-    replicate_size=lambda s: s.replicate_size,
-    parallelize=lambda s: s,
-    explicit_policy=lambda s: s.mp_policy,
     policy_casts=True,
-    builds_on_meta=lambda s: s.parallelize_fn is None,
     fills_after_sharding=True,
-    offloads=lambda s: s.cpu_offload,
 )
 FSDP1 = StrategyEntry(
     name="fsdp",
     schema=FSDPConfig,
-    builder="fsdp_cli.builders.fsdp1:build_fsdp1",
-    planner="fsdp_cli.plan.memory:FSDP1",
-    sharding=fsdp1_sharding,
     checks=(_check_fsdp1, _shardable_precision, _policy_fits_precision("mixed_precision")),
-    explicit_policy=lambda s: s.mixed_precision,
     fills_after_sharding=True,
-    offloads=lambda s: s.cpu_offload,
 )
 DDP = StrategyEntry(
     name="ddp",
     schema=DDPConfig,
-    builder="fsdp_cli.builders.strategy:build_ddp",
-    planner="fsdp_cli.plan.memory:DDP",
-    sharding=lambda s, dp, devices, world: Sharding(replicate=world, shard=1),
 )
 MODEL_PARALLEL = StrategyEntry(
     name="model_parallel",
     schema=ModelParallelConfig,
-    builder="fsdp_cli.builders.strategy:build_model_parallel",
-    planner=None,
-    sharding=lambda s, dp, devices, world: Sharding(replicate=1, shard=dp),
     checks=(_needs_configure_model, _shardable_precision, _no_sharded_fp16),
     tensor_parallel=True,
     user_parallelizes=True,
-    checkpoint_format=_model_parallel_format,
 )
 
 ENTRIES: dict[str, StrategyEntry] = {e.name: e for e in (DDP, FSDP2, FSDP1, MODEL_PARALLEL)}

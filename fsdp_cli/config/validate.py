@@ -12,15 +12,12 @@ import math
 import os
 from collections.abc import Callable
 
-from fsdp_cli.config.manual_optimization import check_manual_optimization
-from fsdp_cli.config.model_folder import check_hf_model
+from fsdp_cli.config.model_kinds import check_model, kind_of
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import (
     Accelerator,
     CheckpointFormat,
-    CustomModelConfig,
     DataModuleConfig,
-    LlamaConfig,
     LoggerName,
     Profiler,
     TrainConfig,
@@ -64,7 +61,7 @@ def data_checks_deferred(cfg: TrainConfig) -> bool:
     """``model=custom`` with the default data group: a LightningModule with its own
     ``train_dataloader`` ignores it, so vocabulary and batch questions are asked in the ranks,
     of a module that uses it (:func:`validate_data`)."""
-    return isinstance(cfg.model, CustomModelConfig) and not cfg.explicit_data
+    return kind_of(cfg.model).target_decides and not cfg.explicit_data
 
 
 def validate_data(cfg: TrainConfig | ResolvedRun) -> None:
@@ -80,12 +77,12 @@ def validate_data(cfg: TrainConfig | ResolvedRun) -> None:
 def advisories(cfg: TrainConfig) -> list[str]:
     """Settings that run but do nothing on this layout, worth one line each."""
     notes = []
-    entry = entry_of(cfg)
-    if entry.offloads(cfg.strategy) and cfg.accelerator is Accelerator.cpu:
+    entry_of(cfg)  # (an unknown strategy: its one-line error, before its schema is asked)
+    if cfg.strategy.offloads() and cfg.accelerator is Accelerator.cpu:
         notes.append(
             "note: strategy.cpu_offload has no effect on CPU processes (parameters already live in CPU memory)"
         )
-    settings = entry.parallelize(cfg.strategy)
+    settings = cfg.strategy.parallelize_settings()
     if settings is not None and settings.sequence_parallel and cfg.tp == 1:
         notes.append("note: strategy.sequence_parallel has no effect with tp=1")
     t = cfg.trainer
@@ -137,12 +134,6 @@ def check_precision(cfg: TrainConfig) -> None:
         )
 
 
-def check_custom_model(run: ResolvedRun) -> None:
-    cfg = run.cfg
-    if isinstance(cfg.model, CustomModelConfig):
-        check_dotted("model._target_", cfg.model.target)
-
-
 def check_datamodule(run: ResolvedRun) -> None:
     """``data=datamodule`` feeds a LightningModule (``model=custom``), from a module that can be
     found (whether it holds a LightningDataModule taking those arguments is asked on the resolve
@@ -150,7 +141,7 @@ def check_datamodule(run: ResolvedRun) -> None:
     cfg = run.cfg
     if not isinstance(cfg.data, DataModuleConfig):
         return
-    if not isinstance(cfg.model, CustomModelConfig):
+    if not kind_of(cfg.model).target_decides:  # model=custom: its target brings the module
         raise ConfigError(
             "data",
             cfg.data.name,
@@ -175,66 +166,6 @@ def check_accumulation(run: ResolvedRun) -> None:
         allowed="null with fsdp-train's data (a module's own train_dataloader or data=datamodule takes N)",
         hint=f"data.micro_batch_size=N under data.global_batch_size={cfg.data.global_batch_size}",
     )
-
-
-def check_llama_sizes(run: ResolvedRun) -> None:
-    """Heads that split ``dim`` evenly; key/value heads that divide the heads (each size's own
-    range is declared with its field)."""
-    cfg = run.cfg
-    model = cfg.model
-    if not isinstance(model, LlamaConfig):
-        return
-    kv = model.n_kv_heads or model.n_heads
-    if model.dim % model.n_heads != 0 or (model.dim // model.n_heads) % 2 != 0:
-        raise ConfigError(
-            "model.n_heads",
-            model.n_heads,
-            f"model.dim={model.dim} must split into n_heads even-sized heads",
-            hint="pick n_heads so that dim / n_heads is an even integer",
-        )
-    if model.n_heads % kv != 0:
-        raise ConfigError(
-            "model.n_kv_heads",
-            kv,
-            f"must divide model.n_heads={model.n_heads} (grouped-query attention)",
-            allowed=", ".join(str(d) for d in range(1, model.n_heads + 1) if model.n_heads % d == 0),
-        )
-
-
-def check_llama_tensor_parallel(run: ResolvedRun) -> None:
-    """Each tensor-parallel rank needs an equal share of heads, FFN and vocabulary."""
-    cfg = run.cfg
-    model, tp = cfg.model, cfg.tp
-    if not isinstance(model, LlamaConfig):
-        return
-    sizes = {
-        "model.n_heads": model.n_heads,
-        "model.n_kv_heads": model.n_kv_heads or model.n_heads,
-        "model.ffn_hidden_dim": model.feed_forward_dim(),
-        "model.vocab_size": model.vocab_size,
-    }
-    for key, size in sizes.items():
-        if size % tp != 0:
-            good = [
-                d
-                for d in range(1, tp + 1)
-                if all(s % d == 0 for s in sizes.values()) and run.layout.world_size % d == 0
-            ]
-            raise ConfigError(
-                "tp",
-                tp,
-                f"{key}={size} is not divisible by tp={tp}; each tensor-parallel rank needs an equal share",
-                allowed="tp in " + ", ".join(str(d) for d in good),
-                hint=f"use tp={max(good)} or a model whose heads/ffn sizes divide by {tp}",
-            )
-    if model.tie_embeddings and tp > 1:
-        raise ConfigError(
-            "model.tie_embeddings",
-            True,
-            "tied embeddings are not supported with tensor parallel",
-            allowed="false with tp > 1",
-            hint="set model.tie_embeddings=false or tp=1",
-        )
 
 
 def check_batch(run: ResolvedRun) -> None:
@@ -532,12 +463,8 @@ def check_callbacks(run: ResolvedRun) -> None:
 
 CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
-    check_custom_model,
-    check_manual_optimization,
+    check_model,
     check_datamodule,
-    check_hf_model,
-    check_llama_sizes,
-    check_llama_tensor_parallel,
     check_trainer,
     check_resume,
     check_wrap_and_logger,

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp_cli.config.schema import Accelerator, LauncherConfig, TrainConfig
-from fsdp_cli.config.strategies import entry_of
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.extras import install_hint
 from fsdp_cli.launch.environment import (
@@ -81,7 +80,7 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         world_size=devices * num_nodes,
         dp=dp,
         tp=tp,
-        replicate=entry_of(cfg).replicate_size(cfg.strategy),
+        replicate=cfg.strategy.replicas(),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )
 
@@ -119,7 +118,7 @@ def _check_backend(cfg: TrainConfig, accelerator: Accelerator) -> None:
 
 def _check_float8(cfg: TrainConfig, accelerator: Accelerator, env: Mapping[str, str]) -> None:
     """float8 needs torchao, and on GPUs float8 tensor cores (compute capability 8.9+); CPUs emulate it."""
-    settings = entry_of(cfg).parallelize(cfg.strategy)
+    settings = cfg.strategy.parallelize_settings()
     if settings is None or not settings.float8:
         return
     problem = device_problem(on_gpu=accelerator is Accelerator.gpu, capability=gpu_compute_capability(env))

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, TrainConfig
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.launch.environment import gpu_memory_bytes
 from fsdp_cli.plan.memory import FIT_FRACTION, MemoryPlan, gib, plan_memory, planner_of, strategy_supported
 from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
@@ -23,43 +23,25 @@ def model_spec(cfg: TrainConfig | ResolvedRun) -> ModelSpec | None:
     LightningModule that builds its own layers)."""
     run = ResolvedRun.of(cfg)
     cfg = run.cfg
-    model = cfg.model
-    if isinstance(model, LlamaConfig):
-        spec = llama_spec(model, cfg.wrap)
+    if run.model_kind.closed_form:
+        spec = llama_spec(cfg.model, cfg.wrap)
         if spec is not None:
             return spec
     return _meta_spec(run)
 
 
 def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
-    import torch
-    from torch import nn
 
     cfg = run.cfg
-    model: nn.Module
-    if isinstance(cfg.model, CustomModelConfig):
-        from fsdp_cli.dotted import import_object
-
-        target = import_object(cfg.model.target, "model._target_")
-        with torch.device("meta"):
-            model = target(**cfg.model.kwargs)
-        if not isinstance(model, nn.Module) or hasattr(model, "training_step"):
-            return None  # a LightningModule: its layers appear only in its configure_model
-    elif isinstance(cfg.model, HFModelConfig):
-        from fsdp_cli.models.hf import build_hf_model
-
-        model = build_hf_model(cfg.model, seed=cfg.seed)  # on the meta device, from config.json
-    else:
-        from fsdp_cli.models.llama import Llama
-
-        with torch.device("meta"):
-            model = Llama(cfg.model, seed=cfg.seed)
+    model = run.model_kind.meta_model(run)
+    if model is None:
+        return None  # a LightningModule: its layers appear only in its configure_model
     if any(not p.is_meta for p in model.parameters()):
         model = model.to("meta")
     tp_plan = None
-    if cfg.tp > 1 and callable(getattr(model, "tp_plan", None)):
-        settings = run.entry.parallelize(cfg.strategy)
-        tp_plan = model.tp_plan(sequence_parallel=settings is not None and settings.sequence_parallel)
+    if cfg.tp > 1:
+        settings = cfg.strategy.parallelize_settings()
+        tp_plan = run.model_kind.tp_plan(model, settings is not None and settings.sequence_parallel)
     return module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size, tp_plan=tp_plan)
 
 

@@ -23,8 +23,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_cli.config.model_kinds import kind_of_target
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import CustomModelConfig, DDPConfig, FSDPConfig
+from fsdp_cli.config.schema import DDPConfig, FSDPConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.plan.fake_world import FakeWorld
@@ -73,7 +74,7 @@ def measure_step(run: ResolvedRun, world: FakeWorld, depth: int) -> dict[str, An
 def _unsupported(run: ResolvedRun) -> str | None:
     cfg = run.cfg
     strategy = cfg.strategy
-    if isinstance(cfg.model, CustomModelConfig) and _is_lightning_module(cfg.model.target):
+    if kind_of_target(cfg.model).lightning:
         # (strategy=model_parallel always lands here: it needs such a module.)
         return "a LightningModule's own training_step needs its own batches: no fake step"
     if isinstance(strategy, FSDPConfig) and strategy.use_orig_params:
@@ -86,21 +87,10 @@ def _unsupported(run: ResolvedRun) -> str | None:
     return None
 
 
-def _is_lightning_module(target: str) -> bool:
-    import inspect
-
-    import lightning as L
-
-    from fsdp_cli.dotted import import_object
-
-    obj = import_object(target, "model._target_")
-    return inspect.isclass(obj) and issubclass(obj, L.LightningModule)
-
-
 def measured_depths(run: ResolvedRun, depth: int) -> list[int]:
     """Two depths past the first and last blocks' special cases, a checkpointing period apart (or
     the whole model when it is no deeper)."""
-    settings = run.entry.parallelize(run.cfg.strategy)
+    settings = run.cfg.strategy.parallelize_settings()
     period = 1
     if settings is not None and settings.activation_checkpointing is ActivationCheckpointing.selective:
         period = settings.ac_every_n_blocks

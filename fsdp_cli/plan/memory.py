@@ -118,7 +118,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Planner:
-    """A strategy's memory planner (named by its registry entry)."""
+    """A strategy's memory planner (:data:`PLANNERS`)."""
 
     place: Callable[[ResolvedRun, ModelSpec, Dtypes], Placement]
     hint: Callable[[ResolvedRun, MemoryPlan, float], str | None]
@@ -143,7 +143,7 @@ def plan_memory(
         placement.ac_every_n_blocks,
         placement.sequence_parallel,
     )
-    offloaded = layout.on_gpu and run.entry.offloads(run.cfg.strategy)
+    offloaded = layout.on_gpu and run.cfg.strategy.offloads()
     for rank in placement.ranks:
         rank.activations_no_ac = micro * _activation_bytes(acts, "none", 1, layout.tp, sp)
         rank.activations_full_ac = micro * _activation_bytes(acts, "full", 1, layout.tp, sp)
@@ -170,9 +170,8 @@ def plan_memory(
 
 
 def planner_of(run: ResolvedRun) -> Planner | None:
-    """The strategy's planner (its registry entry names it); None: no plan for it."""
-    planner = run.entry.load_planner()
-    return planner if isinstance(planner, Planner) else None
+    """The strategy's planner (:data:`PLANNERS`); None: no plan for it."""
+    return PLANNERS[run.entry.name]
 
 
 def _activation_bytes(acts: Activations, mode: str, every: int, tp: int, sequence_parallel: bool) -> int:
@@ -343,7 +342,10 @@ def _ddp_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
 FSDP2 = Planner(place=_fsdp2_place, hint=_fsdp2_hint)
 FSDP1 = Planner(place=_fsdp1_place, hint=_fsdp1_hint)
 DDP = Planner(place=_ddp_place, hint=_ddp_hint)
+PLANNERS: dict[str, Planner | None] = {"fsdp2": FSDP2, "fsdp": FSDP1, "ddp": DDP, "model_parallel": None}
+"""Each strategy's planner by its registry entry's name (:data:`fsdp_cli.config.strategies.ENTRIES`);
+None: no memory plan (a LightningModule's own ``configure_model`` decides what each rank holds)."""
 
 
 def strategy_supported(cfg: TrainConfig | ResolvedRun) -> bool:
-    return ResolvedRun.of(cfg).entry.planner is not None
+    return planner_of(ResolvedRun.of(cfg)) is not None

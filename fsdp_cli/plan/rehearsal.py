@@ -25,7 +25,7 @@ from typing import Any
 
 from fsdp_cli.compat.torch_internals import storage_bytes
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import HFModelConfig, TrainConfig
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.plan.fake_rank import BuiltRank, built_rank
 from fsdp_cli.plan.fake_world import FakeWorld, fake_process_group
@@ -112,10 +112,8 @@ def refusal(run: ResolvedRun) -> ConfigError | None:
 def rehearsal_run(run: ResolvedRun) -> ResolvedRun:
     """``run`` as rehearsed: a Hugging Face model's weights are never read (their values do not
     matter, only the shapes its config.json gives)."""
-    model = run.cfg.model
-    if isinstance(model, HFModelConfig) and model.pretrained:
-        return ResolvedRun.of(replace(run.cfg, model=replace(model, pretrained=False)))
-    return run
+    model = run.model_kind.without_weights(run.cfg.model)
+    return run if model is run.cfg.model else ResolvedRun.of(replace(run.cfg, model=model))
 
 
 # --------------------------------------------------------------------------- what rank R holds
