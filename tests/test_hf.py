@@ -471,11 +471,9 @@ def test_without_transformers_model_hf_names_the_extra(
 ) -> None:
     import importlib.util
 
-    from fsdp_cli.config import model_folder
-
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        model_folder.importlib.util, "find_spec", lambda n: None if n == "transformers" else real(n)
+        importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else real(n, *a)
     )
     cfg = replace(composed("model=hf", f"model.path={hf_files['llama']}"), dp=2)
     with pytest.raises(
