@@ -471,6 +471,8 @@ def test_without_transformers_model_hf_names_the_extra(
 ) -> None:
     import importlib.util
 
+    from fsdp_cli.config.model_kinds import check_hf_model
+
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else real(n, *a)
@@ -480,7 +482,7 @@ def test_without_transformers_model_hf_names_the_extra(
         ConfigError,
         match=r'^model=hf: needs the transformers package; hint: pip install "transformers<6,>=5.23" "tokenizers>=0.22" \(or pip install "\.\[hf\]" in a checkout of fsdp_cli\)$',
     ):
-        model_folder.check_hf_model(run_of(cfg))
+        check_hf_model(run_of(cfg))
 
 
 def test_vocabulary_comes_from_config_json(hf_files: dict) -> None:
