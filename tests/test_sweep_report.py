@@ -23,13 +23,13 @@ from rich.console import Console
 from fsdp_cli import resolve
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.rundir import table as table_module
+from fsdp_cli.rundir.table import print_summary
 from fsdp_cli.sweep import job as sweep_job
 from fsdp_cli.sweep import plot as sweep_plot
 from fsdp_cli.sweep import report as sweep
-from fsdp_cli.sweep.jobs import COLUMNS, NO_SUMMARY, collect
-from fsdp_cli.rundir import table as table_module
-from fsdp_cli.rundir.table import print_summary
 from fsdp_cli.sweep import summary as summary_module
+from fsdp_cli.sweep.jobs import COLUMNS, NO_SUMMARY, collect
 from fsdp_cli.sweep.summary import print_table, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -280,4 +280,6 @@ def test_the_run_summary_fits_the_terminal_and_the_checkpoint_path_is_whole(widt
     for name, value in table_module._rows(SUMMARY, run_dir):
         assert all(_whole(word, out) for word in str(value).split()), (name, value, out)
     assert all(len(line) <= width for line in out.splitlines() if SUMMARY["checkpoint"] not in line), out
-    assert _whole(SUMMARY["checkpoint"], out), "the path, whole, to copy (below the table where it is too wide)"
+    assert _whole(SUMMARY["checkpoint"], out), (
+        "the path, whole, to copy (below the table where it is too wide)"
+    )

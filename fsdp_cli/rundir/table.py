@@ -14,7 +14,6 @@ from rich.table import Table
 from fsdp_cli.rundir.fit import longest_word, widest_line
 from fsdp_cli.rundir.status import STATUS_COLOURS
 
-
 BORDERS = 7
 """Terminal columns a two-column boxed table spends on its lines (3) and padding (4)."""
 
