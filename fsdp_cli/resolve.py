@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.checkpoint.run import check_checkpoint_dir
-from fsdp_cli.config.callback_classes import check_callback_classes
+from fsdp_cli.config.callback_classes import check_callback_classes, check_model_arguments
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
@@ -61,7 +61,11 @@ def memory_plan_check(cfg: TrainConfig) -> None:
         raise Advisory("memory plan", "does not fit", problem.removeprefix("memory plan: "), warning=problem)
 
 
-PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (memory_plan_check, check_callback_classes)
+PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
+    memory_plan_check,
+    check_callback_classes,
+    check_model_arguments,
+)
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
 The extension point for verdicts beyond :mod:`fsdp_cli.config.validate` (whether a run fits in

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,16 @@ CLI_CASES = [
         ["model=custom", "model._target_=no_such_pkg.Model"],
         "model._target_=no_such_pkg.Model",
         ["cannot be imported"],
+    ),
+    (
+        ["model=custom", "model._target_=tests.assets.custom_models.TinyLN"],
+        "model._target_=tests.assets.custom_models.TinyLN",
+        ["has no attribute 'TinyLN'", "did you mean tests.assets.custom_models.TinyLM?"],
+    ),
+    (
+        ["model=custom", "model._target_=tests.assets.custom_models.TinyLM", "+model.hiden=64"],
+        "model.hiden=64",
+        ["takes no argument 'hiden'", "allowed: vocab_size, hidden, layers", "did you mean model.hidden?"],
     ),
     (["data.seq_len=4096"], "data.seq_len=4096", ["model.max_seq_len=512"]),
     (["strategy=fsdp3"], "strategy=fsdp3", ["unknown option", "allowed: ddp", "fsdp2", "hint"]),
@@ -147,6 +159,20 @@ def test_cli_rejects_with_one_line_and_exit_2(
     # Nothing but what Hydra itself writes before the job function runs.
     leftovers = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
     assert set(leftovers) <= {".hydra", "train.log"}, leftovers
+
+
+def test_a_typo_in_the_model_target_is_refused_in_under_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its module's source read, not imported (no torch for a fresh process, no model built)."""
+    target = "model._target_=tests.assets.custom_models.TinyLN"
+    monkeypatch.delitem(sys.modules, "tests.assets.custom_models", raising=False)
+    started = time.perf_counter()
+    result = cli_in_process(["model=custom", target], tmp_path / "run", env=CPU)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 2 and "has no attribute 'TinyLN'" in result.stderr, result.stderr
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert "tests.assets.custom_models" not in sys.modules, "the module was imported to find the typo"
 
 
 @pytest.mark.distributed  # a process of its own: this one has imported torch
