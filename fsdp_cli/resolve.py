@@ -31,6 +31,7 @@ from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout, unusable_gpus_notice
+from fsdp_cli.plan.pace import check_cpu_pace
 from fsdp_cli.rundir.files import check_writable_folder
 
 PreLaunchCheck = Callable[[TrainConfig], None]
@@ -134,6 +135,9 @@ def resolve_config(
     typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
     typed = resolve_model_folder(typed)
     validate(typed)
+    slow = check_cpu_pace(typed, chosen=not auto)  # refused where the CPU was not asked for
+    if slow is not None:
+        notify(f"warning: {slow}")
     check_output_folders(typed)
     prepare_data(typed)
     typed, resume_notices = resolve_resume(typed)

@@ -299,3 +299,47 @@ def test_a_run_composes_once_and_hydra_mode_on_the_command_line_still_decides(
         assert result.returncode == 2 and "no job of the sweep ran" in result.stderr
     else:
         assert result.returncode == 2 and "tp=3" in result.stderr
+
+
+def test_a_gpu_recipe_on_a_cpu_machine_is_refused_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """recipe=llama_124m_fsdp2 (the README's first lines) on this CPU-only machine: one line with
+    the step-time bound and what to do, exit 2, nothing launched."""
+    from fsdp_cli.launch import launcher
+
+    def launched(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the ranks were launched")
+
+    monkeypatch.setattr(launcher, "launch", launched)
+    run_dir = tmp_path / "run"
+    result = cli_in_process(["recipe=llama_124m_fsdp2"], run_dir, env=CPU)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fsdp-train: error: accelerator=auto: no GPU here"), lines
+    for words in (
+        "123M parameters",
+        "65,536 tokens per step",
+        "s per step",
+        "recipe=cpu_smoke",
+        "accelerator=cpu",
+    ):
+        assert words in lines[0], (words, lines[0])
+
+
+def test_accelerator_cpu_insists_and_gets_the_bound_as_a_warning(tmp_path: Path) -> None:
+    """The same layout with accelerator=cpu: the user insists, so it runs, after one warning; a
+    small model on the same CPU is neither refused nor warned about."""
+    from test_recipes import compose_dict
+
+    from fsdp_cli.resolve import resolve_config
+
+    notes: list[str] = []
+    cfg = compose_dict("recipe=llama_124m_fsdp2", "accelerator=cpu")
+    resolve_config(cfg, tmp_path / "a", CPU, notify=notes.append)
+    assert [n for n in notes if "per step" in n] == [
+        next(n for n in notes if n.startswith("warning: accelerator=cpu:"))
+    ]
+    notes.clear()
+    resolve_config(compose_dict("recipe=cpu_smoke"), tmp_path / "b", CPU, notify=notes.append)
+    assert not any("per step" in n for n in notes), notes
