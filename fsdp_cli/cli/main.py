@@ -31,8 +31,10 @@ from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
     STATUS_FAILED,
     STATUS_INTERRUPTED,
+    STATUS_PREEMPTED,
     STOP_CODES,
 )
 
@@ -183,6 +185,12 @@ def _parent_summary(run: ResolvedRun | None, run_dir: Path, code: int) -> RunSum
         summary.error = (
             "interrupted (Ctrl-C); nothing was saved after the last checkpoint: "
             f"resume=auto hydra.run.dir={run_dir} continues from it"
+        )
+    elif code == EXIT_PREEMPTED:  # SIGTERM, and the ranks killed before they reached the save
+        summary.status = STATUS_PREEMPTED
+        summary.error = (
+            "SIGTERM: the ranks were killed before the save on SIGTERM finished; nothing was saved "
+            f"after the last checkpoint: resume=auto hydra.run.dir={run_dir} continues from it"
         )
     beats = read_heartbeats(run_dir)
     summary.steps = max((max(b.step, 0) for b in beats.values()), default=0)
