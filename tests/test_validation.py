@@ -156,9 +156,8 @@ def test_cli_rejects_with_one_line_and_exit_2(
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert "Traceback" not in result.stdout + result.stderr
-    # Nothing but what Hydra itself writes before the job function runs.
-    leftovers = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    assert set(leftovers) <= {".hydra", "train.log"}, leftovers
+    # Not even what Hydra itself wrote before the job function ran: no run, no run folder.
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
 
 
 def test_a_typo_in_the_model_target_is_refused_in_under_a_second(
@@ -343,3 +342,30 @@ def test_accelerator_cpu_insists_and_gets_the_bound_as_a_warning(tmp_path: Path)
     notes.clear()
     resolve_config(compose_dict("recipe=cpu_smoke"), tmp_path / "b", CPU, notify=notes.append)
     assert not any("per step" in n for n in notes), notes
+
+
+def test_cfg_job_shows_what_a_user_sets_and_not_what_the_entry_point_fills_in() -> None:
+    from fsdp_cli.config.schema import SET_BY_THE_ENTRY_POINT
+
+    result = cli_in_process(["--cfg", "job"], env=CPU)
+    assert result.returncode == 0, result.stderr
+    keys = {line.split(":")[0] for line in result.stdout.splitlines() if line[:1].isalpha()}
+    assert {"trainer", "seed", "resume", "callbacks"} <= keys, keys
+    assert not keys & set(SET_BY_THE_ENTRY_POINT), keys
+
+
+def test_a_config_error_leaves_no_hydra_output_folders(tmp_path: Path) -> None:
+    """Hydra's default run directory (outputs/DATE/TIME under the working directory): gone, with
+    the folders it made; a folder that held something before is kept."""
+    result = cli_in_process(["tp=3", "devices=2"], env=CPU, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
+    kept = tmp_path / "resumed"
+    kept.mkdir()
+    (kept / "metrics.jsonl").write_text("")
+    result = cli_in_process(["tp=3", "devices=2"], kept, env=CPU)
+    assert result.returncode == 2 and sorted(p.name for p in kept.iterdir()) == [
+        ".hydra",
+        "metrics.jsonl",
+        "train.log",
+    ]

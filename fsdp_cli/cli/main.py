@@ -23,10 +23,12 @@ from omegaconf import DictConfig
 
 from fsdp_cli.cli.configs import config_path, register_sweep_launcher
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
+from fsdp_cli.config.schema import SET_BY_THE_ENTRY_POINT
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.dotted import serve_working_directory
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, check_job_environment, detect_cluster_job, global_rank
+from fsdp_cli.rundir.files import remove_if_unused
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     EXIT_FAILED,
@@ -69,9 +71,16 @@ def train(cfg: DictConfig) -> Any:
         # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
-    run = resolve(cfg, run_dir)
-    if _dry_run:
-        return dry_run(run)
+    try:
+        run = resolve(cfg, run_dir)
+        if _dry_run:
+            return dry_run(run)
+    except SystemExit:  # a config error (one line, exit 2) or the rehearsal's verdict
+        remove_if_unused(run_dir, Path.cwd())
+        raise
+    finally:
+        if _dry_run:
+            remove_if_unused(run_dir, Path.cwd())
     return _launch(run, run_dir=run_dir, job=job, multirun=False)[1]
 
 
@@ -266,6 +275,10 @@ def main() -> None:
         from fsdp_cli.compat.hydra_internals import mode_from_command_line
 
         mode_from_command_line()
+    if any(a in ("-c", "--cfg", "-i", "--info") or a.startswith("--cfg=") for a in sys.argv[1:]):
+        from fsdp_cli.compat.hydra_internals import hide_from_printed_config
+
+        hide_from_printed_config(SET_BY_THE_ENTRY_POINT)
     # Optuna imports alembic, whose INFO chatter ("setup plugin ...") Hydra's root logger prints.
     logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)

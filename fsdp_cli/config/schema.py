@@ -584,6 +584,11 @@ class SweepConfig:
     ``hydra.sweeper.direction``. A job that was skipped or failed returns the worst value."""
 
 
+SET_BY_THE_ENTRY_POINT = ("run_dir", "explicit_data", "run_id")
+""":class:`TrainConfig` keys the entry point fills in for the ranks, not the user's to set:
+``--cfg job`` leaves them out (:func:`fsdp_cli.compat.hydra_internals.hide_from_printed_config`)."""
+
+
 @dataclass
 class TrainConfig:
     """The whole run. Group options fill the ``Any`` fields with their own schemas."""
