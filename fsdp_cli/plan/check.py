@@ -19,8 +19,8 @@ from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
 
 def model_spec(cfg: TrainConfig | ResolvedRun) -> ModelSpec | None:
     """The model's description: analytic for the built-in one, else a meta-device build (which
-    imports torch and the model's code). None for models the plan cannot see into (a
-    LightningModule that builds its own layers)."""
+    imports torch and the model's code; a LightningModule with the layers its ``configure_model``
+    builds). None for a model with no parameters even then."""
     run = ResolvedRun.of(cfg)
     cfg = run.cfg
     model = cfg.model
@@ -42,9 +42,13 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
 
         target = import_object(cfg.model.target, "model._target_")
         with torch.device("meta"):
-            model = target(**cfg.model.kwargs)
-        if not isinstance(model, nn.Module) or hasattr(model, "training_step"):
-            return None  # a LightningModule: its layers appear only in its configure_model
+            model = _configured(target(**cfg.model.kwargs))
+        if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):  # (None too)
+            return None
+        if hasattr(model, "configure_optimizers"):
+            spec = _lightning_spec(run, model)
+            spec.notes.append(OWN_OPTIMIZER)
+            return spec
     elif isinstance(cfg.model, HFModelConfig):
         from fsdp_cli.models.hf import build_hf_model
 
@@ -61,6 +65,31 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
         settings = run.entry.parallelize(cfg.strategy)
         tp_plan = model.tp_plan(sequence_parallel=settings is not None and settings.sequence_parallel)
     return module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size, tp_plan=tp_plan)
+
+
+OWN_OPTIMIZER = (
+    "optimizer: planned as fsdp-train's optim.* (AdamW: two float32 states per parameter); the "
+    "LightningModule's own configure_optimizers is not read (fsdp-plan --rehearse builds it)"
+)
+"""What the plan of a LightningModule cannot know; the rehearsal then does not hold it to it."""
+
+
+def _lightning_spec(run: ResolvedRun, model: object) -> ModelSpec:
+    cfg = run.cfg
+    return module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size)
+
+
+def _configured(model: object) -> object | None:
+    """A LightningModule with its layers: those its ``configure_model`` builds, called as Lightning
+    calls it under the strategy's init context (here the meta device, as the rehearsal's rank
+    does), before any sharding."""
+    hook = getattr(model, "configure_model", None)
+    if hasattr(model, "training_step") and callable(hook):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a hook that shards itself needs a process group
+            return None  # the plan cannot know; the rehearsal's fake process group can
+    return model
 
 
 def plan_for(cfg: TrainConfig | ResolvedRun, device_memory: int | None = None) -> MemoryPlan | None:
