@@ -283,3 +283,24 @@ def test_the_run_summary_fits_the_terminal_and_the_checkpoint_path_is_whole(widt
     assert _whole(SUMMARY["checkpoint"], out), (
         "the path, whole, to copy (below the table where it is too wide)"
     )
+
+
+def test_an_optuna_sweep_logs_without_colour_codes_where_stderr_is_not_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Optuna's handler colours with colorlog whatever its stream: during a sweep whose stderr is
+    a file or a pipe (here: captured), its lines come out plain; the setting ends with the sweep."""
+    optuna_logging = pytest.importorskip("optuna.logging")
+    import logging
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    record = logging.LogRecord("optuna", logging.INFO, __file__, 1, "Trial 0 finished", None, None)
+    formatter = optuna_logging.create_default_formatter()
+    assert "\x1b[" in formatter.format(record), "colorlog colours it otherwise"
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    callback = sweep.SweepReport()
+    callback.on_multirun_start(config)
+    assert "\x1b[" not in formatter.format(record) and "Trial 0 finished" in formatter.format(record)
+    callback.on_multirun_end(config)
+    assert "NO_COLOR" not in os.environ

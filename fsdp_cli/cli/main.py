@@ -28,6 +28,7 @@ from fsdp_cli.config.store import register_schemas
 from fsdp_cli.dotted import serve_working_directory
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, check_job_environment, detect_cluster_job, global_rank
+from fsdp_cli.library_noise import quiet_library_noise
 from fsdp_cli.rundir.files import remove_if_unused
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -269,6 +270,7 @@ def take_dry_run_flag(argv: list[str]) -> bool:
 def main() -> None:
     global _dry_run
     serve_working_directory()  # `model._target_=pkg.mod.Factory` may name a module there
+    quiet_library_noise()  # (a --dry-run imports torch and torchao here)
     register_schemas()
     register_sweep_launcher()
     if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):

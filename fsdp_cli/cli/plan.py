@@ -131,6 +131,9 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
 
 @quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> None:
+    from fsdp_cli.library_noise import quiet_library_noise
+
+    quiet_library_noise()  # the plan and the rehearsal import torch (and torchao)
     parser = OneLineParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
