@@ -520,3 +520,40 @@ def test_sigterm_ends_a_run_within_the_ctrl_c_grace_unless_the_save_is_under_way
     else:
         assert (code, killed) == (143, []) and elapsed >= 2.5, (code, killed, elapsed)
         assert "SIGTERM" not in err
+
+
+def test_fsdp_ckpt_inspect_and_verify_agree_on_every_file_fsdp_ckpt_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full file, its sharded and safetensors conversions, and the folder holding them: both
+    tools take each, and say the same step (verify said "step ?" of a full file; inspect refused
+    the folder and the safetensors export)."""
+    from fsdp_cli.checkpoint.format import MANIFEST_KEY
+    from fsdp_cli.cli.ckpt import main as fsdp_ckpt
+
+    def run(*args: str) -> tuple[int, str]:
+        code = 0
+        try:
+            fsdp_ckpt(list(args))
+        except SystemExit as exit_:
+            code = int(exit_.code or 0)
+        out, err = capsys.readouterr()
+        return code, out + err
+
+    full = tmp_path / "step_00000030.pt"
+    state = {"state_dict": {"w": torch.ones(3, 2)}, "optimizer_states": [], "global_step": 30}
+    torch.save({**state, MANIFEST_KEY: {"step": 30}}, full)
+    for name, to in (("step_00000030", "sharded"), ("weights.safetensors", "safetensors")):
+        fsdp_ckpt(["convert", str(full), str(tmp_path / name), "--to", to])
+    capsys.readouterr()
+    for path in (full, tmp_path / "step_00000030", tmp_path / "weights.safetensors"):
+        code, out = run("verify", str(path))
+        assert code == 0 and "step 30," in out, out
+        code, out = run("inspect", str(path), "--json")
+        assert code == 0 and json.loads(out)["step"] == 30, out
+    code, out = run("verify", str(tmp_path))
+    verified = sorted(line.split(": ok")[0].rsplit("/", 1)[-1] for line in out.splitlines())
+    code_inspect, listing = run("inspect", str(tmp_path), "--json")
+    inspected = sorted(Path(info["path"]).name for info in json.loads(listing))
+    assert (code, code_inspect) == (0, 0) and verified == inspected == ["step_00000030", "step_00000030.pt"]
+    assert all(info["step"] == 30 for info in json.loads(listing))
