@@ -72,16 +72,16 @@ def train(cfg: DictConfig) -> Any:
         # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
+    # A config error (one line, exit 2) or a dry run: no run happened in the folder Hydra made.
     try:
         run = resolve(cfg, run_dir)
         if _dry_run:
-            return dry_run(run)
-    except SystemExit:  # a config error (one line, exit 2) or the rehearsal's verdict
+            dry_run(run)  # (exits 1 or 2 where the rehearsal disagrees or refuses)
+            remove_if_unused(run_dir, Path.cwd())
+            return None
+    except SystemExit:
         remove_if_unused(run_dir, Path.cwd())
         raise
-    finally:
-        if _dry_run:
-            remove_if_unused(run_dir, Path.cwd())
     return _launch(run, run_dir=run_dir, job=job, multirun=False)[1]
 
 
