@@ -199,8 +199,8 @@ def _parent_summary(run: ResolvedRun | None, run_dir: Path, code: int) -> RunSum
     elif code == EXIT_PREEMPTED:  # SIGTERM, and the ranks killed before they reached the save
         summary.status = STATUS_PREEMPTED
         summary.error = (
-            "SIGTERM: the ranks were killed before the save on SIGTERM finished; nothing was saved "
-            f"after the last checkpoint: resume=auto hydra.run.dir={run_dir} continues from it"
+            "SIGTERM: the ranks were killed inside a step, so the save on SIGTERM did not finish; nothing "
+            f"was saved after the last checkpoint: resume=auto hydra.run.dir={run_dir} continues from it"
         )
     beats = read_heartbeats(run_dir)
     summary.steps = max((max(b.step, 0) for b in beats.values()), default=0)
