@@ -3,12 +3,15 @@ objects: checked without importing (the parent, before launch) and imported or b
 
 from __future__ import annotations
 
+import ast
+import difflib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from fsdp_cli.errors import ConfigError
@@ -76,13 +79,73 @@ def check_dotted(key: str, path: str) -> None:
     module, _, attr = path.rpartition(".")
     if not module or not attr:
         raise ConfigError(key, path, "not a dotted path", allowed="package.module.Name")
-    if find_module(module) is None:
+    spec = find_module(module)
+    if spec is None:
         raise ConfigError(
             key,
             path,
             f"module {module!r} cannot be imported",
             hint="run from the folder that holds it, or add that folder to PYTHONPATH",
         )
+    names = top_level_names(spec)
+    if names is not None and attr not in names and not _is_submodule(spec, path):
+        close = difflib.get_close_matches(attr, sorted(names), n=1)
+        raise ConfigError(
+            key,
+            path,
+            f"module {module} has no attribute {attr!r}",
+            hint=f"did you mean {module}.{close[0]}?" if close else f"the names are in {spec.origin}",
+        )
+
+
+DYNAMIC_NAMES = frozenset({"globals", "vars", "setattr", "exec", "__getattr__"})
+"""Names whose use lets a module define names its source does not show: then only importing it tells."""
+
+
+def _is_submodule(package: importlib.machinery.ModuleSpec, path: str) -> bool:
+    """``path`` is a module inside ``package`` (found without importing the package)."""
+    locations = package.submodule_search_locations
+    return bool(locations) and importlib.machinery.PathFinder.find_spec(path, list(locations)) is not None
+
+
+def top_level_names(spec: importlib.machinery.ModuleSpec) -> set[str] | None:
+    """The names a module's source defines or imports at its top level (inside ``if``/``try``
+    blocks too), read with :mod:`ast` without running it: a typo'd target is refused in
+    milliseconds, before any import of torch. None where the source cannot tell: no Python
+    source, a ``from x import *``, or a module ``__getattr__``."""
+    if not (spec.origin or "").endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None  # importing it will say what is wrong
+    names: set[str] = set()
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            names.update(n.id for i in node.items for n in ast.walk(i) if isinstance(n, ast.Name))
+    dynamic = any(isinstance(n, ast.Name) and n.id in DYNAMIC_NAMES for n in ast.walk(tree))
+    return None if dynamic or "__getattr__" in names else names
+
+
+def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements run at import: the body, and the bodies of its ``if``, ``try`` and ``with``."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list) and not isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            ):
+                yield from _top_level(inner)
 
 
 def find_module(dotted: str) -> importlib.machinery.ModuleSpec | None:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.checkpoint.run import check_checkpoint_dir
 from fsdp_cli.config.batch_source import check_batch_source
-from fsdp_cli.config.callback_classes import check_callback_classes
+from fsdp_cli.config.callback_classes import check_callback_classes, check_model_arguments
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
@@ -32,6 +32,7 @@ from fsdp_cli.config.validate import advisories, validate
 from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout, unusable_gpus_notice
+from fsdp_cli.plan.pace import check_cpu_pace
 from fsdp_cli.rundir.files import check_writable_folder
 
 PreLaunchCheck = Callable[[TrainConfig], None]
@@ -66,6 +67,7 @@ PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
     memory_plan_check,
     check_callback_classes,
     check_batch_source,
+    check_model_arguments,
 )
 """Checks that need the fully resolved config (concrete layout, resume path), run last, in order.
 
@@ -135,6 +137,9 @@ def resolve_config(
     typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
     typed = resolve_model_folder(typed)
     validate(typed)
+    slow = check_cpu_pace(typed, chosen=not auto)  # refused where the CPU was not asked for
+    if slow is not None:
+        notify(f"warning: {slow}")
     check_output_folders(typed)
     prepare_data(typed)
     typed, resume_notices = resolve_resume(typed)

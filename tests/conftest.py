@@ -111,6 +111,7 @@ def cli_in_process(
         patch.setattr(sys, "path", sys.path[:])
         patch.setattr(hydra_utils, "run_and_report", hydra_utils.run_and_report)
         patch.setattr(hydra_internal.Hydra, "get_mode", hydra_internal.Hydra.get_mode)
+        patch.setattr(hydra_internal.Hydra, "get_sanitized_cfg", hydra_internal.Hydra.get_sanitized_cfg)
         patch.delenv("HYDRA_FULL_ERROR", raising=False)
         for key, value in (env or {}).items():
             patch.setenv(key, value)

@@ -333,3 +333,36 @@ def test_ranks_find_the_working_directory_last(tmp_path: Path, monkeypatch: pyte
     monkeypatch.chdir(tmp_path)
     env = worker_env(run)
     assert (env["PYTHONSAFEPATH"], env["PYTHONPATH"]) == ("1", "/elsewhere")
+
+
+def test_library_start_up_noise_is_dropped_by_its_words_and_nothing_else_is() -> None:
+    """torchao's optional kernels built for another Python, torch's Enum-as-pytree-constant
+    deprecation: dropped on the logger that logs them; their other lines still show."""
+    import logging
+
+    from fsdp_cli.library_noise import quiet_library_noise
+
+    quiet_library_noise()
+    quiet_library_noise()  # (once per process, however often called)
+    other_python = f"cpython-{sys.version_info.major}{sys.version_info.minor + 1}"
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    assert len(torchao.filters) == len(pytree.filters) == 1
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    for logger in (torchao, pytree):  # (torch's loggers do not propagate to the root)
+        logger.addHandler(handler)
+    try:
+        torchao.warning(
+            f"Failed to load /x/torchao/_C_mxfp8.{other_python}-x86_64-linux-gnu.so: Could not load"
+        )
+        pytree.warning(
+            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile "
+            "as an opaque value type. Calling register_constant() on Enum subclasses is deprecated"
+        )
+        torchao.warning("torchao: something else")
+        pytree.warning("pytree: something else")
+    finally:
+        for logger in (torchao, pytree):
+            logger.removeHandler(handler)
+    assert seen == ["torchao: something else", "pytree: something else"]

@@ -4,12 +4,16 @@ strict JSON, heartbeat files, and checkpoint verification."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -449,3 +453,107 @@ def test_what_the_agent_preloads_is_frozen_and_its_ranks_still_collect_garbage(t
 
     r = run([sys.executable, "-c", PRELOADED_THEN_FORKED], timeout=120)
     assert (r.returncode, r.stdout.split()) == (0, ["True", "True", "True", "True"]), r
+
+
+class _Agent:
+    """torch's elastic agent as the launcher sees it: alive until its ranks are killed (it would
+    wait ``launcher.shutdown_timeout_s`` for their save on SIGTERM)."""
+
+    pid = os.getppid()  # this test process is then its "rank" (kill_groups is replaced: nothing is killed)
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.signals: list[int] = []
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.code is None:
+            time.sleep(min(timeout or 0.0, 0.05))
+            raise subprocess.TimeoutExpired("agent", timeout or 0.0)
+        return self.code
+
+    def kill(self) -> None:
+        self.code = -signal.SIGKILL
+
+
+@pytest.mark.parametrize("phase", ["train", "save"])
+def test_sigterm_ends_a_run_within_the_ctrl_c_grace_unless_the_save_is_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], phase: str
+) -> None:
+    """A rank inside a long step (a 124M model on CPU: minutes) is killed once
+    launcher.interrupt_grace_s has passed since SIGTERM, and the launcher says the save did not
+    finish; a rank already saving is left to finish."""
+    from conftest import composed
+
+    from fsdp_cli.launch import launcher
+    from fsdp_cli.rundir.heartbeat import Heartbeat
+
+    cfg = composed("launcher.interrupt_grace_s=0.5")
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path))
+    agent = _Agent()
+    Heartbeat(tmp_path, rank=0, local_rank=0, parent=agent.pid).beat(3, phase)
+    killed: list[int] = []
+
+    def kill_groups(pids: Any) -> None:
+        killed.extend(pids)
+        agent.code = 1  # the agent sees its rank die and exits
+
+    monkeypatch.setattr(launcher, "kill_groups", kill_groups)
+    supervisor = launcher.Supervisor(cfg, agent)  # type: ignore[arg-type]
+    save_ends = threading.Timer(3.0, lambda: setattr(agent, "code", agent.code or 143))
+    save_ends.start()
+    started = time.monotonic()
+    supervisor.terminate()
+    code = supervisor.run()
+    elapsed = time.monotonic() - started
+    save_ends.cancel()
+    assert agent.signals == [signal.SIGTERM]
+    err = capsys.readouterr().err
+    if phase == "train":
+        assert (code, killed) == (143, [os.getpid()]) and 0.5 <= elapsed < 2.0, (code, killed, elapsed)
+        assert (
+            "SIGTERM: the ranks did not reach a step boundary within launcher.interrupt_grace_s=0.5 s" in err
+        )
+        assert "the save on SIGTERM did not finish" in err
+    else:
+        assert (code, killed) == (143, []) and elapsed >= 2.5, (code, killed, elapsed)
+        assert "SIGTERM" not in err
+
+
+def test_fsdp_ckpt_inspect_and_verify_agree_on_every_file_fsdp_ckpt_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full file, its sharded and safetensors conversions, and the folder holding them: both
+    tools take each, and say the same step (verify said "step ?" of a full file; inspect refused
+    the folder and the safetensors export)."""
+    from fsdp_cli.checkpoint.format import MANIFEST_KEY
+    from fsdp_cli.cli.ckpt import main as fsdp_ckpt
+
+    def run(*args: str) -> tuple[int, str]:
+        code = 0
+        try:
+            fsdp_ckpt(list(args))
+        except SystemExit as exit_:
+            code = int(exit_.code or 0)
+        out, err = capsys.readouterr()
+        return code, out + err
+
+    full = tmp_path / "step_00000030.pt"
+    state = {"state_dict": {"w": torch.ones(3, 2)}, "optimizer_states": [], "global_step": 30}
+    torch.save({**state, MANIFEST_KEY: {"step": 30}}, full)
+    for name, to in (("step_00000030", "sharded"), ("weights.safetensors", "safetensors")):
+        fsdp_ckpt(["convert", str(full), str(tmp_path / name), "--to", to])
+    capsys.readouterr()
+    for path in (full, tmp_path / "step_00000030", tmp_path / "weights.safetensors"):
+        code, out = run("verify", str(path))
+        assert code == 0 and "step 30," in out, out
+        code, out = run("inspect", str(path), "--json")
+        assert code == 0 and json.loads(out)["step"] == 30, out
+    code, out = run("verify", str(tmp_path))
+    verified = sorted(line.split(": ok")[0].rsplit("/", 1)[-1] for line in out.splitlines())
+    code_inspect, listing = run("inspect", str(tmp_path), "--json")
+    inspected = sorted(Path(info["path"]).name for info in json.loads(listing))
+    assert (code, code_inspect) == (0, 0) and verified == inspected == ["step_00000030", "step_00000030.pt"]
+    assert all(info["step"] == 30 for info in json.loads(listing))

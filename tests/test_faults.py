@@ -287,6 +287,30 @@ def test_ctrl_c_stops_every_rank_and_is_reported_as_interrupted_not_failed(tmp_p
     assert processes_naming(str(run_dir)) == []
 
 
+def test_sigterm_during_a_long_step_ends_the_run_within_the_grace(tmp_path: Path) -> None:
+    """Every rank spends 10 minutes in step 3 (a 124M model's step on CPU): a SIGTERM to
+    fsdp-train (what `kill` or a scheduler sends) would wait for the save at the step's end; the
+    launcher kills the ranks launcher.interrupt_grace_s later, says the save did not finish, and
+    the run is reported preempted (exit 143) with nothing left running."""
+    import signal
+
+    grace = 3.0
+    run_dir = tmp_path / "slow"
+    args = [*FAULTY, "devices=2", "+model.others_sleep_s=600", "+model.at_steps=3"]
+    proc = start_cli([*args, f"launcher.interrupt_grace_s={grace:g}", "trainer.max_steps=100"], run_dir)
+    wait_for(lambda: min((b.step for b in read_heartbeats(run_dir).values()), default=-1) >= 2, proc)
+    time.sleep(1.0)  # inside step 3
+    proc.send_signal(signal.SIGTERM)
+    terminated = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert grace <= time.monotonic() - terminated < grace + 30
+    assert "SIGTERM: the ranks did not reach a step boundary within launcher.interrupt_grace_s=3 s" in err
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted" and "save on SIGTERM did not finish" in summary["error"], summary
+    assert processes_naming(str(run_dir)) == []
+
+
 def test_ctrl_c_kills_ranks_that_cannot_stop(tmp_path: Path) -> None:
     """Both ranks are stopped (SIGSTOP) in step 3: neither can act on Ctrl-C. The launcher kills
     them after its grace period (torch's agent alone would wait for them) and reports the run

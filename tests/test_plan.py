@@ -150,3 +150,20 @@ def test_fsdp_plan_errors_are_one_line() -> None:
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("fsdp-plan: error: tp=3"), result.stderr
+
+
+def test_fsdp_plan_plans_a_lightning_module_with_the_layers_its_configure_model_builds() -> None:
+    """As the rehearsal builds it: the hook called on the meta device, its parameters sharded."""
+    result = _fsdp_plan(
+        "model=custom",
+        "model._target_=tests.assets.lightning_style.ConfiguredLM",
+        "+model.dim=32",
+        "data.vocab_size=64",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    dim, vocab = 32, 64
+    parameters = vocab * dim + 2 * (dim * dim + dim) + dim * vocab + vocab
+    assert sum(rank["params"] for rank in plan["ranks"]) == 4 * parameters, plan  # fp32 bytes, sharded
+    assert all(rank["activations"] > 0 for rank in plan["ranks"]), "its forward ran on the meta device"

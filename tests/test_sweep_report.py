@@ -5,9 +5,11 @@ pre-launch check hook shared by single runs and sweeps."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,15 +18,19 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
+from rich.console import Console
 
 from fsdp_cli import resolve
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.rundir import table as table_module
+from fsdp_cli.rundir.table import print_summary
 from fsdp_cli.sweep import job as sweep_job
 from fsdp_cli.sweep import plot as sweep_plot
 from fsdp_cli.sweep import report as sweep
+from fsdp_cli.sweep import summary as summary_module
 from fsdp_cli.sweep.jobs import COLUMNS, NO_SUMMARY, collect
-from fsdp_cli.sweep.summary import report
+from fsdp_cli.sweep.summary import print_table, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -209,3 +215,92 @@ def test_a_pre_launch_check_stops_a_single_run_and_skips_a_sweep_job(
         2,
         2,
     )
+
+
+# --------------------------------------------------------------------------- tables at 80 columns
+
+LONG_REASON = "tp=3: must divide the world size 2; hint: choose tp from 1, 2 (or set devices=3)"
+
+
+def _rendered(print_it: Any, width: int) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    print_it(console)
+    return console.file.getvalue()
+
+
+def _whole(word: str, out: str) -> bool:
+    return re.search(rf"(?<!\S){re.escape(word)}(?!\S)", out) is not None
+
+
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_the_sweep_table_fits_the_terminal_and_cuts_nothing(sweep_dir: Path, width: int) -> None:
+    """Every value whole (a number, an override, each word of a reason), every column's header,
+    nothing wider than the terminal, a skipped job one row that starts its reason."""
+    make_job(sweep_dir, 3, ["model.n_layers=2", "precision=bf16-mixed"], None, [])
+    (sweep_dir / "1" / "summary.json").write_text(json.dumps({"status": "skipped", "reason": LONG_REASON}))
+    ok = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    ok |= {"tokens_per_s": 123456.7, "final_loss": 3.812345, "peak_memory_bytes": [1234 * 2**20]}
+    (sweep_dir / "0" / "summary.json").write_text(json.dumps(ok))
+    jobs = collect(sweep_dir)
+    out = _rendered(lambda console: print_table(jobs, sweep_dir, console), width)
+    best = max(j.tokens_per_s for j in jobs if j.tokens_per_s)
+    for job in jobs:
+        for cell in summary_module._cells(job, best):
+            assert all(_whole(word, out) for word in cell.split()), (cell, out)
+    assert all(_whole(word, out) for header in summary_module.HEADERS for word in header.split()), out
+    assert all(len(line.rstrip()) <= width for line in out.splitlines()[1:]), out
+    skipped = next(line for line in out.splitlines() if _whole("skipped", line))
+    assert re.match(rf"\s*(job )?1\s+{jobs[1].label.split()[0]}\s", skipped) and "tp=3: must" in skipped, out
+    assert "3.8123" in out and "123,457" in out and "1,234 MiB" in out
+
+
+SUMMARY = {
+    "status": "ok",
+    "strategy": "fsdp2",
+    "dp": 2,
+    "tp": 1,
+    "world_size": 2,
+    "precision": "bf16-mixed",
+    "model": "llama",
+    "parameters": 124_439_808,
+    "steps": 30,
+    "final_loss": 3.812345,
+    "tokens_per_s": 123456.7,
+    "step_time_s": 0.1234,
+    "peak_memory_bytes": [2**31, 2**30],
+    "checkpoint": "/work/runs/outputs/2026-11-27/14-05-33-llama_124m_fsdp2/checkpoints/step=000030.ckpt",
+    "error": "RuntimeError: a long error that must wrap between words and never be cut in the middle",
+}
+
+
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_the_run_summary_fits_the_terminal_and_the_checkpoint_path_is_whole(width: int) -> None:
+    run_dir = Path("/work/runs/outputs/2026-11-27/14-05-33")
+    out = _rendered(lambda console: print_summary(SUMMARY, run_dir, console), width)
+    for name, value in table_module._rows(SUMMARY, run_dir):
+        assert all(_whole(word, out) for word in str(value).split()), (name, value, out)
+    assert all(len(line) <= width for line in out.splitlines() if SUMMARY["checkpoint"] not in line), out
+    assert _whole(SUMMARY["checkpoint"], out), (
+        "the path, whole, to copy (below the table where it is too wide)"
+    )
+
+
+def test_an_optuna_sweep_logs_without_colour_codes_where_stderr_is_not_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Optuna's handler colours with colorlog whatever its stream: during a sweep whose stderr is
+    a file or a pipe (here: captured), its lines come out plain; the setting ends with the sweep."""
+    optuna_logging = pytest.importorskip("optuna.logging")
+    import logging
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    record = logging.LogRecord("optuna", logging.INFO, __file__, 1, "Trial 0 finished", None, None)
+    formatter = optuna_logging.create_default_formatter()
+    assert "\x1b[" in formatter.format(record), "colorlog colours it otherwise"
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    callback = sweep.SweepReport()
+    callback.on_multirun_start(config)
+    assert "\x1b[" not in formatter.format(record) and "Trial 0 finished" in formatter.format(record)
+    callback.on_multirun_end(config)
+    assert "NO_COLOR" not in os.environ

@@ -70,7 +70,7 @@ def test_the_issue_sweep_skips_the_invalid_job_runs_the_rest_and_compares(tmp_pa
 
 def _check_report(out: str, sweep: Path) -> None:
     assert "sweep: 3 jobs (2 ok, 1 skipped, 0 failed)" in out
-    assert re.search(r"│\s+1 │ tp=3\s+│ skipped │", out), out  # the skipped job's row, with its reason
+    assert re.search(r"^\s*1  tp=3\s+skipped\s", out, re.M), out  # the skipped job's row, with its reason
     assert "tp=3: must divide the world size 2" in out.split("sweep: 3 jobs")[1]
     rows = sweep_rows(sweep)
     assert [(row["job"], row["status"], row["dp"], row["tp"]) for row in rows] == [

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,16 @@ CLI_CASES = [
         ["model=custom", "model._target_=no_such_pkg.Model"],
         "model._target_=no_such_pkg.Model",
         ["cannot be imported"],
+    ),
+    (
+        ["model=custom", "model._target_=tests.assets.custom_models.TinyLN"],
+        "model._target_=tests.assets.custom_models.TinyLN",
+        ["has no attribute 'TinyLN'", "did you mean tests.assets.custom_models.TinyLM?"],
+    ),
+    (
+        ["model=custom", "model._target_=tests.assets.custom_models.TinyLM", "+model.hiden=64"],
+        "model.hiden=64",
+        ["takes no argument 'hiden'", "allowed: vocab_size, hidden, layers", "did you mean model.hidden?"],
     ),
     (["data.seq_len=4096"], "data.seq_len=4096", ["model.max_seq_len=512"]),
     (["strategy=fsdp3"], "strategy=fsdp3", ["unknown option", "allowed: ddp", "fsdp2", "hint"]),
@@ -144,9 +156,22 @@ def test_cli_rejects_with_one_line_and_exit_2(
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert "Traceback" not in result.stdout + result.stderr
-    # Nothing but what Hydra itself writes before the job function runs.
-    leftovers = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    assert set(leftovers) <= {".hydra", "train.log"}, leftovers
+    # Not even what Hydra itself wrote before the job function ran: no run, no run folder.
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
+
+
+def test_a_typo_in_the_model_target_is_refused_in_under_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its module's source read, not imported (no torch for a fresh process, no model built)."""
+    target = "model._target_=tests.assets.custom_models.TinyLN"
+    monkeypatch.delitem(sys.modules, "tests.assets.custom_models", raising=False)
+    started = time.perf_counter()
+    result = cli_in_process(["model=custom", target], tmp_path / "run", env=CPU)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 2 and "has no attribute 'TinyLN'" in result.stderr, result.stderr
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert "tests.assets.custom_models" not in sys.modules, "the module was imported to find the typo"
 
 
 @pytest.mark.distributed  # a process of its own: this one has imported torch
@@ -273,3 +298,74 @@ def test_a_run_composes_once_and_hydra_mode_on_the_command_line_still_decides(
         assert result.returncode == 2 and "no job of the sweep ran" in result.stderr
     else:
         assert result.returncode == 2 and "tp=3" in result.stderr
+
+
+def test_a_gpu_recipe_on_a_cpu_machine_is_refused_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """recipe=llama_124m_fsdp2 (the README's first lines) on this CPU-only machine: one line with
+    the step-time bound and what to do, exit 2, nothing launched."""
+    from fsdp_cli.launch import launcher
+
+    def launched(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the ranks were launched")
+
+    monkeypatch.setattr(launcher, "launch", launched)
+    run_dir = tmp_path / "run"
+    result = cli_in_process(["recipe=llama_124m_fsdp2"], run_dir, env=CPU)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fsdp-train: error: accelerator=auto: no GPU here"), lines
+    for words in (
+        "123M parameters",
+        "65,536 tokens per step",
+        "s per step",
+        "recipe=cpu_smoke",
+        "accelerator=cpu",
+    ):
+        assert words in lines[0], (words, lines[0])
+
+
+def test_accelerator_cpu_insists_and_gets_the_bound_as_a_warning(tmp_path: Path) -> None:
+    """The same layout with accelerator=cpu: the user insists, so it runs, after one warning; a
+    small model on the same CPU is neither refused nor warned about."""
+    from test_recipes import compose_dict
+
+    from fsdp_cli.resolve import resolve_config
+
+    notes: list[str] = []
+    cfg = compose_dict("recipe=llama_124m_fsdp2", "accelerator=cpu")
+    resolve_config(cfg, tmp_path / "a", CPU, notify=notes.append)
+    assert [n for n in notes if "per step" in n] == [
+        next(n for n in notes if n.startswith("warning: accelerator=cpu:"))
+    ]
+    notes.clear()
+    resolve_config(compose_dict("recipe=cpu_smoke"), tmp_path / "b", CPU, notify=notes.append)
+    assert not any("per step" in n for n in notes), notes
+
+
+def test_cfg_job_shows_what_a_user_sets_and_not_what_the_entry_point_fills_in() -> None:
+    from fsdp_cli.config.schema import SET_BY_THE_ENTRY_POINT
+
+    result = cli_in_process(["--cfg", "job"], env=CPU)
+    assert result.returncode == 0, result.stderr
+    keys = {line.split(":")[0] for line in result.stdout.splitlines() if line[:1].isalpha()}
+    assert {"trainer", "seed", "resume", "callbacks"} <= keys, keys
+    assert not keys & set(SET_BY_THE_ENTRY_POINT), keys
+
+
+def test_a_config_error_leaves_no_hydra_output_folders(tmp_path: Path) -> None:
+    """Hydra's default run directory (outputs/DATE/TIME under the working directory): gone, with
+    the folders it made; a folder that held something before is kept."""
+    result = cli_in_process(["tp=3", "devices=2"], env=CPU, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
+    kept = tmp_path / "resumed"
+    kept.mkdir()
+    (kept / "metrics.jsonl").write_text("")
+    result = cli_in_process(["tp=3", "devices=2"], kept, env=CPU)
+    assert result.returncode == 2 and sorted(p.name for p in kept.iterdir()) == [
+        ".hydra",
+        "metrics.jsonl",
+        "train.log",
+    ]

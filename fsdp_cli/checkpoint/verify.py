@@ -151,12 +151,20 @@ def _verify_full(path: Path, deep: bool) -> Verified:
         ) from None
     if bad is not None:
         raise CheckpointFormatError(f"{path}: member {bad} does not match its checksum (corrupted)")
-    step = None
-    if deep:
-        from fsdp_cli.checkpoint.format import read_manifest
+    return Verified(path, "full", full_step(path), 1, path.stat().st_size, deep)
 
-        step = (read_manifest(path) or {}).get("step")
-    return Verified(path, "full", step, 1, path.stat().st_size, deep)
+
+def full_step(path: Path) -> int | None:
+    """The step a full file was saved at, as ``fsdp-ckpt inspect`` reads it: its manifest's, else
+    Lightning's ``global_step`` (a plain Lightning ``.ckpt``). Only the pickled metadata is read:
+    the file is memory-mapped, through the weights-only unpickler."""
+    from fsdp_cli.checkpoint.format import MANIFEST_KEY, load_full
+
+    data = load_full(path)
+    if not isinstance(data, dict):
+        return None
+    step = (data.get(MANIFEST_KEY) or {}).get("step", data.get("global_step"))
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 SAFETENSORS_SUFFIX = ".safetensors"

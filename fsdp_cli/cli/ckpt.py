@@ -23,12 +23,29 @@ from fsdp_cli.dtypes import dtype_names
 PROG = "fsdp-ckpt"
 
 
+def checkpoints_at(path: Path) -> list[Path]:
+    """What ``inspect`` and ``verify`` take ``path`` for: each complete checkpoint of a folder of
+    them (a run's ``checkpoints/``), else the one checkpoint (a sharded folder, a full file, a
+    safetensors export)."""
+    from fsdp_cli.checkpoint.run import complete_checkpoints
+
+    is_folder_of_checkpoints = path.is_dir() and not (path / ".metadata").exists()
+    targets = [p for _, p in complete_checkpoints(path)] if is_folder_of_checkpoints else [path]
+    if not targets:
+        raise CheckpointFormatError(f"{path}: no checkpoint in this folder")
+    return targets
+
+
 def describe(path: Path) -> dict[str, Any]:
     """What ``inspect`` shows; the manifest where there is one, else what the metadata tells.
     Reads metadata only: no tensor is copied, optimizer state included."""
     import math
 
     from fsdp_cli.checkpoint.convert import summarize
+    from fsdp_cli.checkpoint.verify import SAFETENSORS_SUFFIX
+
+    if path.suffix == SAFETENSORS_SUFFIX and path.is_file():
+        return _describe_safetensors(path)
 
     found = summarize(path)
     manifest = found.manifest or {}
@@ -45,6 +62,42 @@ def describe(path: Path) -> dict[str, Any]:
         "versions": manifest.get("versions"),
         "saved_at": manifest.get("saved_at"),
         "config": manifest.get("config"),
+    }
+
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "I64": "int64",
+}
+"""safetensors' dtype names as torch spells them (others are shown as safetensors spells them)."""
+
+
+def _describe_safetensors(path: Path) -> dict[str, Any]:
+    """A ``convert --to safetensors`` export: weights only, the step in its metadata; from the
+    header alone (the step as :func:`fsdp_cli.checkpoint.verify.verify_checkpoint` reads it)."""
+    import math
+
+    from safetensors import safe_open
+
+    from fsdp_cli.checkpoint.verify import verify_checkpoint
+
+    step = verify_checkpoint(path).step  # (a damaged file: one line, as verify says it)
+    with safe_open(str(path), framework="pt") as weights:
+        slices = [weights.get_slice(key) for key in weights.keys()]
+        shapes = [(s.get_shape(), SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype())) for s in slices]
+    unknown = dict.fromkeys(("world_size", "mesh", "strategy"))
+    return {
+        "path": str(path),
+        "format": "safetensors",
+        "step": step,
+        **unknown,
+        "parameter_count": sum(math.prod(shape) for shape, _ in shapes),
+        "dtypes": sorted({dtype for _, dtype in shapes}),
+        "optimizer_state": False,
+        **dict.fromkeys(("versions", "saved_at", "config")),
     }
 
 
@@ -80,13 +133,7 @@ def _print_table(info: dict[str, Any]) -> None:
 def verify(path: Path, deep: bool) -> int:
     """One line per checkpoint (``path`` may be a run's checkpoint folder): 1 if any is damaged,
     2 if any cannot be checked (a malformed manifest) or would run code if loaded."""
-    from fsdp_cli.checkpoint.run import complete_checkpoints
-
-    is_folder_of_checkpoints = path.is_dir() and not (path / ".metadata").exists()
-    targets = [p for _, p in complete_checkpoints(path)] if is_folder_of_checkpoints else [path]
-    if not targets:
-        raise CheckpointFormatError(f"{path}: no checkpoint in this folder")
-    return max(_verify_one(target, deep) for target in targets)
+    return max(_verify_one(target, deep) for target in checkpoints_at(path))
 
 
 def _verify_one(path: Path, deep: bool) -> int:
@@ -144,11 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace) -> int:
     """Carry out one parsed command; its exit status."""
     if args.command == "inspect":
-        info = describe(args.path)
+        # A folder of checkpoints: each of them, as verify takes them (JSON: a list).
+        targets = checkpoints_at(args.path)
+        infos = [describe(target) for target in targets]
         if args.json:
-            print(json.dumps(info, indent=2, default=str))
+            one = len(infos) == 1 and targets[0] == args.path
+            print(json.dumps(infos[0] if one else infos, indent=2, default=str))
         else:
-            _print_table(info)
+            for info in infos:
+                _print_table(info)
         return 0
     if args.command == "verify":
         return verify(args.path, args.deep)

@@ -23,16 +23,21 @@ from omegaconf import DictConfig
 
 from fsdp_cli.cli.configs import config_path, register_sweep_launcher
 from fsdp_cli.cli.hydra_errors import quote_numeric_group_options, report_hydra_errors_in_one_line
+from fsdp_cli.config.schema import SET_BY_THE_ENTRY_POINT
 from fsdp_cli.config.store import register_schemas
 from fsdp_cli.dotted import serve_working_directory
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.environment import ClusterJob, check_job_environment, detect_cluster_job, global_rank
+from fsdp_cli.library_noise import quiet_library_noise
+from fsdp_cli.rundir.files import remove_if_unused
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
     STATUS_FAILED,
     STATUS_INTERRUPTED,
+    STATUS_PREEMPTED,
     STOP_CODES,
 )
 
@@ -67,9 +72,16 @@ def train(cfg: DictConfig) -> Any:
         # One job of a sweep: skipped or failed, it returns the worst objective; the sweep goes on.
         launch_job = functools.partial(_launch, run_dir=run_dir, job=job, multirun=True)
         return run_sweep_job(cfg, run_dir, launch=launch_job, notify=_notify)
-    run = resolve(cfg, run_dir)
-    if _dry_run:
-        return dry_run(run)
+    # A config error (one line, exit 2) or a dry run: no run happened in the folder Hydra made.
+    try:
+        run = resolve(cfg, run_dir)
+        if _dry_run:
+            dry_run(run)  # (exits 1 or 2 where the rehearsal disagrees or refuses)
+            remove_if_unused(run_dir, Path.cwd())
+            return None
+    except SystemExit:
+        remove_if_unused(run_dir, Path.cwd())
+        raise
     return _launch(run, run_dir=run_dir, job=job, multirun=False)[1]
 
 
@@ -184,6 +196,12 @@ def _parent_summary(run: ResolvedRun | None, run_dir: Path, code: int) -> RunSum
             "interrupted (Ctrl-C); nothing was saved after the last checkpoint: "
             f"resume=auto hydra.run.dir={run_dir} continues from it"
         )
+    elif code == EXIT_PREEMPTED:  # SIGTERM, and the ranks killed before they reached the save
+        summary.status = STATUS_PREEMPTED
+        summary.error = (
+            "SIGTERM: the ranks were killed inside a step, so the save on SIGTERM did not finish; nothing "
+            f"was saved after the last checkpoint: resume=auto hydra.run.dir={run_dir} continues from it"
+        )
     beats = read_heartbeats(run_dir)
     summary.steps = max((max(b.step, 0) for b in beats.values()), default=0)
     return summary
@@ -252,12 +270,17 @@ def take_dry_run_flag(argv: list[str]) -> bool:
 def main() -> None:
     global _dry_run
     serve_working_directory()  # `model._target_=pkg.mod.Factory` may name a module there
+    quiet_library_noise()  # (a --dry-run imports torch and torchao here)
     register_schemas()
     register_sweep_launcher()
     if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):
         from fsdp_cli.compat.hydra_internals import mode_from_command_line
 
         mode_from_command_line()
+    if any(a in ("-c", "--cfg", "-i", "--info") or a.startswith("--cfg=") for a in sys.argv[1:]):
+        from fsdp_cli.compat.hydra_internals import hide_from_printed_config
+
+        hide_from_printed_config(SET_BY_THE_ENTRY_POINT)
     # Optuna imports alembic, whose INFO chatter ("setup plugin ...") Hydra's root logger prints.
     logging.getLogger("alembic").setLevel(logging.WARNING)
     report_hydra_errors_in_one_line(PROG)

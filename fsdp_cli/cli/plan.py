@@ -131,6 +131,9 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
 
 @quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> None:
+    from fsdp_cli.library_noise import quiet_library_noise
+
+    quiet_library_noise()  # the plan and the rehearsal import torch (and torchao)
     parser = OneLineParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -183,7 +186,9 @@ def run(cfg: Any, memory: int | None, *, as_json: bool, search_layouts: bool) ->
     spec = model_spec(cfg)
     if spec is None:
         fail(
-            f"model._target_={cfg.model.target}: a LightningModule builds its own layers; the plan needs an nn.Module"
+            f"model._target_={cfg.model.target}: built on the meta device with its configure_model called, it has "
+            "no parameters to plan (or the hook needs a process group: it shards itself); "
+            "hint: fsdp-plan --rehearse builds rank 0 on a fake process group, as a run does"
         )
     if search_layouts:
         from fsdp_cli.plan.search import search

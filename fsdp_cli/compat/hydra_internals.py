@@ -1,18 +1,20 @@
-"""Hydra internals: its error reporter, which has no public hook, and its run-mode probe."""
+"""Hydra internals: its error reporter, which has no public hook, its run-mode probe, and the
+config ``--cfg job`` prints."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from hydra._internal import utils as _hydra_utils
 from hydra._internal.hydra import Hydra as _Hydra
+from omegaconf import DictConfig, open_dict
 
 from fsdp_cli.compat import require
 
 Reporter = Callable[[Callable[[], Any]], Any]
 
-ENTRIES = [(_hydra_utils, "run_and_report"), (_Hydra, "get_mode")]
+ENTRIES = [(_hydra_utils, "run_and_report"), (_Hydra, "get_mode"), (_Hydra, "get_sanitized_cfg")]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "hydra-core")
 
@@ -37,3 +39,24 @@ def mode_from_command_line() -> None:
 
 def _mode_not_set(self: Any, config_name: str | None, overrides: list[str]) -> None:
     return None
+
+
+def hide_from_printed_config(keys: Collection[str]) -> None:
+    """``--cfg job`` (and ``--cfg all``, ``--info``) print the composed config without ``keys``:
+    the values the entry point sets for the ranks (``run_dir`` ...), which a user neither sets
+    nor can read anything from before the run. Hydra prints the config it gets from
+    ``Hydra.get_sanitized_cfg``, which has no hook; the run itself never calls it."""
+    original = _Hydra.get_sanitized_cfg
+    if getattr(original, "hides", None) == tuple(keys):
+        return  # (main() runs once per command; a test runs many commands in one process)
+
+    def sanitized(self: Any, cfg: DictConfig, cfg_type: str) -> DictConfig:
+        cfg = original(self, cfg, cfg_type)
+        if cfg_type in ("job", "all"):
+            with open_dict(cfg):
+                for key in keys:
+                    cfg.pop(key, None)
+        return cfg
+
+    sanitized.hides = tuple(keys)  # type: ignore[attr-defined]
+    _Hydra.get_sanitized_cfg = sanitized  # type: ignore[method-assign]

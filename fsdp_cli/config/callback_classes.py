@@ -1,4 +1,5 @@
-"""The ``callbacks`` entries checked against the classes they name, before any rank starts.
+"""The ``callbacks`` entries, and a ``model=custom`` target's arguments, checked against the
+classes they name, before any rank starts.
 
 A pre-launch check (:data:`fsdp_cli.resolve.PRE_LAUNCH_CHECKS`): it imports each target's
 module, so it runs on the resolve path only, never for ``--cfg job`` or the config errors of
@@ -19,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from fsdp_cli.config.model_kinds import kind_of
 from fsdp_cli.config.schema import LoggerName, TrainConfig
 from fsdp_cli.errors import ConfigError
 
@@ -31,6 +33,20 @@ def check_callback_classes(cfg: TrainConfig) -> None:
     for name, entry in cfg.callbacks.items():
         if entry is not None:
             _check_entry(cfg, f"callbacks.{name}", entry)
+
+
+def check_model_arguments(cfg: TrainConfig) -> None:
+    """``model=custom``: the ``+model.NAME`` keys bind to the target's signature (a ``**kwargs``
+    target takes any), checked here as a callbacks entry is, so a misspelled argument is one line
+    before launch instead of a traceback from every rank. The target is imported, never called:
+    building the model is the ranks' work. (Its module and name were found without importing it
+    by the model registry's ``check_custom_target``.)"""
+    if not kind_of(cfg.model).target_decides:
+        return
+    target = locate("model", cfg.model.target)
+    if not callable(target):
+        raise ConfigError("model._target_", cfg.model.target, "is not a class or a function")
+    check_arguments("model", target, {"_target_": cfg.model.target, **cfg.model.kwargs})
 
 
 def locate(key: str, path: str) -> Any:

@@ -672,7 +672,9 @@ class LauncherConfig:
     """After forwarding SIGTERM, how long the launcher lets ranks finish their preemption save."""
     interrupt_grace_s: float = field(default=20.0, metadata=positive())
     """After Ctrl-C, how long the ranks get to stop by themselves before the launcher kills them
-    (a rank stopped, or blocked in a collective its peer already left, never stops by itself)."""
+    (a rank stopped, or blocked in a collective its peer already left, never stops by itself);
+    after SIGTERM, how long they get to reach the save at a step boundary (a save under way is
+    left to finish, within ``shutdown_timeout_s``)."""
     hang_timeout_s: float | None = field(default=900.0, metadata=positive())
     """End the job (status failed, every rank's Python stack in its log) when no rank finished a
     step or a validation batch for this many seconds; null = never."""
@@ -699,6 +701,11 @@ class SweepConfig:
     objective: SweepObjective = SweepObjective.final_loss
     """What a job returns to the sweeper: Optuna minimises or maximises it, following
     ``hydra.sweeper.direction``. A job that was skipped or failed returns the worst value."""
+
+
+SET_BY_THE_ENTRY_POINT = ("run_dir", "explicit_data", "run_id")
+""":class:`TrainConfig` keys the entry point fills in for the ranks, not the user's to set:
+``--cfg job`` leaves them out (:func:`fsdp_cli.compat.hydra_internals.hide_from_printed_config`)."""
 
 
 @dataclass

@@ -39,8 +39,15 @@ from fsdp_cli.launch.watchdog import (
 )
 from fsdp_cli.rundir.failure import clear_failure, write_failure
 from fsdp_cli.rundir.files import CONFIG_FILE, log_dir
-from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
-from fsdp_cli.rundir.status import EXIT_FAILED, EXIT_INTERRUPTED
+from fsdp_cli.rundir.heartbeat import (
+    ABORT_FILE,
+    KILLED_FILE,
+    PHASE_EXIT,
+    PHASE_SAVE,
+    launcher_file,
+    read_heartbeats,
+)
+from fsdp_cli.rundir.status import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from fsdp_cli.rundir.summary import clear_summary
 
 LOG_DIR_ENV = "FSDP_CLI_LOG_DIR"
@@ -123,11 +130,10 @@ def launch(run: ResolvedRun) -> int:
     clear_failure(run_dir)
     clear_summary(run_dir)
     proc = subprocess.Popen(torchrun_command(cfg, run_dir / CONFIG_FILE), env=worker_env(run))
-    # A SIGTERM to us (a scheduler preempting the job) goes to the launcher, which passes it to
-    # every rank: they checkpoint and exit with status "preempted".
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    supervisor = Supervisor(cfg, proc)
+    previous = signal.signal(signal.SIGTERM, supervisor.terminate)
     try:
-        return Supervisor(cfg, proc).run()
+        return supervisor.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -141,6 +147,15 @@ class Supervisor:
         self.hang = HangWatchdog(cfg.launcher.hang_timeout_s, cfg.launcher.startup_timeout_s)
         self.dead = DeadRankWatch()
         self.interrupt_grace_s = cfg.launcher.interrupt_grace_s
+        self.terminated: float | None = None
+
+    def terminate(self, signum: int = signal.SIGTERM, frame: object = None) -> None:
+        """SIGTERM to us (a scheduler preempting the job, ``kill``): passed to the agent, which
+        passes it to every rank; they agree to stop at the next step boundary, checkpoint and exit
+        "preempted". A step can take minutes (a large model on CPU): :meth:`run` gives them
+        ``launcher.interrupt_grace_s`` to reach the save, as it gives a Ctrl-C."""
+        self.terminated = self.terminated or time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
         watching = True
@@ -156,6 +171,8 @@ class Supervisor:
                 continue
             if interrupted is not None and time.monotonic() - interrupted > self.interrupt_grace_s:
                 return self._end_interrupted_job()
+            if self._save_on_sigterm_overdue():
+                return self._end_terminated_job()
             if not watching:
                 continue
             try:
@@ -196,6 +213,30 @@ class Supervisor:
         )
         self._kill_ranks_then_agent(rank_pids(beats, self.proc.pid).values())
         return EXIT_INTERRUPTED
+
+    def _save_on_sigterm_overdue(self) -> bool:
+        """The grace since SIGTERM is over and no rank has begun the save (none is saving or
+        writing its outputs): they are still inside a step. A save already under way is left to
+        finish (it is the checkpoint the signal asked for; the agent's
+        ``launcher.shutdown_timeout_s`` bounds it)."""
+        if self.terminated is None or time.monotonic() - self.terminated <= self.interrupt_grace_s:
+            return False
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        return not any(beat.phase in (PHASE_SAVE, PHASE_EXIT) for beat in beats.values())
+
+    def _end_terminated_job(self) -> int:
+        """Ranks that did not reach a step boundary within the grace of a SIGTERM: killed, and the
+        run reported preempted without the save it asked for."""
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        print(
+            f"fsdp-train: SIGTERM: the ranks did not reach a step boundary within "
+            f"launcher.interrupt_grace_s={self.interrupt_grace_s:g} s: killing them; the save on SIGTERM "
+            "did not finish (nothing saved after the last checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._kill_ranks_then_agent(rank_pids(beats, self.proc.pid).values())
+        return EXIT_PREEMPTED
 
     def _kill_ranks_then_agent(self, pids: Iterable[int]) -> None:
         """SIGKILL the ranks' groups; the agent gets :data:`AGENT_EXIT_GRACE_S` to notice and exit."""

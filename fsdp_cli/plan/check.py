@@ -19,8 +19,8 @@ from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
 
 def model_spec(cfg: TrainConfig | ResolvedRun) -> ModelSpec | None:
     """The model's description: analytic for the built-in one, else a meta-device build (which
-    imports torch and the model's code). None for models the plan cannot see into (a
-    LightningModule that builds its own layers)."""
+    imports torch and the model's code; a LightningModule with the layers its ``configure_model``
+    builds). None for a model with no parameters even then."""
     run = ResolvedRun.of(cfg)
     cfg = run.cfg
     if run.model_kind.closed_form:
@@ -34,8 +34,10 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
 
     cfg = run.cfg
     model = run.model_kind.meta_model(run)
+    if model is None and run.model_kind.target_decides:
+        return _lightning_module_spec(run)  # a LightningModule: the layers its configure_model builds
     if model is None:
-        return None  # a LightningModule: its layers appear only in its configure_model
+        return None
     if any(not p.is_meta for p in model.parameters()):
         model = model.to("meta")
     tp_plan = None
@@ -43,6 +45,46 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
         settings = cfg.strategy.parallelize_settings()
         tp_plan = run.model_kind.tp_plan(model, settings is not None and settings.sequence_parallel)
     return module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size, tp_plan=tp_plan)
+
+
+OWN_OPTIMIZER = (
+    "optimizer: planned as fsdp-train's optim.* (AdamW: two float32 states per parameter); the "
+    "LightningModule's own configure_optimizers is not read (fsdp-plan --rehearse builds it)"
+)
+"""What the plan of a LightningModule cannot know; the rehearsal then does not hold it to it."""
+
+
+def _lightning_module_spec(run: ResolvedRun) -> ModelSpec | None:
+    """``model=custom`` whose target is a LightningModule: built on the meta device with the
+    layers its ``configure_model`` builds; None when it has none even then."""
+    import torch
+    from torch import nn
+
+    from fsdp_cli.dotted import import_object
+
+    cfg = run.cfg
+    target = import_object(cfg.model.target, "model._target_")
+    with torch.device("meta"):
+        model = _configured(target(**cfg.model.kwargs))
+    if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):  # (None too)
+        return None
+    spec = module_spec(model, cfg.wrap, vocab_size=cfg.data.vocab_size)
+    if hasattr(model, "configure_optimizers"):
+        spec.notes.append(OWN_OPTIMIZER)
+    return spec
+
+
+def _configured(model: object) -> object | None:
+    """A LightningModule with its layers: those its ``configure_model`` builds, called as Lightning
+    calls it under the strategy's init context (here the meta device, as the rehearsal's rank
+    does), before any sharding."""
+    hook = getattr(model, "configure_model", None)
+    if hasattr(model, "training_step") and callable(hook):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a hook that shards itself needs a process group
+            return None  # the plan cannot know; the rehearsal's fake process group can
+    return model
 
 
 def plan_for(cfg: TrainConfig | ResolvedRun, device_memory: int | None = None) -> MemoryPlan | None:

@@ -84,3 +84,32 @@ def check_writable_folder(key: str, path: Path, hint: str) -> None:
     problem = folder_problem(path)
     if problem is not None:
         raise ConfigError(key, str(path), f"nothing can be written there: {problem}", hint=hint)
+
+
+HYDRA_FILES = frozenset({".hydra", "train.log"})
+"""What Hydra writes in a run directory before fsdp-train's own code runs."""
+
+
+def remove_if_unused(run_dir: Path, top: Path) -> bool:
+    """Remove a run directory that holds nothing but Hydra's files (a config error, a
+    ``--dry-run``: no run happened there), and the folders above it that this leaves empty, up
+    to ``top`` (the working directory: Hydra's ``outputs/DATE/TIME``). A folder with anything
+    else in it (a run resumed there, a user's file) is left as it is. True when removed."""
+    import shutil
+
+    run_dir = Path(run_dir).resolve()
+    try:
+        if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+            return False
+        shutil.rmtree(run_dir)
+    except OSError:
+        return False
+    top = Path(top).resolve()
+    for parent in run_dir.parents:
+        if parent == top or top not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+    return True

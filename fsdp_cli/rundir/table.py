@@ -6,19 +6,41 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rich.cells import cell_len
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from fsdp_cli.rundir.fit import longest_word, widest_line
 from fsdp_cli.rundir.status import STATUS_COLOURS
 
+BORDERS = 7
+"""Terminal columns a two-column boxed table spends on its lines (3) and padding (4)."""
 
-def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
+def print_summary(summary: Mapping[str, Any], run_dir: Path, console: Console | None = None) -> None:
+    """The run in a name/value table fitted to the terminal: values wrap between words; one with
+    a word too wide for the table (a checkpoint path) is printed whole on its own line below it,
+    for the user to copy."""
+    console = console or Console(stderr=False)
+    rows = [(name, str(value)) for name, value in _rows(summary, run_dir)]
+    names = max(cell_len(name) for name, _ in rows)
+    room = console.width - BORDERS - names
+    below = [(name, value) for name, value in rows if longest_word(value) > room]
+    shown = [(name, "(below)" if (name, value) in below else value) for name, value in rows]
     status = summary.get("status")
     colour = STATUS_COLOURS.get(str(status), "red")
     table = Table(title=f"fsdp-train [{colour}]{status}[/{colour}]", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", width=names)
+    table.add_column(width=max(1, min(room, max(widest_line(value) for _, value in shown))))
+    for name, value in shown:
+        table.add_row(name, escape(value))
+    console.print(table)
+    for name, value in below:
+        console.print(f"{name}: {value}", soft_wrap=True, markup=False, highlight=False)
+
+
+def _rows(summary: Mapping[str, Any], run_dir: Path) -> list[tuple[str, Any]]:
     layout = f"{summary.get('strategy')}  dp={summary.get('dp')} tp={summary.get('tp')}  world={summary.get('world_size')}"
     rows = [
         ("layout", layout),
@@ -37,9 +59,7 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path) -> None:
     ]
     if summary.get("error"):
         rows.append(("error", summary["error"]))
-    for name, value in rows:
-        table.add_row(name, escape(str(value)))
-    Console(stderr=False).print(table)
+    return rows
 
 
 def _throughput(summary: Mapping[str, Any]) -> tuple[str, str]:

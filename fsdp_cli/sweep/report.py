@@ -10,6 +10,7 @@ that run after it.)
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,10 +43,13 @@ class SweepReport(Callback):
         global _exit_status
         _exit_status = EXIT_OK
         self._started = time.time()
+        self._no_color = _uncoloured_when_not_a_terminal()
         _warn_on_opposite_direction(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global _exit_status
+        if getattr(self, "_no_color", False):
+            os.environ.pop(NO_COLOR, None)
         # Only this sweep's jobs: a reused hydra.sweep.dir may hold folders of an earlier one.
         since = None if self._started is None else self._started - CLOCK_SLACK_S
         jobs = report(Path(config.hydra.sweep.dir), since=since)
@@ -57,6 +61,21 @@ class SweepReport(Callback):
                 file=sys.stderr,
                 flush=True,
             )
+
+
+NO_COLOR = "NO_COLOR"
+"""The convention (no-color.org) colorlog honours: Optuna's handler formats its lines with
+colorlog's colours without asking whether stderr is a terminal, so a sweep's log written to a
+file or a pipe carried raw escape codes."""
+
+
+def _uncoloured_when_not_a_terminal() -> bool:
+    """Set ``NO_COLOR`` for the sweep where stderr is not a terminal (and neither colour setting
+    was given); True when it was set here, to be taken back when the sweep ends."""
+    if sys.stderr.isatty() or NO_COLOR in os.environ or "FORCE_COLOR" in os.environ:
+        return False
+    os.environ[NO_COLOR] = "1"
+    return True
 
 
 def _warn_on_opposite_direction(config: DictConfig) -> None:

@@ -13,6 +13,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from fsdp_cli.rundir.fit import fit_widths
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
     EXIT_FAILED,
@@ -61,12 +67,38 @@ def write_all(jobs: Sequence[JobResult], sweep_dir: Path) -> list[Path]:
     return written
 
 
-def print_table(jobs: Sequence[JobResult], sweep_dir: Path) -> None:
-    """Every job, the fastest as the 1.00x reference, skipped and failed ones with their reason."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+HEADERS = (
+    "job",
+    "overrides",
+    "status",
+    "dp",
+    "tp",
+    "strategy",
+    "precision",
+    "steps",
+    "final loss",
+    "tokens/s",
+    "vs best",
+    "step time",
+    "peak mem/rank",
+    "reason / error",
+)
+WRAPPING = ("overrides", "reason / error")
+"""The columns that wrap between words; the others are as wide as their widest cell."""
+STACKED = (
+    ("job", "overrides", "status", "dp", "tp", "strategy", "precision", "reason / error"),
+    ("job", "steps", "final loss", "tokens/s", "vs best", "step time", "peak mem/rank"),
+)
+"""Where the whole table does not fit: the same columns in two tables, one above the other."""
+GAP = 2
+"""Blank columns between two of the table's columns (one of padding either side of the line)."""
+LEFT = ("overrides", "status", "strategy", "precision", "reason / error")
 
+
+def print_table(jobs: Sequence[JobResult], sweep_dir: Path, console: Console | None = None) -> None:
+    """Every job, the fastest as the 1.00x reference, skipped and failed ones with their reason:
+    one table where it fits the terminal without cutting a word, else one block per job."""
+    console = console or _console()
     n = counts(jobs)
     title = (
         f"sweep: {len(jobs)} jobs ({n[STATUS_OK]} ok, {n[STATUS_SKIPPED]} skipped, "
@@ -74,23 +106,66 @@ def print_table(jobs: Sequence[JobResult], sweep_dir: Path) -> None:
     )
     if none_ran(jobs):
         title += "; no job ran: every job was skipped (reasons below)"
-    table = Table(title=escape(title), title_justify="left")
-    widest = max((len(w) for j in jobs for w in j.label.split()), default=8)
-    for name in ("job", "overrides", "status", "dp", "tp", "strategy", "precision", "steps"):
-        left = name in ("overrides", "status", "strategy", "precision")
-        # Overrides wrap between words, never inside one (precision=bf16-mixed stays whole).
-        width = min(widest, 32) if name == "overrides" else None
-        table.add_column(name, justify="left" if left else "right", overflow="fold", min_width=width)
-    for name in ("final loss", "tokens/s", "vs best", "step time", "peak mem/rank"):
-        table.add_column(name, justify="right")
-    table.add_column("reason / error", overflow="fold", min_width=24)
+    _print_whole(console, Text(title))
     best = max((j.tokens_per_s for j in jobs if j.tokens_per_s), default=None)
-    for j in jobs:
-        table.add_row(*_cells(j, best, escape))
+    rows = [_cells(j, best) for j in jobs]
+    for groups in ([HEADERS], STACKED):
+        tables = [_table(jobs, rows, group, console.width) for group in groups]
+        if all(table is not None for table in tables):
+            console.print(*tables)
+            return
+    for job, row in zip(jobs, rows):
+        _print_stacked(console, job, row)
+
+
+def _console() -> Console:
     console = Console()
-    if not console.is_terminal:  # a log file or a pipe: the whole table, never cropped at 80 columns
-        console = Console(width=LOG_WIDTH)
-    console.print(table)
+    # A log file or a pipe: the whole table on one line per row, never stacked at 80 columns.
+    return console if console.is_terminal else Console(width=LOG_WIDTH)
+
+
+def _table(
+    jobs: Sequence[JobResult], rows: Sequence[Sequence[str]], headers: Sequence[str], width: int
+) -> Table | None:
+    """The ``headers`` columns of every job (a skipped job has no numbers to show), or None where
+    they do not fit ``width`` without cutting a word."""
+    index = [HEADERS.index(h) for h in headers]
+    numbers_only = "reason / error" not in headers
+    keep = [i for i, job in enumerate(jobs) if not (numbers_only and job.status == STATUS_SKIPPED)]
+    cells = [[rows[r][i] for i in index] for r in keep]
+    widths = fit_widths(
+        list(zip(headers, *cells)), [h in WRAPPING for h in headers], width - GAP * (len(headers) - 1)
+    )
+    if widths is None:
+        return None
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for header, column_width in zip(headers, widths):
+        justify = "left" if header in LEFT else "right"
+        table.add_column(header, justify=justify, width=column_width, overflow="fold")
+    for r, row in zip(keep, cells):
+        colour = STATUS_COLOURS.get(jobs[r].status, "red")
+        table.add_row(*(Text(cell, style=colour) if h == "status" else cell for h, cell in zip(headers, row)))
+    return table
+
+
+def _print_stacked(console: Console, job: JobResult, row: Sequence[str]) -> None:
+    """One job as a block: a skipped job on one line with its reason; else every value that is
+    not "-" on a line of its own, so nothing is cut however narrow the terminal."""
+    colour = STATUS_COLOURS.get(job.status, "red")
+    head = Text.assemble(f"job {job.job}  ", (job.status, colour), f"  {job.label}")
+    if job.status == STATUS_SKIPPED:
+        _print_whole(console, head.append(f": {job.reason or ''}"))
+        return
+    _print_whole(console, head)
+    for header, value in zip(HEADERS[3:], row[3:]):
+        if value not in ("-", ""):
+            _print_whole(console, Text(f"    {header}: {value}"))
+
+
+def _print_whole(console: Console, text: Text) -> None:
+    """Wrapped between words; a word wider than the terminal stays whole on its own line (a path
+    to copy), for the terminal to wrap."""
+    console.print(text, overflow="ignore", crop=False)
 
 
 def none_ran(jobs: Sequence[JobResult]) -> bool:
@@ -106,19 +181,18 @@ def sweep_exit_status(jobs: Sequence[JobResult]) -> int:
     return EXIT_CONFIG_ERROR if none_ran(jobs) else EXIT_OK
 
 
-def _cells(j: JobResult, best: float | None, escape: Any) -> list[str]:
-    colour = STATUS_COLOURS.get(j.status, "red")
+def _cells(j: JobResult, best: float | None) -> list[str]:
     return [
         j.job,
-        escape(j.label),
-        f"[{colour}]{j.status}[/{colour}]",
+        j.label,
+        j.status,
         *(_show(v) for v in (j.dp, j.tp, j.strategy, j.precision, j.steps)),
         "-" if j.final_loss is None else f"{j.final_loss:.4f}",
         "-" if j.tokens_per_s is None else f"{j.tokens_per_s:,.0f}",
         "-" if not (j.tokens_per_s and best) else f"{j.tokens_per_s / best:.2f}x",
         "-" if j.step_time_s is None else f"{j.step_time_s * 1e3:.1f} ms",
         "-" if not j.peak_memory_mib_per_rank else f"{max(j.peak_memory_mib_per_rank):,.0f} MiB",
-        escape(j.reason or ""),
+        j.reason or "",
     ]
 
 

@@ -12,6 +12,7 @@ import gc
 import os
 
 from fsdp_cli.launch.environment import AGENT_PID_ENV, exit_now
+from fsdp_cli.library_noise import quiet_library_noise
 
 _SERVER_PID = os.getpid()
 
@@ -35,6 +36,7 @@ if os.environ.get(AGENT_PID_ENV) == str(os.getppid()):  # imported by the agent'
 # which Python documents for processes that fork without exec: each rank forked from here runs its
 # collections over its own objects only, and does not write into (and so copy) the pages of those
 # it shares. The import's own garbage cycles stay (about 12,000 objects; no measurable memory).
+quiet_library_noise()  # what torchao and torch log as they are imported below
 _COLLECTING = gc.isenabled()
 gc.disable()
 

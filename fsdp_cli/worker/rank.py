@@ -32,6 +32,7 @@ from fsdp_cli.launch.environment import (
     die_with_parent,
     global_rank,
 )
+from fsdp_cli.library_noise import quiet_library_noise
 from fsdp_cli.rundir.files import rank_log
 from fsdp_cli.rundir.status import (
     EXIT_CONFIG_ERROR,
@@ -330,6 +331,7 @@ def _redirect_output(path: Path) -> None:
 def main(argv: list[str] | None = None, *, forked: bool = False) -> None:
     """A rank's whole life. ``forked``: forked from the agent (or its forkserver) rather than
     started as a new process (see :mod:`fsdp_cli.worker.preload`)."""
+    quiet_library_noise()  # before torch and torchao are imported (here, or by the preload)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     if forked:

@@ -190,3 +190,29 @@ class ShardedLM(PlainLM):
         if tp.size() > 1:
             parallelize_module(self, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+
+class ConfiguredLM(L.LightningModule):
+    """Its layers built in ``configure_model`` (where Lightning's docs put large models), none in
+    ``__init__``: what fsdp-plan plans after calling the hook on the meta device."""
+
+    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.dim, self.layers = dim, layers
+        self.net: nn.Sequential | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            hidden = [nn.Linear(self.dim, self.dim) for _ in range(self.layers)]
+            self.net = nn.Sequential(nn.Embedding(VOCAB, self.dim), *hidden, nn.Linear(self.dim, VOCAB))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None
+        return self.net(tokens)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
