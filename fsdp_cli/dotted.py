@@ -94,7 +94,7 @@ def check_dotted(key: str, path: str) -> None:
             key,
             path,
             f"module {module} has no attribute {attr!r}",
-            hint=f"did you mean {module}.{close[0]}?" if close else f"the names are in {spec.origin}",
+            hint=f"did you mean {module}.{close[0]}?" if close else _names_hint(names, spec.origin),
         )
 
 
@@ -166,3 +166,11 @@ def find_module(dotted: str) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.find_spec(dotted)
     except (ImportError, ValueError):
         return None
+
+
+def _names_hint(names: set[str], origin: str | None) -> str:
+    """The module's public names where they are few enough to read in one line, else its file."""
+    public = sorted(name for name in names if not name.startswith("_"))
+    if public and len(public) <= 40:
+        return "names there: " + ", ".join(public)
+    return f"the names are in {origin}"
