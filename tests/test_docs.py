@@ -234,7 +234,8 @@ def _bare(line: str) -> str:
 
 def shortened(args: list[str], job: dict[str, Any], factor: int) -> list[str]:
     """``args`` with every step count divided by ``factor`` and an Optuna sweep cut to
-    ``MAX_TRIALS`` trials."""
+    ``MAX_TRIALS`` trials, each ``choice(...)`` to its first option: the one trial left must be a
+    job that runs (a sweep in which no job ran exits 2), whatever Optuna's sampler picks."""
     changed = {}
     for key in STEP_KEYS:
         section, name = key.split(".")
@@ -244,6 +245,8 @@ def shortened(args: list[str], job: dict[str, Any], factor: int) -> list[str]:
     if "hydra/sweeper=optuna" in args:
         changed["hydra.sweeper.n_trials"] = MAX_TRIALS
     kept = [a for a in args if a.split("=", 1)[0] not in changed]
+    if "hydra/sweeper=optuna" in args:
+        kept = [re.sub(r"=choice\(([^,)]+)[^)]*\)", r"=choice(\1)", a) for a in kept]
     return [*kept, *(f"{k}={v}" for k, v in changed.items())]
 
 
