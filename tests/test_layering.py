@@ -21,7 +21,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (ROOT / "fsdp_cli", ROOT / "hydra_plugins")
 
-LEAVES = {"errors", "dtypes", "precision", "ranges", "dotted", "compat", "rundir", "version", "extras"}
+LEAVES = {
+    "errors",
+    "dtypes",
+    "precision",
+    "ranges",
+    "dotted",
+    "compat",
+    "rundir",
+    "version",
+    "extras",
+    "checkpoint_format",
+}
 """Depend on nothing of ours but the error type (``version``: the package's own ``__init__``)."""
 ALLOWED: dict[str, set[str]] = {
     "hydra_plugins": {"sweep"},

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.config.model_kinds import ModelKind, kind_of
-from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.strategies import StrategyEntry, entry_of, policy_dtypes
 from fsdp_cli.precision import ResolvedPrecision, resolve_precision
 

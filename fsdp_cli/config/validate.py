@@ -12,11 +12,11 @@ import math
 import os
 from collections.abc import Callable
 
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.config.model_kinds import check_model, kind_of
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import (
     Accelerator,
-    CheckpointFormat,
     DataModuleConfig,
     LoggerName,
     Profiler,

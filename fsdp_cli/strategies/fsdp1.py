@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.compat.lightning_internals import (
     fsdp1_activation_checkpointing,
     optimizers_to_device,
@@ -56,7 +57,8 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
         wrap: a :class:`~fsdp_cli.parallel.options.WrapOptions` (the model's repeated block, or named
             classes) resolved against the model at setup; takes the place of ``auto_wrap_policy``.
         activation_checkpointing_policy: also accepts a list of class names.
-        checkpoint_format: ``"sharded"`` or ``"full"`` (replaces ``state_dict_type``, same meaning).
+        checkpoint_format: a :class:`~fsdp_cli.checkpoint_format.CheckpointFormat` or its name,
+            ``"sharded"`` or ``"full"`` (replaces ``state_dict_type``, same meaning).
     """
 
     def __init__(
@@ -66,7 +68,7 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
         wrap: WrapOptions | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
-        checkpoint_format: str | None = None,
+        checkpoint_format: CheckpointFormat | str | None = None,
         state_dict_type: str = "sharded",
         **kwargs: Any,
     ) -> None:
@@ -86,10 +88,10 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
             if self._ac_names is not None
             else activation_checkpointing_policy,
             state_dict_type=state_dict_type,  # type: ignore[arg-type]
+            checkpoint_format=checkpoint_format,
             **kwargs,
         )
         self.hybrid_shard_size = hybrid_shard_size
-        self.checkpoint_format = checkpoint_format or state_dict_type
 
     # ------------------------------------------------------------------ devices and meshes
 

@@ -108,7 +108,6 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.parallelize_fn = parallelize_fn
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
         self.dims: ParallelDims | None = None
-        self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"
         self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
         self._root_is_module = False  # decided once, when parallelized (read on every step)
