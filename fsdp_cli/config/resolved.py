@@ -1,13 +1,16 @@
 """A resolved run: the typed config and everything derived from it, computed once and frozen.
 
-The parent resolves the config (layout, precision, resume, ...) and writes ``config.yaml``; each
-rank reads it back and makes the same :class:`ResolvedRun` with :meth:`ResolvedRun.of`. Every
-layer below takes this object instead of re-deriving the world size, the shard groups, the
-dtypes in effect or the checkpoint format from the raw config (so they cannot disagree).
+The parent builds it once, right after the layout is resolved (:mod:`fsdp_cli.resolve`), and
+writes its config to ``config.yaml``; each rank reads that back and builds the same
+:class:`ResolvedRun` with :meth:`ResolvedRun.of`. Every layer below (validation, the plan, the
+rehearsal, the launcher, the worker, the builders) takes this object, never the raw config, and
+reads the world size, the shard groups, the dtypes in effect and the checkpoint format only from
+it (so they cannot disagree).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,10 +61,10 @@ class ResolvedRun:
     checkpoint_format: CheckpointFormat
 
     @classmethod
-    def of(cls, cfg: TrainConfig | ResolvedRun) -> ResolvedRun:
-        """The run of a config whose layout is resolved (``devices``, ``dp``, ``precision`` concrete)."""
-        if isinstance(cfg, ResolvedRun):
-            return cfg
+    def of(cls, cfg: TrainConfig) -> ResolvedRun:
+        """The run of a config whose layout is resolved (``devices``, ``dp``, ``precision``
+        concrete) and whose ranges and precision name are checked
+        (:func:`fsdp_cli.config.validate.checked_run`)."""
         entry = entry_of(cfg)
         devices, dp = int(cfg.devices), int(cfg.dp)
         world = devices * cfg.num_nodes
@@ -83,6 +86,11 @@ class ResolvedRun:
             precision=precision,
             checkpoint_format=cfg.strategy.checkpoint_format(cfg.checkpoint.format),
         )
+
+    def with_config(self, cfg: TrainConfig) -> ResolvedRun:
+        """This run with a later edit of its config that derives nothing anew (the resume path
+        and run id; a model without its weights for a rehearsal)."""
+        return dataclasses.replace(self, cfg=cfg)
 
     @property
     def model_kind(self) -> ModelKind:
