@@ -53,13 +53,11 @@ def build_fsdp2(run: ResolvedRun) -> Strategy:
 
     strategy = run.cfg.strategy
     return FSDP2Strategy(
-        data_parallel_size=run.layout.dp,
-        tensor_parallel_size=run.layout.tp,
+        dims=run.dims,
         parallelize_fn=import_object(strategy.parallelize_fn, "strategy.parallelize_fn")
         if strategy.parallelize_fn
         else None,
         options=parallelize_options(run),
-        replicate_size=run.layout.replicate,
         process_group_backend=strategy.process_group_backend,
         timeout=timedelta(seconds=strategy.timeout_s),
         **checkpointing(run),

@@ -19,6 +19,7 @@ from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.config.model_kinds import ModelKind, kind_of
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.strategies import StrategyEntry, entry_of, policy_dtypes
+from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.precision import ResolvedPrecision, resolve_precision
 
 
@@ -86,6 +87,13 @@ class ResolvedRun:
             precision=precision,
             checkpoint_format=cfg.strategy.checkpoint_format(cfg.checkpoint.format),
         )
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh sizes the parent decided (replicate x shard x tp), for the strategy to take as
+        they are: a fresh object per call, since each strategy builds its own mesh on it."""
+        layout = self.layout
+        return ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp)
 
     def with_config(self, cfg: TrainConfig) -> ResolvedRun:
         """This run with a later edit of its config that derives nothing anew (the resume path
