@@ -1,6 +1,6 @@
 """From the composed config to the typed, resolved, validated run every rank reads.
 
-:func:`resolve_config` is the one path both a single run (``fsdp_cli.cli.main``) and a sweep's
+:func:`resolve_run` is the one path both a single run (``fsdp_cli.cli.main``) and a sweep's
 jobs (``fsdp_cli.sweep``) take, so the two always agree on what can run: a single run prints a
 failure as one line and exits 2; a sweep records the job as ``skipped`` with that same line and
 goes on. It sits below both and above the layers it draws on (config, launch layout, data
@@ -28,14 +28,14 @@ from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
 from fsdp_cli.config.resolved import Layout, ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
-from fsdp_cli.config.validate import advisories, validate
+from fsdp_cli.config.validate import advisories, checked_run, validate
 from fsdp_cli.data.prepare import prepare_data
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout, unusable_gpus_notice
 from fsdp_cli.plan.pace import check_cpu_pace
 from fsdp_cli.rundir.files import check_writable_folder
 
-PreLaunchCheck = Callable[[TrainConfig], None]
+PreLaunchCheck = Callable[[ResolvedRun], None]
 
 
 class Advisory(ConfigError):
@@ -47,16 +47,16 @@ class Advisory(ConfigError):
         self.warning = warning
 
 
-def memory_plan_check(cfg: TrainConfig) -> None:
+def memory_plan_check(run: ResolvedRun) -> None:
     """On GPUs, the memory plan (:func:`fsdp_cli.plan.check.plan_problem`) against the detected
     memory: a sweep skips a job that cannot fit, with the plan's line; a single run still starts,
     after that line as a warning (the plan is an estimate)."""
-    if cfg.accelerator.value != "gpu":
+    if not run.layout.on_gpu:
         return
     from fsdp_cli.plan.check import plan_problem
 
     try:
-        problem = plan_problem(cfg)
+        problem = plan_problem(run)
     except Exception:  # noqa: BLE001 - a plan that cannot be made never stops a run
         return
     if problem is not None:
@@ -108,7 +108,7 @@ not before a single run, whose ranks reach the same code within their first minu
 (docs/memory.md, "Rehearsal before real runs")."""
 
 
-def resolve_config(
+def resolve_run(
     cfg: DictConfig,
     run_dir: Path,
     env: Mapping[str, str],
@@ -116,8 +116,10 @@ def resolve_config(
     notify: Callable[[str], None],
     multirun: bool = False,
     overrides: Sequence[str] = (),
-) -> TrainConfig:
-    """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> validate ->
+) -> ResolvedRun:
+    """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> the frozen
+    :class:`~fsdp_cli.config.resolved.ResolvedRun`, built once here (every derived value computed
+    once; the launcher and the report take it) -> validate ->
     check the output folders -> prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
     :data:`PRE_LAUNCH_CHECKS` (and for a sweep's job :data:`SWEEP_CHECKS`).
 
@@ -135,28 +137,28 @@ def resolve_config(
     if gpu_notice is not None:
         notify(gpu_notice)
     typed = dataclasses.replace(typed, run_dir=str(run_dir), explicit_data=chooses_data(list(overrides)))
-    typed = resolve_model_folder(typed)
-    validate(typed)
-    slow = check_cpu_pace(typed, chosen=not auto)  # refused where the CPU was not asked for
+    run = checked_run(resolve_model_folder(typed))  # the run, built once: everything below takes it
+    validate(run)
+    slow = check_cpu_pace(run.cfg, chosen=not auto)  # refused where the CPU was not asked for
     if slow is not None:
         notify(f"warning: {slow}")
-    check_output_folders(typed)
-    prepare_data(typed)
-    typed, resume_notices = resolve_resume(typed)
+    check_output_folders(run.cfg)
+    prepare_data(run.cfg)
+    resumed, resume_notices = resolve_resume(run.cfg)
+    run = run.with_config(resumed)  # (the resume path and run id: nothing derived changes)
     for check in PRE_LAUNCH_CHECKS:
         try:
-            check(typed)
+            check(run)
         except Advisory as advice:
             if multirun:
                 raise
             notify(f"warning: {advice.warning}")
     if multirun:
-        run = ResolvedRun.of(typed)
         for sweep_check in SWEEP_CHECKS:
             sweep_check(run, env)
-    for notice in [*advisories(typed), *resume_notices]:
+    for notice in [*advisories(run.cfg), *resume_notices]:
         notify(notice)
-    return typed
+    return run
 
 
 def check_output_folders(cfg: TrainConfig) -> None:
@@ -168,11 +170,10 @@ def check_output_folders(cfg: TrainConfig) -> None:
     check_checkpoint_dir(cfg)
 
 
-def resolve_run(cfg: DictConfig, run_dir: Path, env: Mapping[str, str], **options: Any) -> ResolvedRun:
-    """:func:`resolve_config` (same arguments), as the frozen
-    :class:`~fsdp_cli.config.resolved.ResolvedRun` the launcher and the report take (every
-    derived value computed once, here)."""
-    return ResolvedRun.of(resolve_config(cfg, run_dir, env, **options))
+def resolve_config(cfg: DictConfig, run_dir: Path, env: Mapping[str, str], **options: Any) -> TrainConfig:
+    """:func:`resolve_run` (same arguments), for a caller that wants only the config it wrote
+    (a sweep's check of a job)."""
+    return resolve_run(cfg, run_dir, env, **options).cfg
 
 
 def chooses_data(task_overrides: list[str]) -> bool:

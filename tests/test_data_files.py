@@ -106,7 +106,7 @@ def test_bad_token_data_stops_the_parent_in_one_line(tmp_path: Path) -> None:
 
 
 def test_token_corpora_validate_on_held_out_files(tmp_path: Path) -> None:
-    from fsdp_cli.config.validate import validate
+    from fsdp_cli.config.validate import checked_run, validate
     from fsdp_cli.launch.layout import resolve_layout
 
     path = token_file(tmp_path / "t.bin", np.arange(101) % 200)
@@ -114,7 +114,7 @@ def test_token_corpora_validate_on_held_out_files(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"^data.val_path=null: trainer.val_check_interval=2 needs held-out data"
     ):
-        validate(resolve_layout(cfg, CPU))
+        validate(checked_run(resolve_layout(cfg, CPU)))
 
 
 # --------------------------------------------------------------------------- jsonl

@@ -96,6 +96,7 @@ def test_float8_trains_like_bf16_over_50_steps(tmp_path: Path) -> None:
 def test_memory_plan_total_is_within_15_percent_of_the_cuda_peak(tmp_path: Path, model: str) -> None:
     """fsdp-plan's total for rank 0 against torch.cuda.max_memory_allocated of the same run."""
     from fsdp_cli.config.convert import load_train_config
+    from fsdp_cli.config.resolved import ResolvedRun
     from fsdp_cli.plan.check import plan_for
 
     run_dir = tmp_path / model
@@ -107,7 +108,7 @@ def test_memory_plan_total_is_within_15_percent_of_the_cuda_peak(tmp_path: Path,
         "data.global_batch_size=4",
     ]
     summary = assert_ok(run_cli([*args, "accelerator=gpu", "checkpoint.save_last=false"], run_dir), run_dir)
-    plan = plan_for(load_train_config(run_dir / "config.yaml"))
+    plan = plan_for(ResolvedRun.of(load_train_config(run_dir / "config.yaml")))
     assert plan is not None
     predicted, measured = plan.ranks[0].total, summary["peak_memory_bytes"][0]
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)

@@ -430,7 +430,7 @@ def test_model_folder_mistakes_are_found_before_any_rank(
 ) -> None:
     """The parent's checks (the CLI prints them as one line: next test)."""
     from fsdp_cli.config.model_folder import resolve_model_folder
-    from fsdp_cli.config.validate import validate
+    from fsdp_cli.config.validate import checked_run, validate
     from fsdp_cli.launch.layout import resolve_layout
 
     (tmp_path / "empty").mkdir()
@@ -444,7 +444,7 @@ def test_model_folder_mistakes_are_found_before_any_rank(
     }
     cfg = composed(*(a.format(**places) for a in args))
     with pytest.raises(ConfigError) as err:
-        validate(resolve_model_folder(resolve_layout(cfg, {"CUDA_VISIBLE_DEVICES": ""})))
+        validate(checked_run(resolve_model_folder(resolve_layout(cfg, {"CUDA_VISIBLE_DEVICES": ""}))))
     assert words in err.value.one_line()
 
 

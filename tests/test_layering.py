@@ -32,6 +32,7 @@ LEAVES = {
     "version",
     "extras",
     "library_noise",
+    "checkpoint_format",
 }
 """Depend on nothing of ours but the error type (``version``: the package's own ``__init__``)."""
 ALLOWED: dict[str, set[str]] = {

@@ -184,14 +184,14 @@ def test_vocabulary_questions_wait_for_a_module_that_uses_the_data_group() -> No
 
     from conftest import composed
 
-    from fsdp_cli.config.validate import data_checks_deferred, validate, validate_data
+    from fsdp_cli.config.validate import checked_run, data_checks_deferred, validate, validate_data
     from fsdp_cli.errors import ConfigError
     from fsdp_cli.launch.layout import resolve_layout
 
     cfg = resolve_layout(composed("model=custom", f"model._target_={BORING}"), {"CUDA_VISIBLE_DEVICES": ""})
     assert cfg.data.vocab_size is None and data_checks_deferred(cfg)
-    validate(cfg)
+    validate(checked_run(cfg))
     with pytest.raises(ConfigError, match="data.vocab_size=null"):
-        validate_data(cfg)
+        validate_data(checked_run(cfg))
     with pytest.raises(ConfigError, match="data.vocab_size=null"):
-        validate(replace(cfg, explicit_data=True))
+        validate(checked_run(replace(cfg, explicit_data=True)))

@@ -11,6 +11,7 @@ from conftest import cli_in_process, composed, entry_point, read_summary, run
 from harness import Result
 
 from fsdp_cli.config.convert import load_train_config
+from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import LlamaConfig, WrapConfig
 from fsdp_cli.launch.layout import resolve_layout
 from fsdp_cli.plan.check import plan_for, plan_problem
@@ -24,7 +25,7 @@ def assert_plan_matches_the_run(run_dir: Path) -> None:
     """Per rank, the plan's parameter, gradient and optimizer bytes equal the bytes the run's local
     shards held after its first step (recorded in summary.json by the setup report)."""
     held = read_summary(run_dir)["setup"]["held_bytes"]
-    plan = plan_for(load_train_config(run_dir / "config.yaml"))
+    plan = plan_for(ResolvedRun.of(load_train_config(run_dir / "config.yaml")))
     assert plan is not None
     predicted = [{k: getattr(rank, k) for k in HELD} for rank in plan.ranks]
     assert predicted == held
@@ -74,7 +75,7 @@ def test_custom_model_is_planned_from_a_meta_build() -> None:
         ),
         CPU,
     )
-    plan = plan_for(cfg)
+    plan = plan_for(ResolvedRun.of(cfg))
     assert plan is not None and len(plan.ranks) == 2
     params = sum(
         p.numel() for p in __import__("tests.assets.custom_models", fromlist=["TinyLM"]).TinyLM().parameters()
@@ -90,11 +91,11 @@ def test_plan_problem_names_the_numbers_and_a_hint() -> None:
         {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(8)))},
         gpus=8,  # a node of 8 GPUs, whatever this machine has
     )
-    assert plan_problem(cfg, device_memory=80 * 2**30) is None
-    problem = plan_problem(cfg, device_memory=8 * 2**30)
+    assert plan_problem(ResolvedRun.of(cfg), device_memory=80 * 2**30) is None
+    problem = plan_problem(ResolvedRun.of(cfg), device_memory=8 * 2**30)
     assert problem is not None and "memory plan: rank" in problem and "GiB" in problem and "hint:" in problem
     # No GPU visible and no memory given: nothing to check against, whatever this machine has.
-    assert plan_problem(cfg, env=CPU) is None
+    assert plan_problem(ResolvedRun.of(cfg), env=CPU) is None
 
 
 def _fsdp_plan(*args: str) -> Result:

@@ -13,7 +13,7 @@ from conftest import composed, run_of
 
 from fsdp_cli.config import schema
 from fsdp_cli.config.convert import DATA_SCHEMAS, MODEL_SCHEMAS, STRATEGY_SCHEMAS
-from fsdp_cli.config.validate import validate
+from fsdp_cli.config.validate import checked_run, validate
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
 from fsdp_cli.ranges import field_range, is_numeric
@@ -62,7 +62,7 @@ def test_every_numeric_field_of_every_schema_declares_its_range() -> None:
 
 def _refused(*overrides: str) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        validate(resolve_layout(composed(*overrides), {}, gpus=0))
+        validate(checked_run(resolve_layout(composed(*overrides), {}, gpus=0)))
     return info.value
 
 
@@ -91,8 +91,10 @@ def test_a_number_outside_its_range_is_one_line_before_launch(override: str, key
 
 def test_null_is_allowed_where_the_type_allows_it_and_named_in_the_line() -> None:
     validate(
-        resolve_layout(
-            composed("trainer.gradient_clip_val=null", "checkpoint.every_n_steps=null"), {}, gpus=0
+        checked_run(
+            resolve_layout(
+                composed("trainer.gradient_clip_val=null", "checkpoint.every_n_steps=null"), {}, gpus=0
+            )
         )
     )
     line = _refused("trainer.gradient_clip_val=-1").one_line()
@@ -102,7 +104,7 @@ def test_null_is_allowed_where_the_type_allows_it_and_named_in_the_line() -> Non
 
 def test_lightnings_limit_val_batches_0_turns_validation_off_and_below_is_refused_saying_so() -> None:
     """A Lightning user turns validation off with limit_val_batches=0, and so does this config."""
-    validate(resolve_layout(composed("trainer.limit_val_batches=0"), {}, gpus=0))
+    validate(checked_run(resolve_layout(composed("trainer.limit_val_batches=0"), {}, gpus=0)))
     line = _refused("trainer.limit_val_batches=-1").one_line()
     assert line.startswith("trainer.limit_val_batches=-1: must be a finite number >= 0"), line
     assert "hint: trainer.limit_val_batches=0 turns validation off" in line, line
@@ -159,7 +161,9 @@ def test_old_precision_names_are_aliases_in_the_table() -> None:
     assert cfg.precision.name == "16-mixed" and "old name" in notices[0]
     with pytest.raises(ConfigError) as info:
         validate(
-            resolve_layout(dataclasses.replace(cfg, precision=schema.PrecisionConfig("fp8")), {}, gpus=0)
+            checked_run(
+                resolve_layout(dataclasses.replace(cfg, precision=schema.PrecisionConfig("fp8")), {}, gpus=0)
+            )
         )
     line = info.value.one_line()
     assert line.startswith("precision=fp8: unknown precision; allowed: 32-true, bf16-mixed"), line

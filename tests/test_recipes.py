@@ -148,15 +148,17 @@ def test_recipe_shards_on_its_hardware_as_planned(
     """Rank 0 and the last rank of the recipe's layout, rehearsed on a fake process group of its
     world size with the code a real rank runs: every recipe can be built on its own hardware, and
     holds the parameter, gradient and optimizer bytes its plan says (fsdp-plan --rehearse)."""
+    from fsdp_cli.config.resolved import ResolvedRun
     from fsdp_cli.plan.check import plan_for
     from fsdp_cli.plan.rehearsal import HELD, rehearse
 
     _, cfg, nodes, gpus_per_node = resolve_recipe(name, tmp_path, monkeypatch)
     world = int(cfg.devices) * cfg.num_nodes
-    plan = plan_for(cfg)
+    run = ResolvedRun.of(cfg)
+    plan = plan_for(run)
     assert plan is not None
     for rank in sorted({0, world - 1}):
-        rehearsal = rehearse(cfg, rank, step=False)  # the fake step is measured in test_rehearsal
+        rehearsal = rehearse(run, rank, step=False)  # the fake step is measured in test_rehearsal
         assert rehearsal.world_size == world
         held = {k: getattr(rehearsal.held_bytes, k) for k in HELD}
         assert held == {k: getattr(plan.ranks[rank], k) for k in HELD}, (rank, held)

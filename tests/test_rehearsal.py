@@ -17,7 +17,6 @@ import pytest
 from conftest import cli_in_process, read_summary
 
 from fsdp_cli.cli.plan import resolved
-from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.plan import fake_step
 from fsdp_cli.plan.check import plan_for
@@ -89,7 +88,7 @@ def test_held_bytes_equal_the_plan_on_the_first_and_last_rank(name: str) -> None
         from fsdp_cli.models.llama import Llama
 
         with torch.device("meta"):
-            numel = sum(p.numel() for p in Llama(cfg.model).parameters())
+            numel = sum(p.numel() for p in Llama(cfg.cfg.model).parameters())
         assert result.held_bytes.params == 4 * numel and result.fsdp_units == []
     # Every linear layer of the 4 blocks (7 each) converted, the LM head left as it is.
     assert result.float8_linears == (4 * 7 if name == "fsdp2_float8" else 0)
@@ -240,7 +239,7 @@ def test_a_layout_beyond_this_machine_is_what_a_sweep_rehearses() -> None:
     from fsdp_cli.resolve import exceeds_this_machine
 
     def layout(*overrides: str, gpus: int | None) -> Any:
-        return ResolvedRun.of(resolved(list(overrides), gpus)).layout
+        return resolved(list(overrides), gpus).layout
 
     no_gpus = {"CUDA_VISIBLE_DEVICES": ""}
     assert exceeds_this_machine(layout("recipe=llama_8b_hsdp", gpus=8), no_gpus)  # two nodes

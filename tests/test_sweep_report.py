@@ -186,7 +186,8 @@ def composed_job(tmp_path: Path, *overrides: str) -> Any:
     return cfg
 
 
-def fits_in_memory(cfg: Any) -> None:
+def fits_in_memory(run: Any) -> None:
+    cfg = run.cfg  # (a pre-launch check takes the resolved run)
     if cfg.model.dim > 64:
         raise ConfigError("model.dim", cfg.model.dim, "does not fit in memory", hint="use a smaller model")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_in_process, composed, run_cli
 
-from fsdp_cli.config.validate import validate
+from fsdp_cli.config.validate import checked_run, validate
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.launch.layout import resolve_layout
 
@@ -202,7 +202,7 @@ def test_help_lists_groups_and_options() -> None:
 # In-process checks of the rules that need a GPU layout to reach.
 def _check(*overrides: str) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        validate(resolve_layout(composed(*overrides), {}, gpus=EIGHT_GPUS))
+        validate(checked_run(resolve_layout(composed(*overrides), {}, gpus=EIGHT_GPUS)))
     return info.value
 
 
@@ -230,7 +230,7 @@ def test_64_true_refused_by_every_sharded_strategy_and_ddp_takes_it(strategy: li
     assert (err.key, err.value) == ("precision", "64-true"), err
     assert f"strategy={name} cannot train in float64" in err.problem and "strategy=ddp" in (err.hint or "")
     assert "64-true" not in (err.allowed or "") and "bf16-mixed" in (err.allowed or "")
-    validate(resolve_layout(composed("strategy=ddp", "precision=64-true"), {}, gpus=EIGHT_GPUS))
+    validate(checked_run(resolve_layout(composed("strategy=ddp", "precision=64-true"), {}, gpus=EIGHT_GPUS)))
 
 
 def test_devices_beyond_visible_gpus() -> None:
@@ -261,7 +261,11 @@ def test_hybrid_shard_groups_of_one_process_are_refused(sharding: str) -> None:
     assert err.key == "strategy.sharding_strategy" and "never syncs gradients" in err.problem
     err = _check("strategy=fsdp", f"strategy.sharding_strategy={sharding}", "strategy.hybrid_shard_size=1")
     assert err.key == "strategy.hybrid_shard_size" and err.value == 1
-    validate(resolve_layout(composed("strategy=fsdp", f"strategy.sharding_strategy={sharding}"), {}, gpus=8))
+    validate(
+        checked_run(
+            resolve_layout(composed("strategy=fsdp", f"strategy.sharding_strategy={sharding}"), {}, gpus=8)
+        )
+    )
 
 
 def test_no_gpu_defaults_to_two_cpu_processes() -> None:

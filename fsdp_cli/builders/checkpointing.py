@@ -15,7 +15,7 @@ def checkpointing(run: ResolvedRun) -> dict[str, Any]:
     from fsdp_cli.config.convert import to_container
 
     return {
-        "checkpoint_format": run.checkpoint_format.value,
+        "checkpoint_format": run.checkpoint_format,
         "checkpoint_manifest": {
             "config": to_container(run.cfg),
             "dp": run.layout.dp,

@@ -49,7 +49,7 @@ def build_datamodule(run: ResolvedRun, module: L.LightningModule) -> L.Lightning
     if not isinstance(module, CausalLMModule) and not cfg.explicit_data:
         raise no_batches(type(module).__qualname__, cfg.model.target)
     if data_checks_deferred(cfg):
-        validate_data(cfg)  # the parent could not know this module trains on the data group
+        validate_data(run)  # the parent could not know this module trains on the data group
     data_cls = TokenDataModule if cfg.trainer.val_check_interval is None else ValidatedTokenDataModule
     return data_cls(cfg.data, seed=cfg.seed, dp_size=run.layout.dp, epochs=cfg.trainer.max_epochs is not None)
 

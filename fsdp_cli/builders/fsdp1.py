@@ -25,9 +25,9 @@ def build_fsdp1(run: ResolvedRun) -> Strategy:
     cfg, strategy = run.cfg, run.cfg.strategy
     return FSDP1Strategy(
         sharding_strategy=fsdp1_sharding_strategy(strategy.sharding_strategy.value),
-        # HYBRID_*: the shard group as the run resolved it (the processes of one node unless set),
-        # given explicitly so the strategy builds the mesh even with wrap=none.
-        hybrid_shard_size=run.layout.shard if "HYBRID" in strategy.sharding_strategy.value else None,
+        # The replicate x shard split the run decided (HYBRID_*: the processes of one node unless
+        # set), given explicitly so the strategy builds the mesh even with wrap=none.
+        dims=run.dims,
         # FSDP1 pins offloaded memory, which needs CUDA; on CPU processes offloading is a no-op anyway.
         cpu_offload=CPUOffload(offload_params=True) if strategy.cpu_offload and run.layout.on_gpu else None,
         mixed_precision=fsdp1_mixed_precision(run.precision),

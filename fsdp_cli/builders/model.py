@@ -9,15 +9,13 @@ from torch import nn
 
 from fsdp_cli.config.manual_optimization import refuse_with_manual_optimization
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.causal_lm import CausalLMModule
 
 
-def build_module(run: ResolvedRun | TrainConfig) -> L.LightningModule:
+def build_module(run: ResolvedRun) -> L.LightningModule:
     """A LightningModule from ``model._target_`` as is; anything else wrapped in :class:`CausalLMModule`
     (what each model kind builds: its registry entry, :mod:`fsdp_cli.config.model_kinds`)."""
-    run = ResolvedRun.of(run)
     cfg = run.cfg
     built = run.model_kind.build(run)
     if isinstance(built, L.LightningModule):

@@ -13,7 +13,6 @@ from fsdp_cli.builders.fsdp1 import build_fsdp1
 from fsdp_cli.builders.precision import fsdp2_mp_policy
 from fsdp_cli.compat.torch_internals import ddp_buffer_sync
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import CheckpointFormat
 from fsdp_cli.dotted import import_object
 from fsdp_cli.parallel.parallelize import ParallelizeOptions
 
@@ -54,14 +53,11 @@ def build_fsdp2(run: ResolvedRun) -> Strategy:
 
     strategy = run.cfg.strategy
     return FSDP2Strategy(
-        data_parallel_size=run.layout.dp,
-        tensor_parallel_size=run.layout.tp,
+        dims=run.dims,
         parallelize_fn=import_object(strategy.parallelize_fn, "strategy.parallelize_fn")
         if strategy.parallelize_fn
         else None,
         options=parallelize_options(run),
-        replicate_size=run.layout.replicate,
-        save_distributed_checkpoint=run.checkpoint_format is CheckpointFormat.sharded,
         process_group_backend=strategy.process_group_backend,
         timeout=timedelta(seconds=strategy.timeout_s),
         **checkpointing(run),
@@ -90,7 +86,6 @@ def build_model_parallel(run: ResolvedRun) -> Strategy:
     return ModelParallelStrategy(
         data_parallel_size=run.layout.dp,
         tensor_parallel_size=run.layout.tp,
-        save_distributed_checkpoint=run.checkpoint_format is CheckpointFormat.sharded,
         process_group_backend=strategy.process_group_backend,
         timeout=timedelta(seconds=strategy.timeout_s),
         **checkpointing(run),

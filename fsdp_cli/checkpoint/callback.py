@@ -34,8 +34,9 @@ from fsdp_cli.callbacks.metrics import planned_steps
 from fsdp_cli.checkpoint.format import remove_path
 from fsdp_cli.checkpoint.run import checkpoint_name, own_checkpoints, own_leftovers
 from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.compat.lightning_internals import disable_lightning_sigterm_handling
-from fsdp_cli.config.schema import CheckpointConfig, CheckpointFormat
+from fsdp_cli.config.schema import CheckpointConfig
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Save, then stop: preemption, or a scheduler's warning before the time limit."""

@@ -47,6 +47,7 @@ from fsdp_cli.checkpoint.sharded_save import (
     describe_error,
     save_sharded,
 )
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.errors import RunFailure
 from fsdp_cli.parallel.names import canonical_name
 
@@ -55,12 +56,13 @@ class DistributedCheckpointing:
     """Mixin for Lightning strategies; expects ``self.model``, ``self.optimizers``, ``broadcast``,
     ``barrier``, ``is_global_zero`` and ``checkpoint_io`` from the strategy it is mixed into.
 
-    ``checkpoint_format``: ``"sharded"`` (DCP folder) or ``"full"`` (one file from rank 0).
+    ``checkpoint_format``: a :class:`~fsdp_cli.checkpoint_format.CheckpointFormat`, ``sharded``
+    (DCP folder) or ``full`` (one file from rank 0); its name (``"sharded"``) is accepted too.
     ``checkpoint_manifest``: extra fields written into each checkpoint's manifest.
     ``async_checkpointing``: write sharded saves in the background.
     """
 
-    _checkpoint_format: str = "sharded"
+    _checkpoint_format: CheckpointFormat = CheckpointFormat.sharded
     checkpoint_manifest: dict[str, Any] | None = None
     async_checkpointing: bool = False
     """Sharded saves are written in the background (``checkpoint.async_save``)."""
@@ -71,29 +73,37 @@ class DistributedCheckpointing:
     def __init__(
         self,
         *args: Any,
-        checkpoint_format: str | None = None,
+        checkpoint_format: CheckpointFormat | str | None = None,
         checkpoint_manifest: dict[str, Any] | None = None,
         async_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
         """The strategy's own arguments pass through; ``checkpoint_format`` None keeps the
-        strategy's own choice (``save_distributed_checkpoint``, ``state_dict_type``)."""
+        strategy's own choice (``save_distributed_checkpoint``, ``state_dict_type``): read back
+        here, the one place Lightning's spelling becomes ours."""
         super().__init__(*args, **kwargs)
-        if checkpoint_format is not None:
-            self.checkpoint_format = checkpoint_format
+        if checkpoint_format is None:
+            from fsdp_cli.compat.lightning_internals import lightning_writes_sharded
+
+            sharded = lightning_writes_sharded(self)  # type: ignore[arg-type]
+            if sharded is not None:
+                checkpoint_format = CheckpointFormat.sharded if sharded else CheckpointFormat.full
+        self.checkpoint_format = checkpoint_format or self._checkpoint_format
         self.checkpoint_manifest = checkpoint_manifest
         self.async_checkpointing = async_checkpointing
 
     @property
-    def checkpoint_format(self) -> str:
+    def checkpoint_format(self) -> CheckpointFormat:
         return self._checkpoint_format
 
     @checkpoint_format.setter
-    def checkpoint_format(self, value: str) -> None:
-        from fsdp_cli.compat.lightning_internals import set_lightning_checkpoint_format
+    def checkpoint_format(self, value: CheckpointFormat | str) -> None:
+        """Also sets the Lightning strategy's own setting, which its ``save_checkpoint`` (called
+        for full files) reads."""
+        from fsdp_cli.compat.lightning_internals import set_lightning_writes_sharded
 
-        self._checkpoint_format = value
-        set_lightning_checkpoint_format(self, value)  # type: ignore[arg-type]
+        self._checkpoint_format = CheckpointFormat(value)
+        set_lightning_writes_sharded(self, self._checkpoint_format is CheckpointFormat.sharded)  # type: ignore[arg-type]
 
     def mesh_sizes(self) -> dict[str, int]:
         """The run's mesh as ``{dimension name: size}``, for the manifest and the setup report."""
@@ -141,7 +151,7 @@ class DistributedCheckpointing:
         tensors in torch's standard layout, parameters numbered in the module's order."""
         optimizer = _unwrap(optimizer)
         state = self._gather_if_full(get_optimizer_state_dict(self.model, optimizer))
-        if self.checkpoint_format != "full" or not state:
+        if self.checkpoint_format is not CheckpointFormat.full or not state:
             return state
         return numbered(state, self._parameter_names())
 
@@ -154,14 +164,14 @@ class DistributedCheckpointing:
         # full checkpoint, each tensor is assembled in turn and only rank 0 keeps it (on CPU), so
         # no rank ever holds the whole model twice. (torch's own full-state-dict path for FSDP1
         # crashes on CPU processes: a segmentation fault cloning the unsharded parameters.)
-        if self.checkpoint_format != "full":
+        if self.checkpoint_format is not CheckpointFormat.full:
             return state
         return _gather_to_rank0(state, keep=self.is_global_zero)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if self.checkpoint_format != "sharded":
+        if self.checkpoint_format is not CheckpointFormat.sharded:
             self._save_full(checkpoint, filepath, storage_options)
             return
         # Lightning's own sharded saves refuse storage_options first, with these words.

@@ -26,7 +26,7 @@ def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[
     dtypes = dtype_names(t.dtype for t in tensors)
     return {
         "manifest_version": MANIFEST_VERSION,
-        "format": strategy.checkpoint_format,
+        "format": strategy.checkpoint_format.value,
         "step": int(checkpoint.get("global_step", 0)),
         "epoch": int(checkpoint.get("epoch", 0)),
         "world_size": int(strategy.world_size),

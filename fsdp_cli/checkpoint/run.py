@@ -16,7 +16,8 @@ from fsdp_cli.checkpoint.format import (
     checkpoint_format,
     read_manifest,
 )
-from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
+from fsdp_cli.checkpoint_format import CheckpointFormat
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.rundir.files import CHECKPOINT_DIR, check_writable_folder
 
 _NAME = re.compile(r"^step_(\d{8})(\.pt)?$")

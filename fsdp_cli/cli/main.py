@@ -96,7 +96,7 @@ def dry_run(run: ResolvedRun) -> None:
     from fsdp_cli.plan.check import detected_device_memory
 
     try:
-        memory = detected_device_memory(run.cfg, os.environ)
+        memory = detected_device_memory(run, os.environ)
         code = rehearse_and_report(run, rank=0, memory=memory, as_json=False, step=True, prog=PROG)
     except ConfigError as err:
         fail(err.one_line())

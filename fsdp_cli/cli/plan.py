@@ -114,7 +114,7 @@ def compose(overrides: list[str]) -> Any:
 def resolved(overrides: list[str], gpus: int | None) -> Any:
     from fsdp_cli.config.migrate import migrate
     from fsdp_cli.config.model_folder import resolve_model_folder
-    from fsdp_cli.config.validate import validate
+    from fsdp_cli.config.validate import checked_run, validate
     from fsdp_cli.launch.layout import resolve_layout
 
     cfg, _ = migrate(compose(overrides))
@@ -124,9 +124,9 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     env = dict(os.environ)
     if gpus is not None:
         env.pop("CUDA_VISIBLE_DEVICES", None)
-    cfg = resolve_model_folder(resolve_layout(cfg, env, gpus=gpus))  # as fsdp-train resolves it
-    validate(cfg)
-    return cfg
+    run = checked_run(resolve_model_folder(resolve_layout(cfg, env, gpus=gpus)))  # as fsdp-train resolves it
+    validate(run)
+    return run
 
 
 @quiet_on_closed_pipe
@@ -162,28 +162,34 @@ def main(argv: list[str] | None = None) -> None:
     try:
         gpus = parse_gpus(args.gpus)
         memory = parse_size(args.device_memory) if args.device_memory is not None else None
-        cfg = resolved(args.overrides, gpus)
+        resolved_run = resolved(args.overrides, gpus)
         if args.rehearse:
             from fsdp_cli.cli.rehearse import rehearse_and_report
 
             code = rehearse_and_report(
-                cfg, rank=args.rank, memory=memory, as_json=args.json, step=not args.no_step, prog=PROG
+                resolved_run,
+                rank=args.rank,
+                memory=memory,
+                as_json=args.json,
+                step=not args.no_step,
+                prog=PROG,
             )
             sys.exit(code)
-        run(cfg, memory, as_json=args.json, search_layouts=args.search)
+        run(resolved_run, memory, as_json=args.json, search_layouts=args.search)
     except ConfigError as err:
         fail(err.one_line())
 
 
-def run(cfg: Any, memory: int | None, *, as_json: bool, search_layouts: bool) -> None:
+def run(resolved_run: Any, memory: int | None, *, as_json: bool, search_layouts: bool) -> None:
     from fsdp_cli.plan.check import detected_device_memory, model_spec
     from fsdp_cli.plan.memory import plan_memory, strategy_supported
 
+    cfg = resolved_run.cfg
     if memory is None:
-        memory = detected_device_memory(cfg, os.environ)
-    if not strategy_supported(cfg):
+        memory = detected_device_memory(resolved_run, os.environ)
+    if not strategy_supported(resolved_run):
         fail(f"strategy={cfg.strategy.name}: no memory plan for it; allowed: fsdp2, fsdp, ddp")
-    spec = model_spec(cfg)
+    spec = model_spec(resolved_run)
     if spec is None:
         fail(
             f"model._target_={cfg.model.target}: built on the meta device with its configure_model called, it has "
@@ -193,7 +199,7 @@ def run(cfg: Any, memory: int | None, *, as_json: bool, search_layouts: bool) ->
     if search_layouts:
         from fsdp_cli.plan.search import search
 
-        found = search(cfg, spec, memory)
+        found = search(resolved_run, spec, memory)
         if as_json:
             print(json.dumps([c.row for c in found], indent=2))
         else:
@@ -201,13 +207,13 @@ def run(cfg: Any, memory: int | None, *, as_json: bool, search_layouts: bool) ->
 
             print_search(found, memory)
         return
-    plan = plan_memory(cfg, spec, memory)
+    plan = plan_memory(resolved_run, spec, memory)
     if as_json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         from fsdp_cli.cli.plan_tables import print_plan
 
-        print_plan(cfg, plan)
+        print_plan(resolved_run, plan)
 
 
 if __name__ == "__main__":

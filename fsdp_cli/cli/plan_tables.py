@@ -44,7 +44,7 @@ def _console() -> Any:
     return console if console.is_terminal else Console(width=140)
 
 
-def print_plan(cfg: Any, plan: Any) -> None:
+def print_plan(run: Any, plan: Any) -> None:
     from rich.table import Table
 
     from fsdp_cli.plan.check import hint
@@ -82,7 +82,7 @@ def print_plan(cfg: Any, plan: Any) -> None:
     else:
         console.print(
             f"fits: no ({_gib(plan.peak.total)} GiB needed, {_gib(FIT_FRACTION * plan.device_memory)} usable of "
-            f"{_gib(plan.device_memory)}); hint: {hint(cfg, plan)}"
+            f"{_gib(plan.device_memory)}); hint: {hint(run, plan)}"
         )
 
 

@@ -16,19 +16,16 @@ from fsdp_cli.rundir.status import EXIT_FAILED
 
 if TYPE_CHECKING:
     from fsdp_cli.config.resolved import ResolvedRun
-    from fsdp_cli.config.schema import TrainConfig
 
 
 def rehearse_and_report(
-    cfg: TrainConfig | ResolvedRun, *, rank: int, memory: int | None, as_json: bool, step: bool, prog: str
+    run: ResolvedRun, *, rank: int, memory: int | None, as_json: bool, step: bool, prog: str
 ) -> int:
     """Rehearse rank ``rank`` of ``cfg`` (resolved, validated) and print it with the plan; returns
     the exit status (1 when the two disagree). Raises ConfigError for a refused layout."""
-    from fsdp_cli.config.resolved import ResolvedRun
     from fsdp_cli.plan.check import plan_for
     from fsdp_cli.plan.rehearsal import disagreements, rehearse
 
-    run = ResolvedRun.of(cfg)
     result = rehearse(run, rank, step=step)
     plan = plan_for(run, memory)
     problems = disagreements(result, plan) if plan is not None else []

@@ -83,13 +83,24 @@ def is_wrapping_checkpoint_io(io: Any) -> bool:
     return isinstance(io, _io_wrapper._WrappingCheckpointIO)
 
 
-def set_lightning_checkpoint_format(strategy: Strategy, checkpoint_format: str) -> None:
-    """Keep the Lightning strategy's own format setting equal to ours (``sharded``/``full``): its
-    ``save_checkpoint`` (which ours calls for full files) reads it."""
+def lightning_writes_sharded(strategy: Strategy) -> bool | None:
+    """Lightning's own format setting, in one spelling: whether the strategy writes sharded
+    checkpoints (FSDPStrategy's ``state_dict_type``, ModelParallelStrategy's
+    ``save_distributed_checkpoint``); None for a strategy without one (DDP)."""
     if isinstance(strategy, FSDPStrategy):
-        strategy._state_dict_type = checkpoint_format
+        return strategy._state_dict_type == "sharded"
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(strategy._save_distributed_checkpoint)
+    return None
+
+
+def set_lightning_writes_sharded(strategy: Strategy, sharded: bool) -> None:
+    """Keep the Lightning strategy's own format setting equal to ours: its ``save_checkpoint``
+    (which ours calls for full files) reads it."""
+    if isinstance(strategy, FSDPStrategy):
+        strategy._state_dict_type = "sharded" if sharded else "full"
     elif isinstance(strategy, ModelParallelStrategy):
-        strategy._save_distributed_checkpoint = checkpoint_format == "sharded"
+        strategy._save_distributed_checkpoint = sharded
 
 
 def share_callback_metrics(trainer: L.Trainer, values: dict[str, Any]) -> None:

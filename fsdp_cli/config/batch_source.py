@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import TYPE_CHECKING
 
 from fsdp_cli.config.callback_classes import check_arguments, locate
 from fsdp_cli.config.model_kinds import kind_of
-from fsdp_cli.config.schema import CustomModelConfig, DataModuleConfig, TrainConfig
+from fsdp_cli.config.schema import CustomModelConfig, DataModuleConfig
 from fsdp_cli.errors import ConfigError
 
+if TYPE_CHECKING:
+    from fsdp_cli.config.resolved import ResolvedRun
 
-def check_batch_source(cfg: TrainConfig) -> None:
+
+def check_batch_source(run: ResolvedRun) -> None:
+    cfg = run.cfg
     if isinstance(cfg.data, DataModuleConfig):
         check_datamodule_class(cfg.data)
     elif kind_of(cfg.model).target_decides and not cfg.explicit_data:

@@ -18,21 +18,24 @@ import importlib
 import inspect
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_cli.config.model_kinds import kind_of
 from fsdp_cli.config.schema import LoggerName, TrainConfig
 from fsdp_cli.errors import ConfigError
 
+if TYPE_CHECKING:
+    from fsdp_cli.config.resolved import ResolvedRun
+
 NEEDS_A_LOGGER = ("LearningRateMonitor", "DeviceStatsMonitor")
 """Lightning callbacks that refuse to start without a logger (they only write to one)."""
 
 
-def check_callback_classes(cfg: TrainConfig) -> None:
+def check_callback_classes(run: ResolvedRun) -> None:
     """Each entry's target exists, is a Lightning ``Callback`` (or a factory), and takes its arguments."""
-    for name, entry in cfg.callbacks.items():
+    for name, entry in run.cfg.callbacks.items():
         if entry is not None:
-            _check_entry(cfg, f"callbacks.{name}", entry)
+            _check_entry(run.cfg, f"callbacks.{name}", entry)
 
 
 def check_model_arguments(cfg: TrainConfig) -> None:

@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli import checkpoint_format
 from fsdp_cli.config import schema
 from fsdp_cli.config.convert import GROUP_SCHEMAS
 from fsdp_cli.config.schema import CustomModelConfig, DataModuleConfig, TrainConfig
@@ -48,7 +49,7 @@ Hydra's own keys (`hydra.run.dir`, `hydra.sweep.dir`, `hydra/launcher`, `hydra/s
 # --------------------------------------------------------------------------- docstrings
 
 
-SCHEMA_MODULES = (schema, args, options)
+SCHEMA_MODULES = (schema, args, options, checkpoint_format)
 """Where the schema's types are defined: the CLI's own, and the library types it composes."""
 
 

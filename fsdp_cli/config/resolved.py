@@ -1,20 +1,25 @@
 """A resolved run: the typed config and everything derived from it, computed once and frozen.
 
-The parent resolves the config (layout, precision, resume, ...) and writes ``config.yaml``; each
-rank reads it back and makes the same :class:`ResolvedRun` with :meth:`ResolvedRun.of`. Every
-layer below takes this object instead of re-deriving the world size, the shard groups, the
-dtypes in effect or the checkpoint format from the raw config (so they cannot disagree).
+The parent builds it once, right after the layout is resolved (:mod:`fsdp_cli.resolve`), and
+writes its config to ``config.yaml``; each rank reads that back and builds the same
+:class:`ResolvedRun` with :meth:`ResolvedRun.of`. Every layer below (validation, the plan, the
+rehearsal, the launcher, the worker, the builders) takes this object, never the raw config, and
+reads the world size, the shard groups, the dtypes in effect and the checkpoint format only from
+it (so they cannot disagree).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.config.model_kinds import ModelKind, kind_of
-from fsdp_cli.config.schema import CheckpointFormat, TrainConfig
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.strategies import StrategyEntry, entry_of, policy_dtypes
+from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.precision import ResolvedPrecision, resolve_precision
 
 
@@ -57,10 +62,10 @@ class ResolvedRun:
     checkpoint_format: CheckpointFormat
 
     @classmethod
-    def of(cls, cfg: TrainConfig | ResolvedRun) -> ResolvedRun:
-        """The run of a config whose layout is resolved (``devices``, ``dp``, ``precision`` concrete)."""
-        if isinstance(cfg, ResolvedRun):
-            return cfg
+    def of(cls, cfg: TrainConfig) -> ResolvedRun:
+        """The run of a config whose layout is resolved (``devices``, ``dp``, ``precision``
+        concrete) and whose ranges and precision name are checked
+        (:func:`fsdp_cli.config.validate.checked_run`)."""
         entry = entry_of(cfg)
         devices, dp = int(cfg.devices), int(cfg.dp)
         world = devices * cfg.num_nodes
@@ -82,6 +87,18 @@ class ResolvedRun:
             precision=precision,
             checkpoint_format=cfg.strategy.checkpoint_format(cfg.checkpoint.format),
         )
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh sizes the parent decided (replicate x shard x tp), for the strategy to take as
+        they are: a fresh object per call, since each strategy builds its own mesh on it."""
+        layout = self.layout
+        return ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp)
+
+    def with_config(self, cfg: TrainConfig) -> ResolvedRun:
+        """This run with a later edit of its config that derives nothing anew (the resume path
+        and run id; a model without its weights for a rehearsal)."""
+        return dataclasses.replace(self, cfg=cfg)
 
     @property
     def model_kind(self) -> ModelKind:

@@ -17,12 +17,14 @@ from typing import Any, NamedTuple
 
 from omegaconf import MISSING
 
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.models.args import HFModelArgs, LlamaArgs, OptimizerArgs, Scheduler
 from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions, WrapPolicy
 from fsdp_cli.ranges import at_least, between, positive
 
 __all__ = [  # the library types the schema composes, importable from here as before
     "ActivationCheckpointing",
+    "CheckpointFormat",
     "HFModelArgs",
     "LlamaArgs",
     "OptimizerArgs",
@@ -62,13 +64,6 @@ class BackwardPrefetch(Enum):
     BACKWARD_PRE = "BACKWARD_PRE"
     BACKWARD_POST = "BACKWARD_POST"
     none = "none"
-
-
-class CheckpointFormat(Enum):
-    full = "full"
-    """One consolidated file written by rank 0."""
-    sharded = "sharded"
-    """A torch.distributed.checkpoint (DCP) folder, one shard per rank."""
 
 
 class LoggerName(Enum):

@@ -12,11 +12,11 @@ import math
 import os
 from collections.abc import Callable
 
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.config.model_kinds import check_model, kind_of
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import (
     Accelerator,
-    CheckpointFormat,
     DataModuleConfig,
     LoggerName,
     Profiler,
@@ -39,21 +39,25 @@ from fsdp_cli.precision import AUTO, PRECISIONS, UnknownPrecision, precision_spe
 from fsdp_cli.ranges import range_problems
 
 
-def validate(cfg: TrainConfig | ResolvedRun) -> None:
-    """Raise :class:`ConfigError` for the first combination that cannot run (on a config whose
-    layout :func:`fsdp_cli.launch.layout.resolve_layout` has resolved and checked): each field's
-    own range first, then the precision, then the cross-field checks on the resolved run.
+def checked_run(cfg: TrainConfig) -> ResolvedRun:
+    """The run of a config whose layout :func:`fsdp_cli.launch.layout.resolve_layout` has
+    resolved and checked, after what it must pass before it can be resolved at all: each field's
+    own range, then the precision name (the precision table must know it)."""
+    check_ranges(cfg)
+    check_precision(cfg)
+    return ResolvedRun.of(cfg)
+
+
+def validate(run: ResolvedRun) -> None:
+    """Raise :class:`ConfigError` for the first combination that cannot run: the cross-field
+    checks on the run (:func:`checked_run` has checked each field's range and the precision).
 
     The data checks wait for the ranks when :func:`data_checks_deferred`: only the imported
     module can tell whether it trains on the ``data`` group at all.
     """
-    config = cfg.cfg if isinstance(cfg, ResolvedRun) else cfg
-    check_ranges(config)
-    check_precision(config)
-    run = ResolvedRun.of(cfg)
     for check in CHECKS:
         check(run)
-    if not data_checks_deferred(config):
+    if not data_checks_deferred(run.cfg):
         validate_data(run)
 
 
@@ -64,10 +68,9 @@ def data_checks_deferred(cfg: TrainConfig) -> bool:
     return kind_of(cfg.model).target_decides and not cfg.explicit_data
 
 
-def validate_data(cfg: TrainConfig | ResolvedRun) -> None:
+def validate_data(run: ResolvedRun) -> None:
     """The checks of the ``data`` group (batch split, vocabulary, sequence length, files); none
     for ``data=datamodule``, whose batches are the user's DataModule's."""
-    run = ResolvedRun.of(cfg)
     if isinstance(run.cfg.data, DataModuleConfig):
         return
     for check in DATA_CHECKS:
@@ -473,8 +476,9 @@ CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_experiment_logger,
     check_callbacks,
 )
-"""Cross-field checks, in order, after :func:`check_ranges` (each field's own range) and
-:func:`check_precision` (the precision table must know the name before a run can be resolved)."""
+"""Cross-field checks, in order, on a run :func:`checked_run` built (after :func:`check_ranges`,
+each field's own range, and :func:`check_precision`: the precision table must know the name
+before a run can be resolved)."""
 DATA_CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_accumulation,
     check_batch,

@@ -81,6 +81,18 @@ class ParallelDims:
             )
         return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp)
 
+    def for_world(self, world_size: int) -> ParallelDims:
+        """These sizes as given (a fresh copy: each strategy builds its mesh on its own), after
+        checking that the world the processes formed is the one they were decided for."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                "dims",
+                f"{self.dp_replicate}x{self.dp_shard}x{self.tp}",
+                f"replicate({self.dp_replicate}) * shard({self.dp_shard}) * tp({self.tp}) != world size {world_size}",
+                hint="decide the sizes for the world the processes form",
+            )
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
@@ -130,7 +142,8 @@ class ParallelDims:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            if self.hsdp_enabled or hybrid:
+            # (NO_SHARD's sizes are world x 1, but FSDP1 takes one dimension for it.)
+            if hybrid:
                 shape, dim_names = (self.dp_replicate, self.dp_shard), ("replicate", "shard")
             else:
                 shape, dim_names = (self.dp,), ("shard",)

@@ -17,11 +17,10 @@ from fsdp_cli.plan.memory import FIT_FRACTION, MemoryPlan, gib, plan_memory, pla
 from fsdp_cli.plan.model import ModelSpec, llama_spec, module_spec
 
 
-def model_spec(cfg: TrainConfig | ResolvedRun) -> ModelSpec | None:
+def model_spec(run: ResolvedRun) -> ModelSpec | None:
     """The model's description: analytic for the built-in one, else a meta-device build (which
     imports torch and the model's code; a LightningModule with the layers its ``configure_model``
     builds). None for a model with no parameters even then."""
-    run = ResolvedRun.of(cfg)
     cfg = run.cfg
     if run.model_kind.closed_form:
         spec = llama_spec(cfg.model, cfg.wrap)
@@ -87,39 +86,38 @@ def _configured(model: object) -> object | None:
     return model
 
 
-def plan_for(cfg: TrainConfig | ResolvedRun, device_memory: int | None = None) -> MemoryPlan | None:
-    """The plan of a resolved, validated config; None where the plan cannot be made."""
-    run = ResolvedRun.of(cfg)
+def plan_for(run: ResolvedRun, device_memory: int | None = None) -> MemoryPlan | None:
+    """The plan of a validated run; None where the plan cannot be made."""
     if not strategy_supported(run):
         return None
     spec = model_spec(run)
     return None if spec is None else plan_memory(run, spec, device_memory)
 
 
-def detected_device_memory(cfg: TrainConfig, env: Mapping[str, str]) -> int | None:
+def detected_device_memory(run: ResolvedRun, env: Mapping[str, str]) -> int | None:
     """The smallest visible GPU's memory (NVML) when the run is on GPUs, else None."""
-    if cfg.accelerator.value != "gpu":
+    if not run.layout.on_gpu:
         return None
     return gpu_memory_bytes(env)
 
 
 def plan_problem(
-    cfg: TrainConfig, env: Mapping[str, str] | None = None, device_memory: int | None = None
+    run: ResolvedRun, env: Mapping[str, str] | None = None, device_memory: int | None = None
 ) -> str | None:
-    """One line when the plan of ``cfg`` (resolved and validated) does not fit the device memory
-    (given, or detected on this machine's GPUs); None when it fits or cannot be checked."""
+    """One line when the plan of ``run`` (validated) does not fit the device memory (given, or
+    detected on this machine's GPUs); None when it fits or cannot be checked."""
     import os
 
-    memory = device_memory or detected_device_memory(cfg, os.environ if env is None else env)
+    memory = device_memory or detected_device_memory(run, os.environ if env is None else env)
     if memory is None:
         return None
-    plan = plan_for(cfg, memory)
+    plan = plan_for(run, memory)
     if plan is None or plan.fits:
         return None
-    return unfit_line(cfg, plan)
+    return unfit_line(run, plan)
 
 
-def unfit_line(cfg: TrainConfig, plan: MemoryPlan) -> str:
+def unfit_line(run: ResolvedRun, plan: MemoryPlan) -> str:
     peak = plan.peak
     parts = (
         f"params {gib(peak.params)} + grads {gib(peak.grads)} + optimizer {gib(peak.optimizer)} + "
@@ -128,13 +126,12 @@ def unfit_line(cfg: TrainConfig, plan: MemoryPlan) -> str:
     assert plan.device_memory is not None
     return (
         f"memory plan: rank {peak.rank} needs {gib(peak.total)} ({parts}) of "
-        f"{gib(plan.device_memory)} per device (fits below {FIT_FRACTION:.0%}); hint: {hint(cfg, plan)}"
+        f"{gib(plan.device_memory)} per device (fits below {FIT_FRACTION:.0%}); hint: {hint(run, plan)}"
     )
 
 
-def hint(cfg: TrainConfig | ResolvedRun, plan: MemoryPlan) -> str:
+def hint(run: ResolvedRun, plan: MemoryPlan) -> str:
     """The strategy's own way to fit (its planner's), else the general advice."""
-    run = ResolvedRun.of(cfg)
     planner = planner_of(run)
     own = planner.hint(run, plan, FIT_FRACTION * (plan.device_memory or 0)) if planner else None
     return own or (

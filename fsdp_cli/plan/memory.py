@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy, TrainConfig
+from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, tp_local_shape
 from fsdp_cli.plan.model import Activations, ModelSpec
@@ -125,11 +125,8 @@ class Planner:
     """The strategy's own way to fit into ``limit`` bytes per device, or None."""
 
 
-def plan_memory(
-    cfg: TrainConfig | ResolvedRun, spec: ModelSpec, device_memory: int | None = None
-) -> MemoryPlan:
-    """Every rank's memory for a resolved config (layout sizes are numbers, not ``auto``)."""
-    run = ResolvedRun.of(cfg)
+def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = None) -> MemoryPlan:
+    """Every rank's memory for a resolved run (layout sizes are numbers, not ``auto``)."""
     planner = planner_of(run)
     if planner is None:
         raise ValueError(f"strategy={run.entry.name}: no memory plan for it")
@@ -347,5 +344,5 @@ PLANNERS: dict[str, Planner | None] = {"fsdp2": FSDP2, "fsdp": FSDP1, "ddp": DDP
 None: no memory plan (a LightningModule's own ``configure_model`` decides what each rank holds)."""
 
 
-def strategy_supported(cfg: TrainConfig | ResolvedRun) -> bool:
-    return planner_of(ResolvedRun.of(cfg)) is not None
+def strategy_supported(run: ResolvedRun) -> bool:
+    return planner_of(run) is not None

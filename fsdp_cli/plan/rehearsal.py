@@ -25,7 +25,6 @@ from typing import Any
 
 from fsdp_cli.compat.torch_internals import storage_bytes
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.plan.fake_rank import BuiltRank, built_rank
 from fsdp_cli.plan.fake_world import FakeWorld, fake_process_group
@@ -61,10 +60,10 @@ class Rehearsal:
         return asdict(self)
 
 
-def rehearse(run: ResolvedRun | TrainConfig, rank: int = 0, *, step: bool = True) -> Rehearsal:
+def rehearse(run: ResolvedRun, rank: int = 0, *, step: bool = True) -> Rehearsal:
     """Rehearse rank ``rank`` of a resolved, validated run. A layout the model cannot take raises
     :class:`ConfigError` (one line)."""
-    run = rehearsal_run(ResolvedRun.of(run))
+    run = rehearsal_run(run)
     world = FakeWorld(num_nodes=run.layout.num_nodes, per_node=run.layout.devices, rank=rank)
     if not 0 <= rank < world.world_size:
         raise ConfigError(
@@ -113,7 +112,7 @@ def rehearsal_run(run: ResolvedRun) -> ResolvedRun:
     """``run`` as rehearsed: a Hugging Face model's weights are never read (their values do not
     matter, only the shapes its config.json gives)."""
     model = run.model_kind.without_weights(run.cfg.model)
-    return run if model is run.cfg.model else ResolvedRun.of(replace(run.cfg, model=model))
+    return run if model is run.cfg.model else run.with_config(replace(run.cfg, model=model))
 
 
 # --------------------------------------------------------------------------- what rank R holds

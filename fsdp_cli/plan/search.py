@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import DDPConfig, FSDP2Config, FSDPConfig, ShardingStrategy, TrainConfig
-from fsdp_cli.config.validate import validate
+from fsdp_cli.config.validate import checked_run, validate
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.plan.memory import MemoryPlan, plan_memory
@@ -34,10 +34,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
     """FSDP2 over every tp (within a node) x HSDP replication x activation checkpointing x
-    reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for ``cfg``'s devices and nodes."""
-    world = ResolvedRun.of(cfg).layout.world_size
+    reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices and nodes (each a
+    config of its own layout, resolved as its own run by :func:`search`)."""
+    cfg, world = run.cfg, run.layout.world_size
     base = cfg.strategy if isinstance(cfg.strategy, FSDP2Config) else FSDP2Config()
     out: list[tuple[str, TrainConfig]] = []
     for tp in _divisors(int(cfg.devices)):
@@ -72,16 +73,17 @@ def candidates(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
     return out
 
 
-def search(cfg: TrainConfig, spec: ModelSpec, device_memory: int | None) -> list[Candidate]:
+def search(run: ResolvedRun, spec: ModelSpec, device_memory: int | None) -> list[Candidate]:
     """Every valid candidate's plan: the fitting ones first, least memory first among them
     after preferring no recomputation and fewer tensor-parallel ranks (less communication)."""
     found = []
-    for text, candidate in candidates(cfg):
+    for text, candidate in candidates(run):
         try:
-            validate(candidate)
+            candidate_run = checked_run(candidate)  # another layout: a run of its own
+            validate(candidate_run)
         except ConfigError:
             continue
-        found.append(Candidate(text, plan_memory(candidate, spec, device_memory)))
+        found.append(Candidate(text, plan_memory(candidate_run, spec, device_memory)))
     cost = {"none": 0, "selective": 1, "full": 2}
     return sorted(
         found,

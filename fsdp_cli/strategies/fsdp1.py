@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.compat.lightning_internals import (
     fsdp1_activation_checkpointing,
     optimizers_to_device,
@@ -56,17 +57,21 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
         wrap: a :class:`~fsdp_cli.parallel.options.WrapOptions` (the model's repeated block, or named
             classes) resolved against the model at setup; takes the place of ``auto_wrap_policy``.
         activation_checkpointing_policy: also accepts a list of class names.
-        checkpoint_format: ``"sharded"`` or ``"full"`` (replaces ``state_dict_type``, same meaning).
+        dims: the mesh sizes, decided by the caller (fsdp-train's parent decides them once: its
+            replicate x shard split); taken as they are in place of ``hybrid_shard_size``.
+        checkpoint_format: a :class:`~fsdp_cli.checkpoint_format.CheckpointFormat` or its name,
+            ``"sharded"`` or ``"full"`` (replaces ``state_dict_type``, same meaning).
     """
 
     def __init__(
         self,
         *,
         hybrid_shard_size: int | None = None,
+        dims: ParallelDims | None = None,
         wrap: WrapOptions | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
-        checkpoint_format: str | None = None,
+        checkpoint_format: CheckpointFormat | str | None = None,
         state_dict_type: str = "sharded",
         **kwargs: Any,
     ) -> None:
@@ -75,7 +80,7 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
         sharding = str(getattr(kwargs.get("sharding_strategy"), "name", kwargs.get("sharding_strategy", "")))
         hybrid = sharding.upper() in HYBRID
         mesh_given = kwargs.get("device_mesh") is not None or kwargs.get("process_group") is not None
-        if hybrid and not mesh_given and (auto_wrap_policy, wrap, hybrid_shard_size) != (None, None, None):
+        if hybrid and not mesh_given and (auto_wrap_policy, wrap, hybrid_shard_size, dims) != (None,) * 4:
             # Placeholder so Lightning accepts HYBRID_SHARD; the real mesh is built in setup_environment.
             # Without any of these Lightning's own check refuses HYBRID_SHARD (with its words);
             # ``wrap`` counts as the auto_wrap_policy it becomes at setup.
@@ -86,10 +91,11 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
             if self._ac_names is not None
             else activation_checkpointing_policy,
             state_dict_type=state_dict_type,  # type: ignore[arg-type]
+            checkpoint_format=checkpoint_format,
             **kwargs,
         )
         self.hybrid_shard_size = hybrid_shard_size
-        self.checkpoint_format = checkpoint_format or state_dict_type
+        self.given_dims = dims
 
     # ------------------------------------------------------------------ devices and meshes
 
@@ -114,16 +120,22 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
         if self.kwargs.get("process_group") is not None or (mesh is not None and not isinstance(mesh, tuple)):
             self.kwargs["device_mesh"] = self.run_mesh = mesh  # the user's own process group or mesh
             return
-        replicate = 1
-        if self.sharding_strategy.name in HYBRID:
-            if mesh != _AUTO_MESH:
-                replicate = mesh[0]
-            else:
-                replicate = self.world_size // (self.hybrid_shard_size or self.num_processes)
-        dims = ParallelDims.resolve(world_size=self.world_size, replicate=replicate)
+        if self.given_dims is not None:
+            dims = self.given_dims.for_world(self.world_size)
+        else:
+            dims = ParallelDims.resolve(world_size=self.world_size, replicate=self._replicas(mesh))
         mesh = dims.build_fsdp1_mesh(self.root_device.type, hybrid=self.sharding_strategy.name in HYBRID)
         self.kwargs["device_mesh"] = mesh
         self.run_mesh = mesh
+
+    def _replicas(self, mesh: Any) -> int:
+        """HYBRID_*: the replica count of a mesh given as a tuple, else of ``hybrid_shard_size``
+        (default: the processes of one node); 1 for the other sharding strategies."""
+        if self.sharding_strategy.name not in HYBRID:
+            return 1
+        if mesh != _AUTO_MESH:
+            return mesh[0]
+        return self.world_size // (self.hybrid_shard_size or self.num_processes)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

@@ -69,6 +69,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             keyword and overrides it.
         replicate_size: HSDP replica groups; parameters are sharded within each of the
             ``data_parallel_size / replicate_size`` ranks of a group and replicated across groups.
+        dims: the mesh sizes, decided by the caller (fsdp-train's parent decides them once); taken
+            as they are in place of the three sizes above, which are then not given.
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
@@ -86,6 +88,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         *,
         options: ParallelizeOptions | None = None,
         replicate_size: int = 1,
+        dims: ParallelDims | None = None,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -94,6 +97,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelizeOptions.names()}
         if mp_policy is not None:
             overrides["mp_policy"] = mp_policy
+        if dims is not None:  # (Lightning's ModelParallelStrategy keeps the two sizes too)
+            data_parallel_size, tensor_parallel_size, replicate_size = dims.dp, dims.tp, dims.dp_replicate
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -107,8 +112,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.options = dataclasses.replace(options or ParallelizeOptions(), **overrides)
         self.parallelize_fn = parallelize_fn
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
+        self.given_dims = dims
         self.dims: ParallelDims | None = None
-        self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"
         self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
         self._root_is_module = False  # decided once, when parallelized (read on every step)
@@ -131,6 +136,10 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         set_device_mesh(self, self.run_mesh)
 
     def _resolve_dims(self) -> ParallelDims:
+        """The dims given, else the sizes given (``auto``: Lightning's rule) checked against the
+        world size by the code fsdp-train's parent uses (:meth:`ParallelDims.resolve`)."""
+        if self.given_dims is not None:
+            return self.given_dims.for_world(self.world_size)
         dp, tp, replicate = self.requested_sizes
         if dp == "auto" and tp == "auto":
             dp, tp = self.num_nodes, self.num_processes

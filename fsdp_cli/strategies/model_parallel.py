@@ -20,10 +20,6 @@ from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 
 class ModelParallelStrategy(GlobalNormClipping, DistributedCheckpointing, _LightningModelParallelStrategy):
-    def __init__(self, *args: Any, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
-        self.checkpoint_format = "sharded" if save_distributed_checkpoint else "full"
-
     def setup_environment(self) -> None:
         super().setup_environment()
         self.run_mesh = self.device_mesh
