@@ -38,12 +38,13 @@ def check_callback_classes(run: ResolvedRun) -> None:
             _check_entry(run.cfg, f"callbacks.{name}", entry)
 
 
-def check_model_arguments(cfg: TrainConfig) -> None:
+def check_model_arguments(run: ResolvedRun) -> None:
     """``model=custom``: the ``+model.NAME`` keys bind to the target's signature (a ``**kwargs``
     target takes any), checked here as a callbacks entry is, so a misspelled argument is one line
     before launch instead of a traceback from every rank. The target is imported, never called:
     building the model is the ranks' work. (Its module and name were found without importing it
     by the model registry's ``check_custom_target``.)"""
+    cfg = run.cfg
     if not kind_of(cfg.model).target_decides:
         return
     target = locate("model", cfg.model.target)
