@@ -58,20 +58,31 @@ def publish(partial: Path, path: Path) -> None:
     replace_atomically(partial, path)
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2``); False where that is not available."""
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+"""``renameat2`` flags (linux/fs.h)."""
+
+
+def _renameat2(a: Path, b: Path, flag: int, unsupported: tuple[int, ...]) -> bool:
+    """Linux ``renameat2(a, b, flag)``: True when done, False where the call or the flag is not
+    available (``unsupported`` errnos); any other failure is an OSError naming ``b``."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flag) == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EXDEV):
+    if code in unsupported:
         return False
+    if code == errno.EEXIST:
+        raise FileExistsError(code, "created by something else meanwhile", str(b))
     raise OSError(code, os.strerror(code), str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where that is not available."""
+    return _renameat2(a, b, RENAME_EXCHANGE, (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EXDEV))
 
 
 def recover_interrupted_replace(directory: Path) -> list[str]:
@@ -117,17 +128,5 @@ def publish_new(partial: Path, path: Path) -> None:
 
 
 def _rename_noreplace(a: Path, b: Path) -> bool:
-    """Linux ``renameat2(RENAME_NOREPLACE)``; False where that is not available."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_noreplace = -100, 1
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_noreplace) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    if code == errno.EEXIST:
-        raise FileExistsError(code, "created by something else meanwhile", str(b))
-    raise OSError(code, os.strerror(code), str(b))
+    """Rename without replacing what is at ``b`` (FileExistsError then); False where that is not available."""
+    return _renameat2(a, b, RENAME_NOREPLACE, (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP))

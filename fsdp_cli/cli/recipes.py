@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fsdp_cli.cli.console import OneLineParser, quiet_on_closed_pipe
+from fsdp_cli.rundir.files import write_atomically
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 
 PROG = "fsdp-recipe"
@@ -119,23 +119,10 @@ def copy(recipe: Recipe, new_name: str, config_dir: Path) -> tuple[Path, str]:
     text = recipe.text.replace(f"# Command:  {recipe.command}", f"# Command:  {command}", 1)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        _write_new(target, text)
+        write_atomically(target, text)  # an interrupted copy leaves no half recipe
     except OSError as err:
         _fail(f"--dir={config_dir}: cannot write {target} ({err.strerror or err}); hint: a writable --dir")
     return target, command
-
-
-def _write_new(target: Path, text: str) -> None:
-    """Publish the copy whole (written beside it, then renamed): an interrupted copy leaves no half recipe."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _rewrite(command: str, old: str, new: str, config_dir: Path) -> str:

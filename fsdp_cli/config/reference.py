@@ -202,29 +202,13 @@ def group_section(group: str) -> list[str]:
             lines += [cell(class_doc(cls)), ""]
         lines += [*table(cls, f"{group}."), ""]
     if group == "model":
-        lines += [
-            f"### `model=custom` ({CustomModelConfig.__name__})",
-            "",
-            cell(class_doc(CustomModelConfig)),
-            "",
-            "| key | type | default | description |",
-            "|---|---|---|---|",
-            "| `model._target_` | str | required | Dotted path of the class or factory that builds the model. |",
-            "| `model.NAME` (`+model.NAME=VALUE`) | any | | A keyword argument of the target. |",
-            "",
-        ]
+        lines += _target_section(
+            "model", "custom", CustomModelConfig, "class or factory that builds the model"
+        )
     if group == "data":
-        lines += [
-            f"### `data=datamodule` ({DataModuleConfig.__name__})",
-            "",
-            cell(class_doc(DataModuleConfig)),
-            "",
-            "| key | type | default | description |",
-            "|---|---|---|---|",
-            "| `data._target_` | str | required | Dotted path of the LightningDataModule class or factory. |",
-            "| `data.NAME` (`+data.NAME=VALUE`) | any | | A keyword argument of the target. |",
-            "",
-        ]
+        lines += _target_section(
+            "data", "datamodule", DataModuleConfig, "LightningDataModule class or factory"
+        )
     return lines
 
 
@@ -289,6 +273,21 @@ def recipes() -> list[str]:
 def render() -> str:
     lines = [INTRO, *top_level(), *recipes(), *sections(), *enums()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _target_section(group: str, option: str, cls: type, what: str) -> list[str]:
+    """A group option whose keys are a ``_target_`` and that target's own keyword arguments."""
+    return [
+        f"### `{group}={option}` ({cls.__name__})",
+        "",
+        cell(class_doc(cls)),
+        "",
+        "| key | type | default | description |",
+        "|---|---|---|---|",
+        f"| `{group}._target_` | str | required | Dotted path of the {what}. |",
+        f"| `{group}.NAME` (`+{group}.NAME=VALUE`) | any | | A keyword argument of the target. |",
+        "",
+    ]
 
 
 if __name__ == "__main__":
