@@ -277,6 +277,62 @@ TRAINED_BY = {
 """What each kind of dry-run command shows in training, and where it is trained for real."""
 
 
+SAMPLED_COMMAND = "fsdp-train recipe=cpu_smoke"
+"""The command whose output docs/getting-started.md shows, line for line."""
+
+
+def output_sample() -> list[str]:
+    """The ```text block that follows :data:`SAMPLED_COMMAND` in docs/getting-started.md."""
+    text = (REPO / "docs" / "getting-started.md").read_text()
+    start = text.index("```text\n", text.index(SAMPLED_COMMAND)) + len("```text\n")
+    return text[start : text.index("```", start)].splitlines()
+
+
+def line_shape(line: str) -> str | None:
+    """What a printed line looks like without its numbers (a summary row: its label); None for a
+    table border or a blank line."""
+    line = line.strip()
+    if not line or line[0] in "┌├└" or line.startswith("checkpoint: "):
+        return None  # (the path below the table: there only when it is wider than its column)
+    if line.startswith("│"):
+        return "row: " + line.strip("│").split("│")[0].strip()
+    return re.sub(r"\s+", " ", re.sub(r"\d[\d.,:e+-]*", "#", line))
+
+
+def sample_drift(stdout: str) -> list[str]:
+    """How the docs' sample differs from what the command printed: sample lines whose shape it no
+    longer prints, and summary rows it prints that the sample lacks."""
+    shown = {line_shape(line) for line in output_sample()} - {None}
+    printed = {line_shape(line) for line in stdout.splitlines()} - {None}
+    stale = sorted(shown - printed)
+    missing = sorted(s for s in printed - shown if s.startswith("row: "))
+    return [f"shown, no longer printed: {s}" for s in stale] + [f"printed, not shown: {s}" for s in missing]
+
+
+def check_recipe_run(line: str, run_dir: Path, stdout: str) -> None:
+    """A CPU recipe trains to a falling loss; the one the docs show the output of prints what
+    they show (:func:`sample_drift`)."""
+    losses = [row["loss"] for row in read_metrics(run_dir)]
+    assert len(losses) >= 3 and losses[-1] < losses[0], (line, losses)
+    if line == SAMPLED_COMMAND:
+        assert sample_drift(stdout) == [], "docs/getting-started.md's sample output is stale"
+
+
+def test_the_output_sample_check_sees_a_stale_line_and_a_missing_row() -> None:
+    """:func:`sample_drift` against the sample itself, then against output with a row gone, the
+    step lines reworded and a row the sample lacks."""
+    sample = output_sample()
+    assert sample_drift("\n".join(sample)) == []
+    step_shape = next(line_shape(line) for line in sample if line.startswith("step "))
+    changed = [line.replace("tok/s", "tokens/s") for line in sample if "MFU" not in line]
+    drift = sample_drift("\n".join([*changed, "│ new row │ 1 │"]))
+    assert set(drift) == {
+        "shown, no longer printed: row: MFU",
+        f"shown, no longer printed: {step_shape}",
+        "printed, not shown: row: new row",
+    }, drift
+
+
 @pytest.mark.distributed
 def test_the_cpu_commands_shown_in_the_docs_run(tmp_path: Path) -> None:
     """Each runs in one working directory, in the order shown (a resume finds the run before it),
@@ -316,8 +372,7 @@ def test_the_cpu_commands_shown_in_the_docs_run(tmp_path: Path) -> None:
         if r.returncode != 0 or (run_dir is not None and read_summary(run_dir)["status"] != "ok"):
             failures.append(f"{line}\n  ran as {' '.join(args)}\n  -> {r}")
         elif _bare(line).removeprefix("fsdp-train ") in CPU_RECIPES:
-            losses = [row["loss"] for row in read_metrics(run_dir)]  # type: ignore[arg-type]
-            assert len(losses) >= 3 and losses[-1] < losses[0], (line, losses)
+            check_recipe_run(_bare(line), run_dir, r.stdout)  # type: ignore[arg-type]
     assert failures == [], "\n".join(failures)
 
 
