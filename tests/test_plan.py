@@ -168,3 +168,17 @@ def test_fsdp_plan_plans_a_lightning_module_with_the_layers_its_configure_model_
     parameters = vocab * dim + 2 * (dim * dim + dim) + dim * vocab + vocab
     assert sum(rank["params"] for rank in plan["ranks"]) == 4 * parameters, plan  # fp32 bytes, sharded
     assert all(rank["activations"] > 0 for rank in plan["ranks"]), "its forward ran on the meta device"
+
+
+def test_a_custom_model_without_a_vocabulary_key_gets_an_activation_estimate() -> None:
+    """memory.md's custom-model command (no ``+model.vocab_size``, so ``data.vocab_size`` is
+    null): the meta-device probe takes the vocabulary from the model's logits instead of giving up."""
+    from conftest import run_of
+
+    from fsdp_cli.plan.check import model_spec
+
+    cfg = composed("model=custom", "model._target_=benchmarks.gpt.GPT", "+model.dim=64", "+model.n_layers=2")
+    assert cfg.data.vocab_size is None
+    spec = model_spec(run_of(cfg))
+    activations = spec.activations(64, 4)
+    assert spec.notes == [] and len(activations.blocks) == 2 and min(activations.blocks) > 0

@@ -119,7 +119,7 @@ def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:
 
 
 def module_spec(
-    model: Any, wrap: WrapOptions, *, vocab_size: int, tp_plan: dict[str, Any] | None = None
+    model: Any, wrap: WrapOptions, *, vocab_size: int | None, tp_plan: dict[str, Any] | None = None
 ) -> ModelSpec:
     """Describe a model built on the meta device (see the module docstring)."""
     from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
@@ -173,7 +173,7 @@ def _tp_dim(name: str, param: Any, plan: dict[str, Any] | None, modules: dict[st
 
 
 def probe_activations(
-    model: Any, blocks: list[str], *, seq: int, act_bytes: int, vocab_size: int
+    model: Any, blocks: list[str], *, seq: int, act_bytes: int, vocab_size: int | None
 ) -> Activations:
     """Run one sequence through ``model`` (on meta) with the loss, and add up the storages autograd
     saves, attributed to the block that was running (parameters and buffers excluded)."""
@@ -213,7 +213,8 @@ def probe_activations(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
             out = model(tokens)
             logits = out.logits if hasattr(out, "logits") else out
-            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % vocab_size)
+            # (a custom model's vocabulary may be known only to itself: its logits say it)
+            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % (vocab_size or logits.shape[-1]))
     finally:
         for handle in handles:
             handle.remove()
