@@ -281,7 +281,7 @@ def test_fsdp_ckpt_errors_are_one_line(
     for path, words in (
         (broken, "missing shard file(s) __1_0.distcp"),
         (partial, "incomplete save"),
-        (tmp_path, "not a sharded checkpoint"),
+        (tmp_path, "no checkpoint in this folder"),  # (inspect takes a folder of checkpoints, as verify does)
         (tmp_path / "nope", "no such file"),
         (not_ckpt, "not an fsdp-train checkpoint"),
     ):
