@@ -83,12 +83,18 @@ class DistributedCheckpointing:
         here, the one place Lightning's spelling becomes ours."""
         super().__init__(*args, **kwargs)
         if checkpoint_format is None:
-            from fsdp_cli.compat.lightning_internals import lightning_writes_sharded
+            from fsdp_cli.compat.lightning_internals import lightning_writes_sharded, unknown_lightning_format
 
             sharded = lightning_writes_sharded(self)  # type: ignore[arg-type]
-            if sharded is not None:
-                checkpoint_format = CheckpointFormat.sharded if sharded else CheckpointFormat.full
-        self.checkpoint_format = checkpoint_format or self._checkpoint_format
+            if sharded is None:  # no setting (DDP), or one Lightning's own save refuses: left as it
+                # is, and saved through Lightning's save_checkpoint (the full-file path), which says so
+                self._checkpoint_format = CheckpointFormat(
+                    CheckpointFormat.full if unknown_lightning_format(self) else self._checkpoint_format  # type: ignore[arg-type]
+                )
+            else:
+                self.checkpoint_format = CheckpointFormat.sharded if sharded else CheckpointFormat.full
+        else:
+            self.checkpoint_format = checkpoint_format
         self.checkpoint_manifest = checkpoint_manifest
         self.async_checkpointing = async_checkpointing
 

@@ -86,12 +86,20 @@ def is_wrapping_checkpoint_io(io: Any) -> bool:
 def lightning_writes_sharded(strategy: Strategy) -> bool | None:
     """Lightning's own format setting, in one spelling: whether the strategy writes sharded
     checkpoints (FSDPStrategy's ``state_dict_type``, ModelParallelStrategy's
-    ``save_distributed_checkpoint``); None for a strategy without one (DDP)."""
+    ``save_distributed_checkpoint``); None for a strategy without one (DDP), or with a value
+    Lightning itself refuses when it saves (``state_dict_type="invalid"``: left for it to refuse)."""
     if isinstance(strategy, FSDPStrategy):
-        return strategy._state_dict_type == "sharded"
+        kind = strategy._state_dict_type
+        return kind == "sharded" if kind in ("sharded", "full") else None
     if isinstance(strategy, ModelParallelStrategy):
         return bool(strategy._save_distributed_checkpoint)
     return None
+
+
+def unknown_lightning_format(strategy: Strategy) -> bool:
+    """FSDPStrategy's ``state_dict_type`` is neither ``sharded`` nor ``full``: Lightning refuses it
+    in ``save_checkpoint`` (``Unknown state_dict_type``)."""
+    return isinstance(strategy, FSDPStrategy) and strategy._state_dict_type not in ("sharded", "full")
 
 
 def set_lightning_writes_sharded(strategy: Strategy, sharded: bool) -> None:
