@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "resolve": {"plan", "checkpoint", "launch", "data", "config", *LEAVES},
     # builders/strategies: a rehearsal (plan/rehearsal.py) builds one rank with the builders and
     # strategy classes a real rank uses, instead of a second copy of that logic.
-    "plan": {"builders", "strategies", "launch", "config", "models", "parallel", *LEAVES},
+    "plan": {"builders", "strategies", "launch", "config", "models", "pipeline", "parallel", *LEAVES},
     "worker": {"builders", "checkpoint", "launch", "config", *LEAVES},
     "builders": {
         "callbacks",
@@ -52,18 +52,21 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "models",
         "data",
+        "pipeline",
         "parallel",
         *LEAVES,
     },
     "callbacks": {"launch", "models", "parallel", *LEAVES},
-    "strategies": {"checkpoint", "parallel", *LEAVES},
+    "strategies": {"checkpoint", "pipeline", "parallel", *LEAVES},
     # (the checkpoint callback asks how many steps a fit plans; full files number the optimizer
     # state by the model's parameter names as parallel.names reports them)
-    "checkpoint": {"callbacks", "config", "parallel", *LEAVES},
-    "launch": {"config", "parallel", *LEAVES},
-    "config": {"models", "data", "parallel", *LEAVES},
-    "models": {"parallel", *LEAVES},
+    "checkpoint": {"callbacks", "config", "pipeline", "parallel", *LEAVES},
+    "launch": {"config", "pipeline", "parallel", *LEAVES},
+    "config": {"models", "data", "pipeline", "parallel", *LEAVES},
+    "models": {"pipeline", "parallel", *LEAVES},
     "data": {*LEAVES},
+    # (pipeline stages wrap parallel's sharding of each stage)
+    "pipeline": {"parallel", *LEAVES},
     "parallel": {*LEAVES},
     **{leaf: {"errors"} for leaf in LEAVES - {"errors"}},
     "errors": set(),
@@ -80,7 +83,7 @@ PROCESS_ENTRIES: dict[tuple[str, str], str] = {
     ): "what the agent process imports before it forks the ranks",
 }
 """(module, the module a string in it names): started in another process, not imported here."""
-LIBRARY = {"parallel", "models", "strategies"}
+LIBRARY = {"parallel", "pipeline", "models", "strategies"}
 """Usable from Python without the CLI: nothing they import, however indirectly, is the CLI's."""
 CLI_ROOMS = {"cli", "sweep", "resolve", "config"}
 

@@ -37,6 +37,7 @@ from fsdp_cli.config.schema import (
 from fsdp_cli.config.strategies import SCHEMAS as STRATEGY_SCHEMAS
 from fsdp_cli.config.unknown_keys import field_names, unknown_key_hint, unknown_keys
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.pipeline.options import PipelineOptions
 
 # The `name` key of each group's node selects its schema (strategies: their registry entries).
 MODEL_SCHEMAS: dict[str, type] = {k.name: k.schema for k in KINDS.values() if not k.target_decides}
@@ -61,6 +62,7 @@ SECTION_SCHEMAS: dict[str, type] = {
     "optim": OptimConfig,
     "launcher": LauncherConfig,
     "sweep": SweepConfig,
+    "pipeline": PipelineOptions,
 }
 _MISSING = "???"
 

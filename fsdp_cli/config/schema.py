@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.models.args import HFModelArgs, LlamaArgs, OptimizerArgs, Scheduler
 from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions, WrapPolicy
+from fsdp_cli.pipeline.options import PipelineOptions
 from fsdp_cli.ranges import at_least, between, positive
 
 __all__ = [  # the library types the schema composes, importable from here as before
@@ -733,6 +734,11 @@ class TrainConfig:
     """Data-parallel size: ``auto`` = world size / tp."""
     tp: int = field(default=1, metadata=at_least(1))
     """Tensor-parallel size."""
+    pp: int = field(default=1, metadata=at_least(1))
+    """Pipeline-parallel size: the model cut into pp stages (x ``pipeline.stages_per_rank``);
+    world = pp x dp x tp."""
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """With pp > 1: the schedule, micro-batches, stages per rank and where the model is cut."""
     devices: Any = field(default="auto", metadata=at_least(1, also=("auto",)))
     """Processes per node: ``auto`` = every visible GPU, or 2 CPU processes without GPUs."""
     num_nodes: int = field(default=1, metadata=at_least(1))
