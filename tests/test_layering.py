@@ -256,3 +256,18 @@ NOT_MODULES = ("fsdp_cli.configs", "fsdp_cli.range", "fsdp_cli.models.llama:two 
     ]
     assert "fsdp_cli.models.llama" in _imports()["fsdp_cli.plan.model"]  # its wrap class, by name
     assert "fsdp_cli.worker" not in _imports()["fsdp_cli.launch.launcher"]  # a process it starts
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """pyproject.toml lists the packages a wheel holds: a new room missing there imports from a
+    checkout and fails from an installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for package in PACKAGES
+        for init in package.rglob("__init__.py")
+        if "configs" not in init.parts or init.parent.name == "configs"
+    }
+    assert found - listed == set(), sorted(found - listed)
