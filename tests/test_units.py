@@ -121,6 +121,19 @@ def test_meta_then_init_equals_direct_init() -> None:
     assert torch.equal(direct.rope, lazy.rope)
 
 
+def test_init_draws_on_the_host_whatever_the_default_device() -> None:
+    """Lightning builds a DDP rank's model under its device (``cuda:N``), where a host generator
+    cannot draw (first seen on a GPU: "Expected a 'cuda' device type for generator"); here the
+    default device is meta, which breaks the same way when the draw follows the default device."""
+    cfg = composed().model
+    direct = Llama(cfg, seed=4)
+    materialised = Llama(cfg, seed=4)
+    with torch.device("meta"):
+        materialised.init_weights(buffer_device=torch.device("cpu"))
+    for (name, p), q in zip(direct.state_dict().items(), materialised.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
 def test_custom_factory_returning_logits_object_is_wrapped() -> None:
     from fsdp_cli.builders.model import build_module
     from fsdp_cli.models.causal_lm import CausalLMModule

@@ -30,7 +30,9 @@ def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> 
     # Shapes only: indexing a DTensor would all-gather it.
     full_rows, full_cols = param.shape[0], math.prod(param.shape[1:])
     rows, cols = local.shape[0], math.prod(local.shape[1:])
-    out = torch.empty(rows, cols, dtype=torch.float32)
+    # Drawn on the host whatever the default device: Lightning builds a model under its rank's
+    # device (cuda:N for DDP), where a host generator cannot draw; the copy below moves the values.
+    out = torch.empty(rows, cols, dtype=torch.float32, device="cpu")
     first_block = row0 // ROWS_PER_BLOCK
     last_block = (row0 + rows - 1) // ROWS_PER_BLOCK
     key = zlib.crc32(canonical_name(name).encode())
@@ -40,7 +42,7 @@ def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> 
         gen = torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + block) % (2**63))
         # Drawn in fp32 whatever the default dtype (64-true and bf16-true set it while the model is
         # built): every precision starts from the same weights, rounded to its dtype.
-        values = torch.randn(stop - start, full_cols, generator=gen, dtype=torch.float32) * std
+        values = torch.randn(stop - start, full_cols, generator=gen, dtype=torch.float32, device="cpu") * std
         lo, hi = max(start, row0), min(stop, row0 + rows)
         out[lo - row0 : hi - row0] = values[lo - start : hi - start, col0 : col0 + cols]
     local.copy_(out.view(local.shape).to(local.dtype))

@@ -37,6 +37,6 @@ class PipelineOptions:
     looped, interleaved and V-shaped ones."""
     cut: CutPolicy = CutPolicy.balanced
     """balanced, light_ends or explicit: where the model's block list is cut into stages."""
-    cuts: list[int] = field(default_factory=list)
+    cuts: list[int] = field(default_factory=list, metadata=at_least(1))
     """With ``cut=explicit``: the block index each stage after the first starts at
     (pp x stages_per_rank - 1 increasing numbers)."""

@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -262,7 +263,9 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             return
         if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
             return
-        model.to_empty(device=self.root_device)
+        # CPU offload keeps the shards in host memory: materialised there (a shard on the GPU
+        # under an offload policy is refused by the first init that touches it), buffers on the GPU.
+        model.to_empty(device=torch.device("cpu") if self._offloaded else self.root_device)
         init(buffer_device=self.root_device) if _accepts(init, "buffer_device") else init()
 
     def _keep_the_modules_own_parallelization(self) -> None:
