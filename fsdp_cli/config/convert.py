@@ -21,6 +21,7 @@ from fsdp_cli.config.schema import (
     CheckpointConfig,
     CustomModelConfig,
     DataModuleConfig,
+    ChatDataConfig,
     JsonlDataConfig,
     LauncherConfig,
     LoggerConfig,
@@ -46,6 +47,7 @@ DATA_SCHEMAS: dict[str, type] = {
     "text": TextDataConfig,
     "tokens": TokensDataConfig,
     "jsonl": JsonlDataConfig,
+    "chat": ChatDataConfig,
 }
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "strategy": STRATEGY_SCHEMAS,
