@@ -1,0 +1,241 @@
+"""data=chat: exact assistant masks for two template families, packing that no example sees
+through, the token-weighted loss across layouts and micro-batching, resume, masked validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_cli.config.schema import ChatDataConfig, Supervise, TruncationSide
+from fsdp_cli.data.chat import ChatCorpus, prepare, read_corpus
+from fsdp_cli.data.chat_dataset import IGNORE, ChatSequences
+from fsdp_cli.data.chat_template import ChatRenderer, load_tokenizer
+from fsdp_cli.errors import ConfigError
+
+WORDS = "you are kind hello there how is the weather sunny and warm thanks bye what time noon ok sure call tool result".split()
+CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+ROLE_WORDS = ["system", "user", "assistant", "tool"]
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML (Qwen, SmolLM, ...) without generation markers."""
+CHATML_MARKED = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML with {% generation %} markers around each answer and its end-of-turn token."""
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+"""The Llama 3 family's layout, without markers."""
+
+CONVERSATION = [
+    {"role": "system", "content": "you are kind"},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "hello how is the weather"},
+    {"role": "user", "content": "sunny and warm"},
+    {"role": "tool", "content": "tool result"},
+    {"role": "assistant", "content": "thanks bye"},
+]
+
+
+def save_chat_tokenizer(folder: Path, template: str | None, family: str = "chatml") -> Path:
+    """A word-level fast tokenizer folder written here (no download), with ``template`` in its config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = CHATML_SPECIALS if family == "chatml" else LLAMA3_SPECIALS
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", *specials])
+    tokenizer.train_from_iterator([" ".join(WORDS + ROLE_WORDS)], trainer)
+    eos = "<|im_end|>" if family == "chatml" else "<|eot_id|>"
+    bos = None if family == "chatml" else "<|begin_of_text|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=bos, unk_token="[UNK]")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(folder)
+    return folder
+
+
+def expected(tokenizer: Any, messages: list[dict[str, str]], family: str, last_only: bool = False) -> tuple[list[int], list[bool]]:
+    """The ids and the assistant mask written out by hand: each answer's words and its end-of-turn
+    token supervised; role headers, other turns and the template's scaffolding not."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+
+    def add(tokens: list[str], supervised: bool) -> None:
+        ids.extend(tokenizer.convert_tokens_to_ids(tokens))
+        mask.extend([supervised] * len(tokens))
+
+    if family == "llama3":
+        add(["<|begin_of_text|>"], False)
+    for i, m in enumerate(messages):
+        answer = m["role"] == "assistant" and (not last_only or i == last)
+        header = ["<|im_start|>", m["role"]] if family == "chatml" else ["<|start_header_id|>", m["role"], "<|end_header_id|>"]
+        add(header, False)
+        add(m["content"].split() + ["<|im_end|>" if family == "chatml" else "<|eot_id|>"], answer)
+    return ids, mask
+
+
+@pytest.mark.parametrize(
+    ("template", "family"), [(CHATML_MARKED, "chatml"), (CHATML, "chatml"), (LLAMA3, "llama3")], ids=["chatml-markers", "chatml", "llama3"]
+)
+@pytest.mark.parametrize("last_only", [False, True], ids=["all-turns", "last-turn"])
+def test_the_mask_is_exactly_the_assistant_spans(tmp_path: Path, template: str, family: str, last_only: bool) -> None:
+    tokenizer = load_tokenizer(str(save_chat_tokenizer(tmp_path / "tok", template, family)))
+    render = ChatRenderer(tokenizer, template, last_turn_only=last_only)
+    assert render.markers == (template is CHATML_MARKED)
+    ids, mask = render(CONVERSATION)
+    want_ids, want_mask = expected(tokenizer, CONVERSATION, family, last_only)
+    assert ids == want_ids
+    assert mask == want_mask
+
+
+# --------------------------------------------------------------------------- files and the cache
+
+
+def write_chats(path: Path, conversations: list[list[dict[str, str]] | dict[str, str]]) -> Path:
+    with open(path, "w") as fh:
+        for c in conversations:
+            fh.write(json.dumps({"messages": c} if isinstance(c, list) else c) + "\n")
+    return path
+
+
+def chats(count: int, seed: int) -> list[list[dict[str, str]] | dict[str, str]]:
+    """Conversations of varied lengths (one to three exchanges) and some prompt/completion pairs."""
+    rng = np.random.default_rng(seed)
+
+    def text(n: int) -> str:
+        return " ".join(WORDS[int(i)] for i in rng.integers(len(WORDS), size=n))
+
+    out: list[list[dict[str, str]] | dict[str, str]] = []
+    for i in range(count):
+        if i % 4 == 3:
+            out.append({"prompt": text(int(rng.integers(1, 6))), "completion": text(int(rng.integers(1, 6)))})
+            continue
+        turns = [{"role": "system", "content": text(2)}] if i % 2 else []
+        for _ in range(int(rng.integers(1, 4))):
+            turns += [{"role": "user", "content": text(int(rng.integers(1, 6)))}]
+            turns += [{"role": "assistant", "content": text(int(rng.integers(1, 6)))}]
+        out.append(turns)
+    return out
+
+
+def chat_data(tmp_path: Path, tokenizer: Path, **overrides: Any) -> ChatDataConfig:
+    data = ChatDataConfig(
+        path=str(write_chats(tmp_path / "train.jsonl", chats(12, seed=1))),
+        tokenizer=str(tokenizer),
+        seq_len=48,
+        vocab_size=None,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    for key, value in overrides.items():
+        setattr(data, key, value)
+    return data
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_chat_tokenizer(tmp_path_factory.mktemp("chatml"), CHATML)
+
+
+def test_prepare_caches_once_and_prints_statistics(tmp_path: Path, chatml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = chat_data(tmp_path, chatml, packing=True)
+    prepare(data)
+    printed = capsys.readouterr().err
+    assert "12 examples ->" in printed and "packed" in printed and "supervised tokens" in printed
+    (folder,) = (tmp_path / "cache").iterdir()
+    corpus = read_corpus(folder)
+    assert len(corpus.offsets) == 13 and corpus.supervised.sum() > 0
+    before = folder.stat().st_mtime_ns
+    prepare(data)
+    assert [f.stat().st_mtime_ns for f in (tmp_path / "cache").iterdir()] == [before]  # reused
+    data.chat_template = CHATML.replace("<|im_end|>\n", "<|im_end|>\n\n")
+    prepare(data)  # the key covers the template
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ({"messages": "hi"}, "is not a non-empty list of messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "message 1 has role 'robot'"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}, "empty assistant turn"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+        ({"text": "hi"}, "holds neither 'messages'"),
+    ],
+)
+def test_a_malformed_line_is_one_line_naming_file_and_line(tmp_path: Path, chatml: Path, line: dict, problem: str) -> None:
+    data = chat_data(tmp_path, chatml)
+    good = chats(2, seed=3)
+    write_chats(Path(data.path), [*good, line])  # type: ignore[list-item]
+    with pytest.raises(ConfigError) as err:
+        prepare(data)
+    message = err.value.one_line()
+    assert f"train.jsonl:3" in message and problem in message and "\n" not in message
+    assert not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_a_tokenizer_without_a_template_is_refused_unless_one_is_named(tmp_path: Path) -> None:
+    folder = save_chat_tokenizer(tmp_path / "tok", None)
+    data = chat_data(tmp_path, folder)
+    with pytest.raises(ConfigError, match=r"^data.chat_template=null: the tokenizer in .* has no chat template"):
+        prepare(data)
+    (tmp_path / "t.jinja").write_text(CHATML)
+    data.chat_template = str(tmp_path / "t.jinja")
+    prepare(data)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, chatml: Path) -> None:
+    # Earlier answers rendered without their content (as thinking templates drop old <think>s).
+    rewriting = CHATML.replace("{{ m.content }}", "{{ m.content if loop.last or m.role != 'assistant' else 'ok' }}")
+    data = chat_data(tmp_path, chatml, chat_template=rewriting)
+    with pytest.raises(ConfigError, match=r"^data.chat_template=.*train.jsonl:1: .*differently.*generation"):
+        prepare(data)
+
+
+# --------------------------------------------------------------------------- sequences and the loss
+
+
+def sequences(data: ChatDataConfig, *, key: str = "path", seed: int = 0) -> ChatSequences:
+    from fsdp_cli.data.chat import cached_corpus
+
+    prepare(data)
+    corpus = cached_corpus(data, key)
+    return ChatSequences(corpus, corpus.layout(data), seq_len=data.seq_len, seed=seed, packing=data.packing)
+
+
+def whole_epoch(dataset: ChatSequences) -> dict[str, torch.Tensor]:
+    """Every sequence of one epoch as one global batch."""
+    dataset.group_by_steps(dataset.epoch_size, dataset.epoch_size)
+    return dataset.collate([dataset[i] for i in range(dataset.epoch_size)])
+
+
+def test_packing_keeps_every_example_whole_and_positions_restart(tmp_path: Path, chatml: Path) -> None:
+    packed = sequences(chat_data(tmp_path, chatml, packing=True))
+    plain = sequences(chat_data(tmp_path, chatml, packing=False))
+    assert packed.epoch_size < plain.epoch_size == 12
+    layout = packed.layout
+    used = np.add.reduceat(layout.pairs[layout.examples], layout.starts[:-1])
+    assert (used <= 48).all()
+    batch = whole_epoch(packed)
+    # Positions restart at each example, and once more where a row ends in padding.
+    assert int((batch["position_ids"] == 0).sum()) == 12 + int((used < 48).sum())
+    # The same supervised labels, packed or not.
+    flat = sorted(t for t in whole_epoch(plain)["labels"].flatten().tolist() if t != IGNORE)
+    assert flat == sorted(t for t in batch["labels"].flatten().tolist() if t != IGNORE)
