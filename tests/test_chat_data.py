@@ -239,3 +239,112 @@ def test_packing_keeps_every_example_whole_and_positions_restart(tmp_path: Path,
     # The same supervised labels, packed or not.
     flat = sorted(t for t in whole_epoch(plain)["labels"].flatten().tolist() if t != IGNORE)
     assert flat == sorted(t for t in batch["labels"].flatten().tolist() if t != IGNORE)
+
+
+def llama_module() -> Any:
+    """The built-in model, with weights large enough that attention is sharp (a leak between
+    packed examples would move the loss far beyond 1e-5)."""
+    from fsdp_cli.models.args import LlamaArgs, OptimizerArgs
+    from fsdp_cli.models.causal_lm import CausalLMModule
+    from fsdp_cli.models.llama import Llama
+
+    args = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.3)
+    module = CausalLMModule(lambda: Llama(args, seed=3), OptimizerArgs(), max_steps=1)
+    module.configure_model()
+    return module.double()
+
+
+def hf_module(folder: Path) -> Any:
+    from fsdp_cli.models.args import HFModelArgs, OptimizerArgs
+    from fsdp_cli.models.causal_lm import CausalLMModule
+    from fsdp_cli.models.hf import build_hf_model
+
+    def build() -> Any:
+        model = build_hf_model(HFModelArgs(path=str(folder), pretrained=True), seed=0)
+        model.materialize("cpu")
+        return model
+
+    module = CausalLMModule(build, OptimizerArgs(), max_steps=1)
+    module.configure_model()
+    return module.double()
+
+
+def save_hf_llama(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_llama(tmp_path_factory.mktemp("hf-llama"))
+
+
+@pytest.mark.parametrize("model", ["llama", "hf"])
+def test_a_packed_batch_has_the_loss_of_its_examples_unpacked(tmp_path: Path, chatml: Path, hf_folder: Path, model: str) -> None:
+    module = llama_module() if model == "llama" else hf_module(hf_folder)
+    packed = whole_epoch(sequences(chat_data(tmp_path, chatml, packing=True)))
+    plain = whole_epoch(sequences(chat_data(tmp_path, chatml, packing=False)))
+    assert packed["input_ids"].shape[0] < plain["input_ids"].shape[0]
+    with torch.no_grad():
+        loss_packed, loss_plain = module.training_step(packed, 0), module.training_step(plain, 0)
+        # The token-weighted mean, computed here from scratch on the unpacked examples.
+        logits = module(plain["input_ids"]).double()
+        labels = plain["labels"]
+        reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (labels != IGNORE).sum()
+    assert abs(loss_plain.item() - reference.item()) < 1e-9
+    assert abs(loss_packed.item() - loss_plain.item()) < 1e-5, (loss_packed.item(), loss_plain.item())
+
+
+def rank_batches(dataset: ChatSequences, *, step: int, global_batch: int, dp: int, micro: int) -> list[list[dict[str, torch.Tensor]]]:
+    """What each data-parallel rank's loader yields at optimizer step ``step`` (its micro-batches)."""
+    from fsdp_cli.data.sampler import StepBatchSampler
+
+    dataset.group_by_steps(global_batch, None)
+    out = []
+    for rank in range(dp):
+        sampler = StepBatchSampler(global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=dp, start_step=step)
+        batches = iter(sampler)
+        out.append([dataset.collate([dataset[i] for i in next(batches)]) for _ in range(global_batch // dp // micro)])
+    return out
+
+
+@pytest.mark.parametrize(("dp", "micro"), [(1, 4), (2, 2), (2, 1), (4, 1)])
+def test_the_step_loss_is_the_same_on_every_layout_and_micro_batching(tmp_path: Path, chatml: Path, dp: int, micro: int) -> None:
+    """Lightning divides each micro-batch's loss by the accumulation and the strategy averages
+    gradients over the ranks: the step's loss (and gradient) is that mean of the module's losses."""
+    module = llama_module()
+    dataset = sequences(chat_data(tmp_path, chatml, packing=True))
+    with torch.no_grad():
+        (whole,) = rank_batches(dataset, step=1, global_batch=4, dp=1, micro=4)[0]
+        reference = module.training_step(whole, 0).item()
+        ranks = rank_batches(dataset, step=1, global_batch=4, dp=dp, micro=micro)
+        losses = [sum(module.training_step(b, 0) for b in batches) / len(batches) for batches in ranks]
+    assert abs(float(sum(losses) / dp) - reference) < 1e-9
+
+
+def test_resume_and_layouts_see_the_same_packed_items(tmp_path: Path, chatml: Path) -> None:
+    """An item depends only on its index: a run resumed at step 2 (any layout) gets the packed
+    sequences an uninterrupted one gets there, epoch after epoch."""
+    dataset = sequences(chat_data(tmp_path, chatml, packing=True))
+    n = dataset.epoch_size
+    first_epoch = {dataset.sequence(i) for i in range(n)}
+    assert first_epoch == set(range(n))  # each packed sequence once per epoch
+    one = rank_batches(dataset, step=2, global_batch=4, dp=1, micro=4)[0][0]["input_ids"]
+    two = torch.cat([b[0]["input_ids"] for b in rank_batches(dataset, step=2, global_batch=4, dp=2, micro=2)])
+    assert torch.equal(one, two)
+    fresh = sequences(chat_data(tmp_path, chatml, packing=True))  # a restarted process
+    again = rank_batches(fresh, step=2, global_batch=4, dp=1, micro=4)[0][0]["input_ids"]
+    assert torch.equal(one, again)
