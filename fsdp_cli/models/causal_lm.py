@@ -105,7 +105,8 @@ class CausalLMModule(L.LightningModule):
         if sums is None:
             return
         total, count = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        self.log("val_loss", (total / count).float(), prog_bar=True)
+        # (Equal on every rank already: sync_dist only tells Lightning so.)
+        self.log("val_loss", (total / count).float(), prog_bar=True, sync_dist=True)
         self._val_sums = None
 
     def configure_optimizers(self) -> Any:
