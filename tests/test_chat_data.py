@@ -348,3 +348,59 @@ def test_resume_and_layouts_see_the_same_packed_items(tmp_path: Path, chatml: Pa
     fresh = sequences(chat_data(tmp_path, chatml, packing=True))  # a restarted process
     again = rank_batches(fresh, step=2, global_batch=4, dp=1, micro=4)[0][0]["input_ids"]
     assert torch.equal(one, again)
+
+
+# --------------------------------------------------------------------------- validation, refusals, show
+
+
+def test_validation_is_the_masked_mean_packed_or_not(tmp_path: Path, chatml: Path) -> None:
+    """``val_loss`` is sum of supervised token losses / their count over the whole validation:
+    the same with and without packing, and only the assistant's tokens count."""
+    module = llama_module()
+    results = {}
+    for packing in (True, False):
+        dataset = sequences(chat_data(tmp_path, chatml, packing=packing))
+        module.on_validation_epoch_start()
+        with torch.no_grad():
+            for start in range(0, dataset.epoch_size, 3):  # uneven batches: a mean of means would differ
+                module.validation_step(dataset.collate([dataset[i] for i in range(start, min(start + 3, dataset.epoch_size))]), 0)
+        total, count = module._val_sums.tolist()
+        results[packing] = (total / count, count)
+    assert results[True][1] == results[False][1] == sum(sequences(chat_data(tmp_path, chatml)).layout.supervised)
+    assert abs(results[True][0] - results[False][0]) < 1e-5
+
+
+def validated(*overrides: str) -> None:
+    """fsdp-train's checks before launch (the command line named the data group)."""
+    from dataclasses import replace
+
+    from conftest import composed
+
+    from fsdp_cli.config.validate import checked_run, validate
+    from fsdp_cli.launch.layout import resolve_layout
+
+    cfg = replace(composed(*overrides), explicit_data=True)
+    validate(checked_run(resolve_layout(cfg, {}, gpus=0)))
+
+
+def test_packing_is_refused_where_attention_cannot_keep_examples_apart(tmp_path: Path, chatml: Path) -> None:
+    path = write_chats(tmp_path / "c.jsonl", chats(4, seed=1))
+    common = ["data=chat", f"data.path={path}", f"data.tokenizer={chatml}", "data.packing=true", "accelerator=cpu"]
+    custom = ["model=custom", "+model._target_=torch.nn.Identity", "data.vocab_size=64"]
+    with pytest.raises(ConfigError, match=r"^data.packing=true: model=custom: its attention cannot keep packed examples apart"):
+        validated(*common, *custom)
+    validated(*common, *custom, "data.packing=false")  # unpacked: a plain module trains on padded examples
+    with pytest.raises(ConfigError, match=r"^data.packing=true: packed sequences are not supported with tensor parallel \(tp=2\)"):
+        validated(*common, "model=tiny", "strategy=fsdp2", "devices=2", "tp=2")
+    validated(*common, "model=tiny")
+
+
+def test_fsdp_data_show_marks_the_supervised_tokens(tmp_path: Path, chatml: Path) -> None:
+    from conftest import cli_in_process
+
+    path = write_chats(tmp_path / "c.jsonl", [CONVERSATION])
+    result = cli_in_process(["show", "data=chat", f"data.path={path}", f"data.tokenizer={chatml}"], prog="fsdp-data")
+    assert result.returncode == 0, result.stderr
+    assert "[[hellohowistheweather<|im_end|>]]" in result.stdout and "[[thanksbye<|im_end|>]]" in result.stdout
+    assert result.stdout.count("]]") == 3  # the two answers, and the legend
+    assert "c.jsonl:1: 35 tokens, 9 supervised" in result.stdout

@@ -272,7 +272,7 @@ def check_packing(run: ResolvedRun) -> None:
     if not kind.document_masks:
         raise ConfigError(
             "data.packing",
-            True,
+            "true",
             f"model={run.cfg.model.name}: its attention cannot keep packed examples apart (they would see each other)",
             allowed="true with model=llama or model=hf",
             hint="data.packing=false (each example padded to data.seq_len)",
@@ -280,7 +280,7 @@ def check_packing(run: ResolvedRun) -> None:
     if run.layout.tp > 1:
         raise ConfigError(
             "data.packing",
-            True,
+            "true",
             f"packed sequences are not supported with tensor parallel (tp={run.layout.tp})",
             allowed="true with tp=1",
             hint="data.packing=false, or shard with FSDP alone (tp=1)",
