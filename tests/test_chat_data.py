@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from fsdp_cli.config.schema import ChatDataConfig, Supervise, TruncationSide
-from fsdp_cli.data.chat import ChatCorpus, prepare, read_corpus
+from fsdp_cli.config.schema import ChatDataConfig
+from fsdp_cli.data.chat import prepare, read_corpus
 from fsdp_cli.data.chat_dataset import IGNORE, ChatSequences
 from fsdp_cli.data.chat_template import ChatRenderer, load_tokenizer
 from fsdp_cli.errors import ConfigError
@@ -64,14 +63,18 @@ def save_chat_tokenizer(folder: Path, template: str | None, family: str = "chatm
     tokenizer.train_from_iterator([" ".join(WORDS + ROLE_WORDS)], trainer)
     eos = "<|im_end|>" if family == "chatml" else "<|eot_id|>"
     bos = None if family == "chatml" else "<|begin_of_text|>"
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=bos, unk_token="[UNK]")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=eos, bos_token=bos, unk_token="[UNK]"
+    )
     if template is not None:
         fast.chat_template = template
     fast.save_pretrained(folder)
     return folder
 
 
-def expected(tokenizer: Any, messages: list[dict[str, str]], family: str, last_only: bool = False) -> tuple[list[int], list[bool]]:
+def expected(
+    tokenizer: Any, messages: list[dict[str, str]], family: str, last_only: bool = False
+) -> tuple[list[int], list[bool]]:
     """The ids and the assistant mask written out by hand: each answer's words and its end-of-turn
     token supervised; role headers, other turns and the template's scaffolding not."""
     ids: list[int] = []
@@ -86,17 +89,25 @@ def expected(tokenizer: Any, messages: list[dict[str, str]], family: str, last_o
         add(["<|begin_of_text|>"], False)
     for i, m in enumerate(messages):
         answer = m["role"] == "assistant" and (not last_only or i == last)
-        header = ["<|im_start|>", m["role"]] if family == "chatml" else ["<|start_header_id|>", m["role"], "<|end_header_id|>"]
+        header = (
+            ["<|im_start|>", m["role"]]
+            if family == "chatml"
+            else ["<|start_header_id|>", m["role"], "<|end_header_id|>"]
+        )
         add(header, False)
         add(m["content"].split() + ["<|im_end|>" if family == "chatml" else "<|eot_id|>"], answer)
     return ids, mask
 
 
 @pytest.mark.parametrize(
-    ("template", "family"), [(CHATML_MARKED, "chatml"), (CHATML, "chatml"), (LLAMA3, "llama3")], ids=["chatml-markers", "chatml", "llama3"]
+    ("template", "family"),
+    [(CHATML_MARKED, "chatml"), (CHATML, "chatml"), (LLAMA3, "llama3")],
+    ids=["chatml-markers", "chatml", "llama3"],
 )
 @pytest.mark.parametrize("last_only", [False, True], ids=["all-turns", "last-turn"])
-def test_the_mask_is_exactly_the_assistant_spans(tmp_path: Path, template: str, family: str, last_only: bool) -> None:
+def test_the_mask_is_exactly_the_assistant_spans(
+    tmp_path: Path, template: str, family: str, last_only: bool
+) -> None:
     tokenizer = load_tokenizer(str(save_chat_tokenizer(tmp_path / "tok", template, family)))
     render = ChatRenderer(tokenizer, template, last_turn_only=last_only)
     assert render.markers == (template is CHATML_MARKED)
@@ -154,7 +165,9 @@ def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_chat_tokenizer(tmp_path_factory.mktemp("chatml"), CHATML)
 
 
-def test_prepare_caches_once_and_prints_statistics(tmp_path: Path, chatml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prepare_caches_once_and_prints_statistics(
+    tmp_path: Path, chatml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = chat_data(tmp_path, chatml, packing=True)
     prepare(data)
     printed = capsys.readouterr().err
@@ -175,26 +188,33 @@ def test_prepare_caches_once_and_prints_statistics(tmp_path: Path, chatml: Path,
     [
         ({"messages": "hi"}, "is not a non-empty list of messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "message 1 has role 'robot'"),
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}, "empty assistant turn"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]},
+            "empty assistant turn",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
         ({"text": "hi"}, "holds neither 'messages'"),
     ],
 )
-def test_a_malformed_line_is_one_line_naming_file_and_line(tmp_path: Path, chatml: Path, line: dict, problem: str) -> None:
+def test_a_malformed_line_is_one_line_naming_file_and_line(
+    tmp_path: Path, chatml: Path, line: dict, problem: str
+) -> None:
     data = chat_data(tmp_path, chatml)
     good = chats(2, seed=3)
     write_chats(Path(data.path), [*good, line])  # type: ignore[list-item]
     with pytest.raises(ConfigError) as err:
         prepare(data)
     message = err.value.one_line()
-    assert f"train.jsonl:3" in message and problem in message and "\n" not in message
+    assert "train.jsonl:3" in message and problem in message and "\n" not in message
     assert not list((tmp_path / "cache").glob("*.partial"))
 
 
 def test_a_tokenizer_without_a_template_is_refused_unless_one_is_named(tmp_path: Path) -> None:
     folder = save_chat_tokenizer(tmp_path / "tok", None)
     data = chat_data(tmp_path, folder)
-    with pytest.raises(ConfigError, match=r"^data.chat_template=null: the tokenizer in .* has no chat template"):
+    with pytest.raises(
+        ConfigError, match=r"^data.chat_template=null: the tokenizer in .* has no chat template"
+    ):
         prepare(data)
     (tmp_path / "t.jinja").write_text(CHATML)
     data.chat_template = str(tmp_path / "t.jinja")
@@ -203,7 +223,9 @@ def test_a_tokenizer_without_a_template_is_refused_unless_one_is_named(tmp_path:
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, chatml: Path) -> None:
     # Earlier answers rendered without their content (as thinking templates drop old <think>s).
-    rewriting = CHATML.replace("{{ m.content }}", "{{ m.content if loop.last or m.role != 'assistant' else 'ok' }}")
+    rewriting = CHATML.replace(
+        "{{ m.content }}", "{{ m.content if loop.last or m.role != 'assistant' else 'ok' }}"
+    )
     data = chat_data(tmp_path, chatml, chat_template=rewriting)
     with pytest.raises(ConfigError, match=r"^data.chat_template=.*train.jsonl:1: .*differently.*generation"):
         prepare(data)
@@ -293,7 +315,9 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("model", ["llama", "hf"])
-def test_a_packed_batch_has_the_loss_of_its_examples_unpacked(tmp_path: Path, chatml: Path, hf_folder: Path, model: str) -> None:
+def test_a_packed_batch_has_the_loss_of_its_examples_unpacked(
+    tmp_path: Path, chatml: Path, hf_folder: Path, model: str
+) -> None:
     module = llama_module() if model == "llama" else hf_module(hf_folder)
     packed = whole_epoch(sequences(chat_data(tmp_path, chatml, packing=True)))
     plain = whole_epoch(sequences(chat_data(tmp_path, chatml, packing=False)))
@@ -303,26 +327,37 @@ def test_a_packed_batch_has_the_loss_of_its_examples_unpacked(tmp_path: Path, ch
         # The token-weighted mean, computed here from scratch on the unpacked examples.
         logits = module(plain["input_ids"]).double()
         labels = plain["labels"]
-        reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (labels != IGNORE).sum()
+        reference = (
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            / (labels != IGNORE).sum()
+        )
     assert abs(loss_plain.item() - reference.item()) < 1e-9
     assert abs(loss_packed.item() - loss_plain.item()) < 1e-5, (loss_packed.item(), loss_plain.item())
 
 
-def rank_batches(dataset: ChatSequences, *, step: int, global_batch: int, dp: int, micro: int) -> list[list[dict[str, torch.Tensor]]]:
+def rank_batches(
+    dataset: ChatSequences, *, step: int, global_batch: int, dp: int, micro: int
+) -> list[list[dict[str, torch.Tensor]]]:
     """What each data-parallel rank's loader yields at optimizer step ``step`` (its micro-batches)."""
     from fsdp_cli.data.sampler import StepBatchSampler
 
     dataset.group_by_steps(global_batch, None)
     out = []
     for rank in range(dp):
-        sampler = StepBatchSampler(global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=dp, start_step=step)
+        sampler = StepBatchSampler(
+            global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=dp, start_step=step
+        )
         batches = iter(sampler)
-        out.append([dataset.collate([dataset[i] for i in next(batches)]) for _ in range(global_batch // dp // micro)])
+        out.append(
+            [dataset.collate([dataset[i] for i in next(batches)]) for _ in range(global_batch // dp // micro)]
+        )
     return out
 
 
 @pytest.mark.parametrize(("dp", "micro"), [(1, 4), (2, 2), (2, 1), (4, 1)])
-def test_the_step_loss_is_the_same_on_every_layout_and_micro_batching(tmp_path: Path, chatml: Path, dp: int, micro: int) -> None:
+def test_the_step_loss_is_the_same_on_every_layout_and_micro_batching(
+    tmp_path: Path, chatml: Path, dp: int, micro: int
+) -> None:
     """Lightning divides each micro-batch's loss by the accumulation and the strategy averages
     gradients over the ranks: the step's loss (and gradient) is that mean of the module's losses."""
     module = llama_module()
@@ -363,10 +398,14 @@ def test_validation_is_the_masked_mean_packed_or_not(tmp_path: Path, chatml: Pat
         module.on_validation_epoch_start()
         with torch.no_grad():
             for start in range(0, dataset.epoch_size, 3):  # uneven batches: a mean of means would differ
-                module.validation_step(dataset.collate([dataset[i] for i in range(start, min(start + 3, dataset.epoch_size))]), 0)
+                module.validation_step(
+                    dataset.collate([dataset[i] for i in range(start, min(start + 3, dataset.epoch_size))]), 0
+                )
         total, count = module._val_sums.tolist()
         results[packing] = (total / count, count)
-    assert results[True][1] == results[False][1] == sum(sequences(chat_data(tmp_path, chatml)).layout.supervised)
+    assert (
+        results[True][1] == results[False][1] == sum(sequences(chat_data(tmp_path, chatml)).layout.supervised)
+    )
     assert abs(results[True][0] - results[False][0]) < 1e-5
 
 
@@ -385,12 +424,24 @@ def validated(*overrides: str) -> None:
 
 def test_packing_is_refused_where_attention_cannot_keep_examples_apart(tmp_path: Path, chatml: Path) -> None:
     path = write_chats(tmp_path / "c.jsonl", chats(4, seed=1))
-    common = ["data=chat", f"data.path={path}", f"data.tokenizer={chatml}", "data.packing=true", "accelerator=cpu"]
+    common = [
+        "data=chat",
+        f"data.path={path}",
+        f"data.tokenizer={chatml}",
+        "data.packing=true",
+        "accelerator=cpu",
+    ]
     custom = ["model=custom", "+model._target_=torch.nn.Identity", "data.vocab_size=64"]
-    with pytest.raises(ConfigError, match=r"^data.packing=true: model=custom: its attention cannot keep packed examples apart"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.packing=true: model=custom: its attention cannot keep packed examples apart",
+    ):
         validated(*common, *custom)
     validated(*common, *custom, "data.packing=false")  # unpacked: a plain module trains on padded examples
-    with pytest.raises(ConfigError, match=r"^data.packing=true: packed sequences are not supported with tensor parallel \(tp=2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.packing=true: packed sequences are not supported with tensor parallel \(tp=2\)",
+    ):
         validated(*common, "model=tiny", "strategy=fsdp2", "devices=2", "tp=2")
     validated(*common, "model=tiny")
 
@@ -399,8 +450,12 @@ def test_fsdp_data_show_marks_the_supervised_tokens(tmp_path: Path, chatml: Path
     from conftest import cli_in_process
 
     path = write_chats(tmp_path / "c.jsonl", [CONVERSATION])
-    result = cli_in_process(["show", "data=chat", f"data.path={path}", f"data.tokenizer={chatml}"], prog="fsdp-data")
+    result = cli_in_process(
+        ["show", "data=chat", f"data.path={path}", f"data.tokenizer={chatml}"], prog="fsdp-data"
+    )
     assert result.returncode == 0, result.stderr
-    assert "[[hellohowistheweather<|im_end|>]]" in result.stdout and "[[thanksbye<|im_end|>]]" in result.stdout
+    assert (
+        "[[hellohowistheweather<|im_end|>]]" in result.stdout and "[[thanksbye<|im_end|>]]" in result.stdout
+    )
     assert result.stdout.count("]]") == 3  # the two answers, and the legend
     assert "c.jsonl:1: 35 tokens, 9 supervised" in result.stdout

@@ -37,13 +37,22 @@ def chat_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         shutil.copy(file, model / file.name)
     train = write_chats(root / "train.jsonl", chats(40, seed=1))
     val = write_chats(root / "val.jsonl", chats(10, seed=2))
-    data = [f"model=hf", f"model.path={model}", f"data.path={train}", f"data.val_path={val}", f"data.cache_dir={root / 'cache'}"]
+    data = [
+        "model=hf",
+        f"model.path={model}",
+        f"data.path={train}",
+        f"data.val_path={val}",
+        f"data.cache_dir={root / 'cache'}",
+    ]
     straight = root / "straight"
     first = run_cli([*CHAT, *data, "strategy=ddp", "devices=1", "data.micro_batch_size=2"], straight)
     assert_ok(first, straight)
     resumed = root / "resumed"
     checkpoint = straight / "checkpoints" / "step_00000002"
-    second = run_cli([*CHAT, *data, "strategy=fsdp2", "devices=2", "data.micro_batch_size=1", f"resume={checkpoint}"], resumed)
+    second = run_cli(
+        [*CHAT, *data, "strategy=fsdp2", "devices=2", "data.micro_batch_size=1", f"resume={checkpoint}"],
+        resumed,
+    )
     assert_ok(second, resumed)
     return {"straight": straight, "resumed": resumed, "stderr": first.stderr}
 
@@ -58,7 +67,10 @@ def test_packed_chat_losses_match_across_layouts_micro_batching_and_resume(chat_
     assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert abs(straight[step] - resumed[step]) < 1e-5, (step, straight, resumed)
-    assert rows(chat_runs["straight"], "supervised_tokens")[3] == rows(chat_runs["resumed"], "supervised_tokens")[3]
+    assert (
+        rows(chat_runs["straight"], "supervised_tokens")[3]
+        == rows(chat_runs["resumed"], "supervised_tokens")[3]
+    )
 
 
 @pytest.mark.distributed

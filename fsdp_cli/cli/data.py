@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["show"])
     parser.add_argument("--line", type=int, default=1, help="which line of the first data.path file (from 1)")
-    parser.add_argument("overrides", nargs="*", help="fsdp-train overrides (data=chat data.path=... model.path=...)")
+    parser.add_argument(
+        "overrides", nargs="*", help="fsdp-train overrides (data=chat data.path=... model.path=...)"
+    )
     args = parser.parse_args(argv)
     from fsdp_cli.cli.plan import compose
 

@@ -18,10 +18,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_cli.config.model_kinds import KINDS, kind_of
 from fsdp_cli.config.schema import (
+    ChatDataConfig,
     CheckpointConfig,
     CustomModelConfig,
     DataModuleConfig,
-    ChatDataConfig,
     JsonlDataConfig,
     LauncherConfig,
     LoggerConfig,

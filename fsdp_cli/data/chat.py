@@ -63,7 +63,9 @@ class ChatCorpus:
 def conversation(record: Any, where: str, key: str, data: Any) -> list[dict[str, Any]]:
     """The messages of one JSON line, checked; a :class:`ConfigError` naming ``file:line`` otherwise."""
     if not isinstance(record, dict):
-        raise ConfigError(key, where, f"a line is a {type(record).__name__}, not a JSON object", hint="one object per line")
+        raise ConfigError(
+            key, where, f"a line is a {type(record).__name__}, not a JSON object", hint="one object per line"
+        )
     if data.messages_field in record:
         messages = record[data.messages_field]
     elif data.prompt_field in record and data.completion_field in record:
@@ -90,20 +92,41 @@ def _pair(record: dict[str, Any], where: str, key: str, data: Any) -> list[dict[
 def check_messages(messages: Any, where: str, key: str, field: str) -> None:
     """A list of ``{role, content}`` objects with known roles, at least one assistant turn, none empty."""
     if not isinstance(messages, list) or not messages:
-        raise ConfigError(key, where, f"{field!r} is not a non-empty list of messages", hint='[{"role": "user", "content": "..."}, ...]')
+        raise ConfigError(
+            key,
+            where,
+            f"{field!r} is not a non-empty list of messages",
+            hint='[{"role": "user", "content": "..."}, ...]',
+        )
     for number, message in enumerate(messages, start=1):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise ConfigError(
-                key, where, f"message {number} has role {role!r}", allowed=", ".join(ROLES), hint="each message is {role, content}"
+                key,
+                where,
+                f"message {number} has role {role!r}",
+                allowed=", ".join(ROLES),
+                hint="each message is {role, content}",
             )
         content = message.get("content")
         if not isinstance(content, str):
-            raise ConfigError(key, where, f"message {number} ({role}) has no string content", hint='"content": "..."')
+            raise ConfigError(
+                key, where, f"message {number} ({role}) has no string content", hint='"content": "..."'
+            )
         if role == "assistant" and not content.strip():
-            raise ConfigError(key, where, f"message {number} is an empty assistant turn", hint="remove the line or give the answer")
+            raise ConfigError(
+                key,
+                where,
+                f"message {number} is an empty assistant turn",
+                hint="remove the line or give the answer",
+            )
     if not any(m["role"] == "assistant" for m in messages):
-        raise ConfigError(key, where, "the conversation has no assistant turn: nothing to learn from it", hint="remove the line")
+        raise ConfigError(
+            key,
+            where,
+            "the conversation has no assistant turn: nothing to learn from it",
+            hint="remove the line",
+        )
 
 
 def records(files: list[Path], key: str) -> Iterator[tuple[Any, str, int]]:
@@ -118,7 +141,9 @@ def records(files: list[Path], key: str) -> Iterator[tuple[Any, str, int]]:
                 try:
                     yield json.loads(line.decode("utf-8")), where, len(line)
                 except (UnicodeDecodeError, ValueError):
-                    raise ConfigError(key, where, "not a JSON line in UTF-8", hint="one JSON object per line") from None
+                    raise ConfigError(
+                        key, where, "not a JSON line in UTF-8", hint="one JSON object per line"
+                    ) from None
 
 
 # --------------------------------------------------------------------------- the renderer
@@ -129,22 +154,31 @@ def renderer(data: Any) -> tuple[ChatRenderer, str]:
     tokenizer = load_tokenizer(data.tokenizer)
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(
-            "data.tokenizer", data.tokenizer, "is not a fast tokenizer (tokenizer.json): character offsets are needed"
+            "data.tokenizer",
+            data.tokenizer,
+            "is not a fast tokenizer (tokenizer.json): character offsets are needed",
         )
     template = chat_template(tokenizer, data.chat_template, data.tokenizer)
     return ChatRenderer(tokenizer, template, last_turn_only=data.supervise.value == "last"), template
 
 
-def encode(render: ChatRenderer, messages: list[dict[str, Any]], where: str, key: str) -> tuple[list[int], list[bool]]:
+def encode(
+    render: ChatRenderer, messages: list[dict[str, Any]], where: str, key: str
+) -> tuple[list[int], list[bool]]:
     """``render(messages)``; the template's own refusals (roles out of order, ...) as one line."""
     try:
         return render(messages)
     except NotPrefixStable as err:
         raise ConfigError(
-            "data.chat_template", where, str(err), hint="a template with {% generation %} markers (data.chat_template=FILE)"
+            "data.chat_template",
+            where,
+            str(err),
+            hint="a template with {% generation %} markers (data.chat_template=FILE)",
         ) from None
     except Exception as err:  # noqa: BLE001 - jinja's raise_exception and the like: the user's data
-        raise ConfigError(key, where, f"the chat template refuses this conversation ({err})", hint="fix or remove the line") from None
+        raise ConfigError(
+            key, where, f"the chat template refuses this conversation ({err})", hint="fix or remove the line"
+        ) from None
 
 
 # --------------------------------------------------------------------------- the cache
@@ -157,7 +191,13 @@ def cache_folder(data: Any, key: str, template: str) -> Path:
     for file in files:
         stat = file.stat()
         digest.update(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    fields = (data.messages_field, data.prompt_field, data.completion_field, data.supervise.value, CACHE_VERSION)
+    fields = (
+        data.messages_field,
+        data.prompt_field,
+        data.completion_field,
+        data.supervise.value,
+        CACHE_VERSION,
+    )
     digest.update(f"{fields}\n".encode())
     digest.update(template.encode())
     for file in sorted(Path(data.tokenizer).iterdir()):
@@ -181,7 +221,9 @@ def cached_corpus(data: Any, key: str) -> ChatCorpus:
     _, template = renderer(data)
     folder = cache_folder(data, key, template)
     if not folder.is_dir():
-        raise FileNotFoundError(f"data.{key}: the tokenized chat data {folder} is missing (fsdp-train writes it before the ranks start)")
+        raise FileNotFoundError(
+            f"data.{key}: the tokenized chat data {folder} is missing (fsdp-train writes it before the ranks start)"
+        )
     return read_corpus(folder)
 
 
@@ -201,7 +243,9 @@ def prepare(data: Any, *, wait: bool = False) -> None:
         if key == "val_path" and data.val_path is None:
             continue
         folder = cache_folder(data, key, template)
-        check_writable_folder("data.cache_dir", folder.parent, hint="data.cache_dir=DIR (a folder this user can write)")
+        check_writable_folder(
+            "data.cache_dir", folder.parent, hint="data.cache_dir=DIR (a folder this user can write)"
+        )
         if not folder.is_dir():
             _wait_for(folder) if wait else _tokenize(data, key, render, folder)
         layout = read_corpus(folder).layout(data)
@@ -248,7 +292,11 @@ def _tokenize(data: Any, key: str, render: ChatRenderer, out: Path) -> None:
     try:
         partial.mkdir()
         examples = _write_arrays(data, key, render, files, partial)
-        description = {"source": [str(f.resolve()) for f in files], "examples": examples, "template": render.template}
+        description = {
+            "source": [str(f.resolve()) for f in files],
+            "examples": examples,
+            "template": render.template,
+        }
         write_atomically(partial / "description.json", json.dumps(description, indent=2) + "\n")
         os.replace(partial, out)
     except BaseException:

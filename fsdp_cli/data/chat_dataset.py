@@ -72,7 +72,9 @@ class ChatSequences(Dataset):
 
     def step_supervised(self, index: int) -> int:
         """Supervised labels in the global batch of item ``index`` (all ranks, all micro-batches)."""
-        first = step_first_item(index, global_batch_size=self.global_batch_size, epoch_size=self.steps_epoch_size)
+        first = step_first_item(
+            index, global_batch_size=self.global_batch_size, epoch_size=self.steps_epoch_size
+        )
         if first not in self._step_counts:
             items = range(first, first + self.global_batch_size)
             self._step_counts = {first: int(sum(self.layout.supervised[self.sequence(i)] for i in items))}

@@ -43,7 +43,9 @@ def load_tokenizer(folder: str | None) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ConfigError("data.tokenizer", folder, "needs the transformers package", hint=install_hint("hf")) from None
+        raise ConfigError(
+            "data.tokenizer", folder, "needs the transformers package", hint=install_hint("hf")
+        ) from None
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - any unreadable folder is one line for the user
@@ -60,7 +62,10 @@ def chat_template(tokenizer: Any, named: str | None, folder: str | None) -> str:
             return path.read_text()
         if "{" not in named:
             raise ConfigError(
-                "data.chat_template", named, "no such file", hint="a Jinja template file, or the template text itself"
+                "data.chat_template",
+                named,
+                "no such file",
+                hint="a Jinja template file, or the template text itself",
             )
         return named
     template = getattr(tokenizer, "chat_template", None)

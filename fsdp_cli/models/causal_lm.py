@@ -51,7 +51,11 @@ class CausalLMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"
         # Positions only for packed sequences: a plain module taking input_ids alone trains unpacked.
-        out = self.model(input_ids) if position_ids is None else self.model(input_ids, position_ids=position_ids)
+        out = (
+            self.model(input_ids)
+            if position_ids is None
+            else self.model(input_ids, position_ids=position_ids)
+        )
         # A tensor is the common case: no failing attribute lookup per step for it.
         return out if isinstance(out, torch.Tensor) else out.logits
 
