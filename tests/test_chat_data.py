@@ -459,3 +459,25 @@ def test_fsdp_data_show_marks_the_supervised_tokens(tmp_path: Path, chatml: Path
     )
     assert result.stdout.count("]]") == 3  # the two answers, and the legend
     assert "c.jsonl:1: 35 tokens, 9 supervised" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["llama", "hf"])
+def test_packing_isolates_examples_with_the_gpu_kernels(
+    tmp_path: Path, chatml: Path, hf_folder: Path, model: str
+) -> None:
+    """On CUDA the boolean document mask goes to SDPA's memory-efficient kernel (built-in model,
+    forced here) and transformers' sdpa path (HF): a packed batch still has its examples' loss."""
+    from conftest import gpu_count
+
+    if gpu_count() == 0:
+        pytest.skip("needs a CUDA GPU; none on this machine")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    module = (llama_module() if model == "llama" else hf_module(hf_folder)).to("cuda", torch.float32)
+    losses = {}
+    for packing in (True, False):
+        batch = whole_epoch(sequences(chat_data(tmp_path, chatml, packing=packing)))
+        with torch.no_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            losses[packing] = module.training_step({k: v.cuda() for k, v in batch.items()}, 0).item()
+    assert abs(losses[True] - losses[False]) < 1e-4, losses
