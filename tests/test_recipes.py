@@ -91,7 +91,15 @@ def fill_placeholders(override: str, tmp_path: Path) -> str:
         # A safetensors file with no tensors: the header the parent checks, no weights to read.
         (model / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
         _save_tokenizer(model / "tokenizer.json")
+        (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # for the data=chat recipes
         override = override.replace("MODEL_DIR", str(model))
+    if "CHATS" in override:
+        turns = [
+            {"role": "user", "content": "the model"},
+            {"role": "assistant", "content": "reads a document"},
+        ]
+        (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+        override = override.replace("CHATS", str(tmp_path / "chats.jsonl"))
     if "CORPUS" in override:
         corpus = tmp_path / "corpus"
         corpus.mkdir(exist_ok=True)
@@ -99,6 +107,9 @@ def fill_placeholders(override: str, tmp_path: Path) -> str:
         (corpus / "part0.jsonl").write_text(json.dumps({"text": words}) + "\n")
         override = override.replace("CORPUS", str(corpus))
     return override
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }} {{ m.content }} <|end_of_text|> {% endfor %}"
 
 
 def _save_tokenizer(path: Path) -> None:
