@@ -481,3 +481,24 @@ def test_packing_isolates_examples_with_the_gpu_kernels(
         with torch.no_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
             losses[packing] = module.training_step({k: v.cuda() for k, v in batch.items()}, 0).item()
     assert abs(losses[True] - losses[False]) < 1e-4, losses
+
+
+@pytest.mark.parametrize("keep_end", [False, True], ids=["right", "left"])
+def test_truncation_keeps_the_chosen_end_and_counts_it(keep_end: bool) -> None:
+    """Examples of 3, 9 and 5 tokens (2, 8 and 4 pairs) into 4-pair sequences: the long one is cut
+    to 4 pairs from the chosen end and counted; one left without a supervised label is dropped and
+    counted; packing never splits an example."""
+    from fsdp_cli.data.packing import plan_sequences, supervised_prefix
+
+    offsets = np.array([0, 3, 12, 17])
+    supervised = np.zeros(17, dtype=np.uint8)
+    supervised[[2, 11, 16]] = 1  # each example's last token is the answer
+    layout = plan_sequences(
+        offsets, supervised_prefix(supervised), seq_len=4, packing=True, keep_end=keep_end
+    )
+    assert layout.truncated == 1 and list(layout.pairs) == [2, 4, 4]
+    assert list(layout.first_pair) == [0, 4 if keep_end else 0, 0]
+    # Cut from the right, the long example loses its answer and is dropped.
+    assert (layout.dropped, list(layout.examples)) == ((0, [0, 1, 2]) if keep_end else (1, [0, 2]))
+    sizes = np.add.reduceat(layout.pairs[layout.examples], layout.starts[:-1])
+    assert (sizes <= 4).all() and layout.supervised.sum() == (3 if keep_end else 2)
