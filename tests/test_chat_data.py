@@ -502,3 +502,13 @@ def test_truncation_keeps_the_chosen_end_and_counts_it(keep_end: bool) -> None:
     assert (layout.dropped, list(layout.examples)) == ((0, [0, 1, 2]) if keep_end else (1, [0, 2]))
     sizes = np.add.reduceat(layout.pairs[layout.examples], layout.starts[:-1])
     assert (sizes <= 4).all() and layout.supervised.sum() == (3 if keep_end else 2)
+
+
+def test_a_worker_maps_the_cache_again_instead_of_copying_it(tmp_path: Path, chatml: Path) -> None:
+    import pickle
+
+    dataset = sequences(chat_data(tmp_path, chatml, packing=True))
+    copy = pickle.loads(pickle.dumps(dataset))  # what a DataLoader worker receives
+    assert b"numpy" not in pickle.dumps(dataset.corpus)  # the folder's name, no array
+    assert isinstance(copy.corpus.tokens, np.memmap)
+    assert torch.equal(copy[3]["input_ids"], dataset[3]["input_ids"])

@@ -46,6 +46,14 @@ class ChatCorpus:
     """1 where the token is the assistant's (a supervised label when it is predicted)."""
     offsets: np.ndarray
     """Example ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``."""
+    folder: Path | None = None
+    """The cache folder the arrays are mapped from."""
+
+    def __reduce__(self) -> Any:
+        # DataLoader workers map the folder again: pickling a memory map would copy the whole file.
+        if self.folder is None:
+            return super().__reduce__()
+        return read_corpus, (self.folder,)
 
     def layout(self, data: Any) -> Layout:
         return plan_sequences(
@@ -213,7 +221,7 @@ def read_corpus(folder: Path) -> ChatCorpus:
     def load(name: str) -> np.ndarray:
         return np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)
 
-    return ChatCorpus(load("tokens"), load("supervised"), load("offsets"))
+    return ChatCorpus(load("tokens"), load("supervised"), load("offsets"), folder)
 
 
 def cached_corpus(data: Any, key: str) -> ChatCorpus:
