@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -165,13 +166,18 @@ def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_chat_tokenizer(tmp_path_factory.mktemp("chatml"), CHATML)
 
 
-def test_prepare_caches_once_and_prints_statistics(
-    tmp_path: Path, chatml: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_prepare_caches_once_and_reports_statistics(tmp_path: Path, chatml: Path) -> None:
+    from fsdp_cli.data.prepare import prepare_data
+
     data = chat_data(tmp_path, chatml, packing=True)
-    prepare(data)
-    printed = capsys.readouterr().err
-    assert "12 examples ->" in printed and "packed" in printed and "supervised tokens" in printed
+    cfg = SimpleNamespace(data=data, run_dir=str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    lines: list[str] = []
+    prepare_data(cfg, lines.append)
+    (line,) = lines
+    assert line.startswith("data.path: 12 examples -> ") and "(packed); supervised tokens" in line
+    written = json.loads((tmp_path / "run" / "data_statistics.json").read_text())["data.path"]
+    assert written["examples"] == 12 and written["truncated"] == 0 and 0 < written["supervised_fraction"] < 1
     (folder,) = (tmp_path / "cache").iterdir()
     corpus = read_corpus(folder)
     assert len(corpus.offsets) == 13 and corpus.supervised.sum() > 0

@@ -4,6 +4,7 @@ resume mid-epoch at that other layout, and masked validation."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -77,4 +78,9 @@ def test_packed_chat_losses_match_across_layouts_micro_batching_and_resume(chat_
 def test_chat_validation_is_the_same_masked_mean_on_both_layouts(chat_runs: dict[str, Any]) -> None:
     straight, resumed = rows(chat_runs["straight"], "val_loss"), rows(chat_runs["resumed"], "val_loss")
     assert abs(straight[4] - resumed[4]) < 1e-5, (straight, resumed)
-    assert "40 examples ->" in chat_runs["stderr"] and "supervised tokens" in chat_runs["stderr"]
+    assert (
+        "fsdp-train: data.path: 40 examples ->" in chat_runs["stderr"]
+        and "supervised tokens" in chat_runs["stderr"]
+    )
+    written = json.loads((chat_runs["straight"] / "data_statistics.json").read_text())
+    assert written["data.val_path"]["examples"] == 10

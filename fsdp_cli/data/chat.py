@@ -235,9 +235,10 @@ def cached_corpus(data: Any, key: str) -> ChatCorpus:
     return read_corpus(folder)
 
 
-def prepare(data: Any, *, wait: bool = False) -> None:
+def prepare(data: Any, *, wait: bool = False) -> list[dict[str, Any]]:
     """Render and tokenize ``data.path`` (and ``data.val_path``) unless cached, check the result,
-    and print its statistics once; ``wait``: another process (local rank 0) writes the cache."""
+    and return its statistics (:func:`statistics`); ``wait``: another process (local rank 0)
+    writes the cache."""
     render, template = renderer(data)
     size = len(render.tokenizer)
     if data.vocab_size is not None and size > data.vocab_size:
@@ -247,6 +248,7 @@ def prepare(data: Any, *, wait: bool = False) -> None:
             f"has {size} tokens, more than data.vocab_size={data.vocab_size}",
             hint="use the model's own tokenizer, or a model with a larger vocabulary",
         )
+    found = []
     for key in ("path", "val_path"):
         if key == "val_path" and data.val_path is None:
             continue
@@ -256,10 +258,11 @@ def prepare(data: Any, *, wait: bool = False) -> None:
         )
         if not folder.is_dir():
             _wait_for(folder) if wait else _tokenize(data, key, render, folder)
-        layout = read_corpus(folder).layout(data)
+        corpus = read_corpus(folder)
+        layout = corpus.layout(data)
         _check_enough(data, key, layout)
-        if not wait:
-            print(statistics_line(data, key, read_corpus(folder), layout), file=sys.stderr, flush=True)
+        found.append(statistics(data, key, corpus, layout))
+    return found
 
 
 def _check_enough(data: Any, key: str, layout: Layout) -> None:
@@ -272,17 +275,31 @@ def _check_enough(data: Any, key: str, layout: Layout) -> None:
         )
 
 
-def statistics_line(data: Any, key: str, corpus: ChatCorpus, layout: Layout) -> str:
-    """Examples, sequences, the supervised fraction of processed tokens, truncated and dropped examples."""
+def statistics(data: Any, key: str, corpus: ChatCorpus, layout: Layout) -> dict[str, Any]:
+    """Examples, sequences, the supervised fraction of processed tokens, truncated and dropped
+    examples, and the line that says so."""
     processed = layout.sequences * data.seq_len
-    fraction = 100.0 * float(layout.supervised.sum()) / max(1, processed)
+    fraction = float(layout.supervised.sum()) / max(1, processed)
     how = "packed" if data.packing else "one example each, padded"
-    return (
-        f"fsdp-train: data.{key}: {len(corpus.offsets) - 1:,} examples -> {layout.sequences:,} sequences of "
-        f"data.seq_len={data.seq_len} ({how}); supervised tokens {fraction:.1f}% of those processed; "
+    numbers = {
+        "key": f"data.{key}",
+        "examples": len(corpus.offsets) - 1,
+        "sequences": layout.sequences,
+        "seq_len": data.seq_len,
+        "packing": data.packing,
+        "supervised_tokens": int(layout.supervised.sum()),
+        "supervised_fraction": fraction,
+        "truncated": layout.truncated,
+        "truncation_side": data.truncation_side.value,
+        "dropped": layout.dropped,
+    }
+    line = (
+        f"data.{key}: {numbers['examples']:,} examples -> {layout.sequences:,} sequences of "
+        f"data.seq_len={data.seq_len} ({how}); supervised tokens {100 * fraction:.1f}% of those processed; "
         f"{layout.truncated:,} truncated (data.truncation_side={data.truncation_side.value}), "
         f"{layout.dropped:,} dropped (no supervised token left)"
     )
+    return {**numbers, "line": line}
 
 
 def _wait_for(folder: Path) -> None:
