@@ -518,3 +518,21 @@ def test_a_worker_maps_the_cache_again_instead_of_copying_it(tmp_path: Path, cha
     assert b"numpy" not in pickle.dumps(dataset.corpus)  # the folder's name, no array
     assert isinstance(copy.corpus.tokens, np.memmap)
     assert torch.equal(copy[3]["input_ids"], dataset[3]["input_ids"])
+
+
+def test_a_conversation_the_template_refuses_is_one_line_naming_its_line(
+    tmp_path: Path, chatml: Path
+) -> None:
+    strict = (
+        "{% if messages[0].role == 'assistant' %}{{ raise_exception('Conversations start with the user') }}{% endif %}"
+        + CHATML
+    )
+    data = chat_data(tmp_path, chatml, chat_template=strict)
+    out_of_order = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    write_chats(Path(data.path), [*chats(2, seed=3), out_of_order])
+    with pytest.raises(ConfigError) as err:
+        prepare(data)
+    assert err.value.one_line().startswith(
+        f"data.path={data.path}:3: the chat template refuses this conversation"
+    )
+    assert "Conversations start with the user" in err.value.one_line()
