@@ -41,6 +41,7 @@ class CausalLMModule(L.LightningModule):
         self.optim = optim
         self.max_steps = max_steps
         self.num_parameters: int | None = None
+        self._val_sums: torch.Tensor | None = None  # labelled validation: (loss sum, supervised labels)
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -102,10 +103,10 @@ class CausalLMModule(L.LightningModule):
         return total / count.clamp(min=1)
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums: torch.Tensor | None = None
+        self._val_sums = None
 
     def on_validation_epoch_end(self) -> None:
-        sums = getattr(self, "_val_sums", None)
+        sums = self._val_sums
         if sums is None:
             return
         total, count = self.trainer.strategy.reduce(sums, reduce_op="sum")
