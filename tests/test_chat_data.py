@@ -536,3 +536,15 @@ def test_a_conversation_the_template_refuses_is_one_line_naming_its_line(
         f"data.path={data.path}:3: the chat template refuses this conversation"
     )
     assert "Conversations start with the user" in err.value.one_line()
+
+
+def test_prompt_and_completion_fields_are_settings(tmp_path: Path, chatml: Path) -> None:
+    data = chat_data(tmp_path, chatml, prompt_field="question", completion_field="answer")
+    write_chats(
+        Path(data.path), [{"question": "hello there", "answer": "sunny"}, {"question": "bye", "answer": "ok"}]
+    )
+    dataset = sequences(data)
+    labels = np.concatenate([dataset.pairs(s)[1] for s in range(dataset.epoch_size)])  # in file order
+    supervised = [t for t in labels.tolist() if t != IGNORE]
+    tokenizer = load_tokenizer(str(chatml))
+    assert supervised == tokenizer.convert_tokens_to_ids(["sunny", "<|im_end|>", "ok", "<|im_end|>"])
