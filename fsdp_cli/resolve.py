@@ -143,7 +143,7 @@ def resolve_run(
     if slow is not None:
         notify(f"warning: {slow}")
     check_output_folders(run.cfg)
-    prepare_data(run.cfg)
+    prepare_data(run.cfg, notify)
     resumed, resume_notices = resolve_resume(run.cfg)
     run = run.with_config(resumed)  # (the resume path and run id: nothing derived changes)
     for check in PRE_LAUNCH_CHECKS:

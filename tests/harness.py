@@ -39,6 +39,7 @@ ENTRY_MODULES = {
     "fsdp-ckpt": "fsdp_cli.cli.ckpt",
     "fsdp-plan": "fsdp_cli.cli.plan",
     "fsdp-recipe": "fsdp_cli.cli.recipes",
+    "fsdp-data": "fsdp_cli.cli.data",
 }
 
 

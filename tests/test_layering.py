@@ -37,7 +37,19 @@ LEAVES = {
 """Depend on nothing of ours but the error type (``version``: the package's own ``__init__``)."""
 ALLOWED: dict[str, set[str]] = {
     "hydra_plugins": {"sweep"},
-    "cli": {"hydra_plugins", "sweep", "resolve", "plan", "worker", "checkpoint", "launch", "config", *LEAVES},
+    # (data: fsdp-data show renders one chat example with the run's own code)
+    "cli": {
+        "hydra_plugins",
+        "sweep",
+        "resolve",
+        "plan",
+        "worker",
+        "checkpoint",
+        "launch",
+        "config",
+        "data",
+        *LEAVES,
+    },
     "sweep": {"resolve", "launch", "config", *LEAVES},
     "resolve": {"plan", "checkpoint", "launch", "data", "config", *LEAVES},
     # builders/strategies: a rehearsal (plan/rehearsal.py) builds one rank with the builders and

@@ -91,7 +91,15 @@ def fill_placeholders(override: str, tmp_path: Path) -> str:
         # A safetensors file with no tensors: the header the parent checks, no weights to read.
         (model / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
         _save_tokenizer(model / "tokenizer.json")
+        (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # for the data=chat recipes
         override = override.replace("MODEL_DIR", str(model))
+    if "CHATS" in override:
+        turns = [
+            {"role": "user", "content": "the model"},
+            {"role": "assistant", "content": "reads a document"},
+        ]
+        (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+        override = override.replace("CHATS", str(tmp_path / "chats.jsonl"))
     if "CORPUS" in override:
         corpus = tmp_path / "corpus"
         corpus.mkdir(exist_ok=True)
@@ -99,6 +107,9 @@ def fill_placeholders(override: str, tmp_path: Path) -> str:
         (corpus / "part0.jsonl").write_text(json.dumps({"text": words}) + "\n")
         override = override.replace("CORPUS", str(corpus))
     return override
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }} {{ m.content }} <|end_of_text|> {% endfor %}"
 
 
 def _save_tokenizer(path: Path) -> None:
@@ -190,7 +201,9 @@ def test_show_prints_a_recipe_and_unknown_names_are_one_line(tmp_path: Path) -> 
     assert r.returncode == 0 and r.stdout == (REPO / "recipes" / "llama_8b_fsdp2_tp.yaml").read_text()
     r = run_recipe_cli("show", "llama_9b", cwd=tmp_path)
     assert r.returncode == 2
-    assert r.stderr.startswith("fsdp-recipe: error: llama_9b: no such recipe; allowed: cpu_smoke,")
+    assert r.stderr.startswith(
+        f"fsdp-recipe: error: llama_9b: no such recipe; allowed: {', '.join(RECIPES)};"
+    )
 
 
 def test_a_copied_recipe_is_edited_and_runs_with_the_command_cp_prints(tmp_path: Path) -> None:

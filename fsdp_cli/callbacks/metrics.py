@@ -67,6 +67,7 @@ class MetricsCallback(L.Callback):
         # The micro-batch losses of the current step, summed on the device (no sync).
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
+        self._supervised: torch.Tensor | None = None  # data=chat: supervised labels of the last step
         self._shared: set[str] = set()  # the row names this callback put in callback_metrics
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -85,6 +86,8 @@ class MetricsCallback(L.Callback):
     ) -> None:
         if self.tokens_per_step is None:
             self._samples += extract_batch_size(batch)
+        if isinstance(batch, dict) and "step_supervised" in batch:  # data=chat: the step's counted tokens
+            self._supervised = batch["step_supervised"][0]
         step = trainer.global_step
         logged = self._logs(step + 1 if step == self._seen_step else step)
         if logged or self.nonfinite is not None:  # the guard checks every step's loss
@@ -125,6 +128,9 @@ class MetricsCallback(L.Callback):
         }
         if self.throughput is not None and "tokens_per_s" in row:
             row.update(self.throughput.fields(row["tokens_per_s"]))
+        if self._supervised is not None:
+            # tokens_per_s and MFU count every processed token (padding included); this the loss's.
+            row["supervised_tokens"] = int(self._supervised)
         grad_norm = self.clipping.grad_norm if self.clipping is not None else None
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)

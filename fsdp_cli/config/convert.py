@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_cli.config.model_kinds import KINDS, kind_of
 from fsdp_cli.config.schema import (
+    ChatDataConfig,
     CheckpointConfig,
     CustomModelConfig,
     DataModuleConfig,
@@ -46,6 +47,7 @@ DATA_SCHEMAS: dict[str, type] = {
     "text": TextDataConfig,
     "tokens": TokensDataConfig,
     "jsonl": JsonlDataConfig,
+    "chat": ChatDataConfig,
 }
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "strategy": STRATEGY_SCHEMAS,

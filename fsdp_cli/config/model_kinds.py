@@ -417,6 +417,7 @@ LLAMA = ModelKind(
     closed_form=True,
     stage_split_points=llama_stage_split_points,
     adapter_targets=llama_adapter_targets,
+    document_masks=True,  # position_ids -> models.llama.document_mask (SDPA, boolean mask)
     recomputes_buffers=True,  # RoPE tables
 )
 HF = ModelKind(
@@ -433,6 +434,7 @@ HF = ModelKind(
     closed_form=False,
     stage_split_points=not_supported,
     adapter_targets=not_supported,
+    document_masks=True,  # position_ids, no attention mask: transformers masks packed documents
     default_vocab=hf_folder_vocab,
     without_weights=hf_without_weights,
 )

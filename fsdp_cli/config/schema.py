@@ -109,6 +109,20 @@ class TokenDType(Enum):
     """Larger vocabularies (Llama 3's 128,256)."""
 
 
+class Supervise(Enum):
+    """Which assistant turns of a conversation count in the loss (``data=chat``)."""
+
+    all = "all"
+    last = "last"
+
+
+class TruncationSide(Enum):
+    """Which end of an over-long example is cut (``data=chat``): ``right`` keeps its start."""
+
+    right = "right"
+    left = "left"
+
+
 class SweepObjective(Enum):
     """A value of a run's ``summary.json`` that a sweep job returns to the sweeper."""
 
@@ -543,6 +557,45 @@ class JsonlDataConfig(DataConfig):
     """Held-out JSON-lines files for validation every ``trainer.val_check_interval`` steps."""
     cache_dir: str | None = None
     """Where tokenized corpora are kept; null = a ``.fsdp_cli_tokens`` folder beside the first input file."""
+
+
+@dataclass
+class ChatDataConfig(DataConfig):
+    """Conversations (``messages``: system/user/assistant/tool turns) or prompt/completion pairs from
+    JSON lines, rendered with the tokenizer's chat template; the loss counts the assistant's tokens
+    only, averaged over the global batch's supervised tokens (docs/chat-data.md).
+
+    The first run renders and tokenizes (a progress bar, in the launching process, before any rank
+    starts; bad lines are one error naming file:line); later runs reuse the cache while the input
+    files, fields, tokenizer and template are unchanged.
+    """
+
+    name: str = "chat"
+    path: str | None = None
+    """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob."""
+    val_path: str | None = None
+    """Held-out conversations for validation every ``trainer.val_check_interval`` steps (same masking)."""
+    tokenizer: str | None = "${oc.select:model.path,null}"
+    """A local folder holding the Hugging Face tokenizer (``tokenizer.json``, ``tokenizer_config.json``);
+    defaults to ``model.path`` (``model=hf``). Nothing is downloaded."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file, or the template text); null = the tokenizer's own."""
+    messages_field: str = "messages"
+    """The key of each line's list of ``{role, content}`` messages."""
+    prompt_field: str = "prompt"
+    """With ``completion_field``: a line without ``messages_field`` is a user prompt and the answer."""
+    completion_field: str = "completion"
+    """The key of a prompt/completion line's answer."""
+    supervise: Supervise = Supervise.all
+    """Which assistant turns count in the loss: ``all`` or the ``last`` one."""
+    packing: bool = False
+    """Pack several examples into each ``seq_len`` sequence (never splitting one); each attends only
+    to itself and its positions restart at 0. Needs a model whose attention keeps documents apart."""
+    truncation_side: TruncationSide = TruncationSide.right
+    """An example longer than ``seq_len`` keeps its start (``right``: the end is cut) or its end
+    (``left``); either way it is counted in the statistics."""
+    cache_dir: str | None = None
+    """Where tokenized conversations are kept; null = a ``.fsdp_cli_tokens`` folder beside the first input file."""
 
 
 @dataclass

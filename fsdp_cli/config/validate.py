@@ -150,7 +150,7 @@ def check_datamodule(run: ResolvedRun) -> None:
             cfg.data.name,
             f"a LightningDataModule feeds a LightningModule of yours, and model={cfg.model.name} trains on fsdp-train's data",
             allowed="model=custom model._target_=pkg.MyLightningModule",
-            hint="data=synthetic, text, tokens or jsonl for the built-in and Hugging Face models",
+            hint="data=synthetic, text, tokens, jsonl or chat for the built-in and Hugging Face models",
         )
     check_dotted("data._target_", cfg.data.target)
 
@@ -241,8 +241,8 @@ def check_data_path(run: ResolvedRun) -> None:
                 seq_len=data.seq_len,
                 vocab_size=data.vocab_size,
             )
-        elif data.name == "jsonl":
-            existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
+        elif data.name in ("jsonl", "chat"):
+            existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, data.name)
 
 
 def check_validation_data(run: ResolvedRun) -> None:
@@ -250,7 +250,7 @@ def check_validation_data(run: ResolvedRun) -> None:
     cfg = run.cfg
     data = cfg.data
     if (
-        data.name in ("tokens", "jsonl")
+        data.name in ("tokens", "jsonl", "chat")
         and cfg.trainer.val_check_interval is not None
         and data.val_path is None
     ):
@@ -259,6 +259,31 @@ def check_validation_data(run: ResolvedRun) -> None:
             None,
             f"trainer.val_check_interval={cfg.trainer.val_check_interval} needs held-out data for data={data.name}",
             hint="data.val_path=GLOB (held-out files, same format), or trainer.val_check_interval=null",
+        )
+
+
+def check_packing(run: ResolvedRun) -> None:
+    """``data.packing=true`` needs attention that keeps the packed documents apart (the model
+    kind's ``document_masks``), and is not offered with tensor parallel (not tested there yet)."""
+    data = run.cfg.data
+    if not getattr(data, "packing", False):
+        return
+    kind = run.model_kind
+    if not kind.document_masks:
+        raise ConfigError(
+            "data.packing",
+            "true",
+            f"model={run.cfg.model.name}: its attention cannot keep packed examples apart (they would see each other)",
+            allowed="true with model=llama or model=hf",
+            hint="data.packing=false (each example padded to data.seq_len)",
+        )
+    if run.layout.tp > 1:
+        raise ConfigError(
+            "data.packing",
+            "true",
+            f"packed sequences are not supported with tensor parallel (tp={run.layout.tp})",
+            allowed="true with tp=1",
+            hint="data.packing=false, or shard with FSDP alone (tp=1)",
         )
 
 
@@ -486,5 +511,6 @@ DATA_CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_sequence,
     check_validation_data,
     check_data_path,
+    check_packing,
     check_epoch_data,
 )

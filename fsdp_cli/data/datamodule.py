@@ -46,6 +46,15 @@ def token_windows(data: Any, key: str, seed: int) -> TokenWindows:
     return TokenWindows(files, dtype=data.dtype.value, seq_len=data.seq_len, seed=seed)
 
 
+def chat_sequences(data: Any, key: str, seed: int) -> Dataset:
+    """``data.<key>`` of ``data=chat``: the cached conversations laid into sequences."""
+    from fsdp_cli.data.chat import cached_corpus
+    from fsdp_cli.data.chat_dataset import ChatSequences
+
+    corpus = cached_corpus(data, key)
+    return ChatSequences(corpus, corpus.layout(data), seq_len=data.seq_len, seed=seed, packing=data.packing)
+
+
 class TokenDataModule(L.LightningDataModule):
     """Batches of token ids ``[micro_batch, seq_len + 1]`` for each data-parallel rank.
 
@@ -79,6 +88,10 @@ class TokenDataModule(L.LightningDataModule):
             self._train = _windows("data.path", train, data.seq_len, self.seed)
             if self.validates:
                 self._val = _windows("data.path (held-out part)", val, data.seq_len, self.seed)
+        elif data.name == "chat":
+            self._train = chat_sequences(data, "path", self.seed)
+            if self.validates:
+                self._val = chat_sequences(data, "val_path", self.seed + VAL_SEED_OFFSET)
         elif data.name in ("tokens", "jsonl"):
             self._train = token_windows(data, "path", self.seed)
             if self.validates:
@@ -115,12 +128,14 @@ class TokenDataModule(L.LightningDataModule):
             epoch_size=epoch_size,
             current_step=current_step,
         )
+        if hasattr(dataset, "group_by_steps"):  # data=chat weighs each item by its global batch
+            dataset.group_by_steps(self.data.global_batch_size, epoch_size)
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return StepDataLoader(
             dataset,
             batch_sampler=sampler,
             num_workers=self.data.num_workers,
-            collate_fn=torch.stack,
+            collate_fn=getattr(dataset, "collate", torch.stack),
             pin_memory=on_gpu,
             persistent_workers=self.data.num_workers > 0,
         )

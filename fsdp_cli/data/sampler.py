@@ -88,3 +88,13 @@ class StepBatchSampler(Sampler[list[int]]):
             return step * self.global_batch_size
         epoch, within = divmod(step, self.epoch_size // self.global_batch_size)
         return epoch * self.epoch_size + within * self.global_batch_size
+
+
+def step_first_item(index: int, *, global_batch_size: int, epoch_size: int | None) -> int:
+    """The first item of the global batch that item ``index`` belongs to (the inverse of
+    :meth:`StepBatchSampler._first_item`): a dataset that weighs each item by its whole step
+    (``data=chat``'s token-weighted loss) finds the step's other items from it."""
+    if epoch_size is None:
+        return index // global_batch_size * global_batch_size
+    epoch, within = divmod(index, epoch_size)
+    return epoch * epoch_size + within // global_batch_size * global_batch_size

@@ -41,6 +41,7 @@ class CausalLMModule(L.LightningModule):
         self.optim = optim
         self.max_steps = max_steps
         self.num_parameters: int | None = None
+        self._val_sums: torch.Tensor | None = None  # labelled validation: (loss sum, supervised labels)
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -48,9 +49,14 @@ class CausalLMModule(L.LightningModule):
             # Counted before any sharding (meta tensors have sizes too).
             self.num_parameters = sum(p.numel() for p in self.model.parameters())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"
-        out = self.model(input_ids)
+        # Positions only for packed sequences: a plain module taking input_ids alone trains unpacked.
+        out = (
+            self.model(input_ids)
+            if position_ids is None
+            else self.model(input_ids, position_ids=position_ids)
+        )
         # A tensor is the common case: no failing attribute lookup per step for it.
         return out if isinstance(out, torch.Tensor) else out.logits
 
@@ -62,13 +68,51 @@ class CausalLMModule(L.LightningModule):
         wide = at_least_fp32(logits)
         return F.cross_entropy(wide.flatten(0, 1), targets.flatten())
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def _token_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed cross-entropy of the supervised labels of a labelled batch (``data=chat``: -100 elsewhere)."""
+        logits = self(batch["input_ids"], position_ids=batch.get("position_ids"))
+        labels = batch["labels"]
+        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def training_step(self, batch: torch.Tensor | dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):
+            # Token-weighted: the weight (sequences / supervised labels of the global batch, from the data) makes
+            # the step's gradient that of the mean over the global batch's supervised tokens once
+            # Lightning divides by the accumulation and the strategy averages over the dp ranks.
+            # (Integers in the batch: a true-precision plugin would round a float weight to bf16.)
+            loss = self._token_loss_sum(batch)
+            micro = batch["input_ids"].shape[0]
+            return loss * (batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro))
         return self._loss(batch)
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: torch.Tensor | dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):
+            return self._add_val_tokens(batch)
         loss = self._loss(batch)
         self.log("val_loss", loss, sync_dist=True, prog_bar=True)
         return loss
+
+    def _add_val_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Labelled validation: sums of token losses and of supervised labels, over the whole run
+        (:meth:`on_validation_epoch_end` divides), so ``val_loss`` is the mean over its tokens,
+        packed or not."""
+        total = self._token_loss_sum(batch).detach().double()
+        count = (batch["labels"] != -100).sum().double()
+        sums = torch.stack((total, count))
+        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+        return total / count.clamp(min=1)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = None
+
+    def on_validation_epoch_end(self) -> None:
+        sums = self._val_sums
+        if sums is None:
+            return
+        total, count = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        # (Equal on every rank already: sync_dist only tells Lightning so.)
+        self.log("val_loss", (total / count).float(), prog_bar=True, sync_dist=True)
+        self._val_sums = None
 
     def configure_optimizers(self) -> Any:
         opt = self.optim

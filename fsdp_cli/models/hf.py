@@ -60,8 +60,11 @@ class HFCausalLM(nn.Module):
         # Names, owners and tied pairs are read now: fully_shard renames the model's classes.
         self.weights = WeightFiller(hf, source)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids``: packed sequences (restarting at 0 per document). With no attention mask,
+        transformers 5 reads the documents from them (``find_packed_sequence_indices``) and masks
+        block-diagonally: sdpa and eager through the mask, flash_attention_2 through its varlen kernel."""
+        return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     @property
     def load_report(self) -> LoadReport:

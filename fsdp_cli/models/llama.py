@@ -55,9 +55,11 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device: Any = None
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [B, T, H, D] by the angles in rope [T, D/2, 2]."""
+    """Rotate pairs of channels of x [B, T, H, D] by the angles in rope [T, D/2, 2] (the same
+    positions in every row) or [B, T, D/2, 2] (each row its own: packed sequences)."""
     pairs = at_least_fp32(x).reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    rows = rope if rope.dim() == 4 else rope[None]
+    cos, sin = rows[:, :, None, :, 0], rows[:, :, None, :, 1]
     real = pairs[..., 0] * cos - pairs[..., 1] * sin
     imag = pairs[..., 0] * sin + pairs[..., 1] * cos
     return torch.stack((real, imag), dim=-1).flatten(-2).type_as(x)
@@ -74,20 +76,36 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None = causal; else a boolean ``[B, 1, T, T]`` (True = may attend), e.g.
+        :func:`document_mask` of packed sequences."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallel this rank holds n_heads / tp of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+        rope = rope if rope.dim() == 4 else rope[:seq]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         repeat = q.shape[2] // k.shape[2]
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal attention ``[B, 1, T, T]`` (True = may attend) of packed sequences: a
+    document starts wherever the position does not follow the previous one (as transformers'
+    ``find_packed_sequence_indices`` reads them). A boolean mask makes SDPA use its math kernel on
+    CPU and its memory-efficient kernel on GPU (flash attention takes no mask)."""
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    document = starts.cumsum(-1)
+    same = document[:, :, None] == document[:, None, :]
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
 
 
 class FeedForward(nn.Module):
@@ -109,8 +127,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.feed_forward_dim())
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # The mask goes positionally, always: the sequence-parallel plan prepares three inputs.
+        x = x + self.attention(self.attention_norm(x), rope, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -134,10 +153,15 @@ class Llama(nn.Module):
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids [B, T]``: packed sequences, whose positions restart at 0 where a document
+        starts; each token then attends only within its document (:func:`document_mask`)."""
         h = self.tok_embeddings(input_ids)
+        rope, mask = self.rope, None
+        if position_ids is not None:
+            rope, mask = self.rope[position_ids], document_mask(position_ids)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -186,7 +210,7 @@ class Llama(nn.Module):
             plan[f"{prefix}.ffn_norm"] = norm_style()
             if sequence_parallel:
                 plan[f"{prefix}.attention"] = PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 )
                 plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
