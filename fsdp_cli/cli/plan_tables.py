@@ -22,6 +22,7 @@ def _rank_groups(plan: Any) -> list[tuple[str, list[str]]]:
     groups: list[tuple[list[int], list[str]]] = []
     for rank in plan.ranks:
         cells = [
+            *([",".join(map(str, rank.stages))] if plan.pipeline else []),
             _gib(rank.params),
             _gib(rank.grads),
             _gib(rank.optimizer),
@@ -58,6 +59,7 @@ def print_plan(run: Any, plan: Any) -> None:
     )
     for column in (
         "rank",
+        *(["stages"] if plan.pipeline else []),
         "params",
         "grads",
         "optimizer",
@@ -71,6 +73,8 @@ def print_plan(run: Any, plan: Any) -> None:
         table.add_row(ranks, *cells)
     console = _console()
     console.print(table)
+    if plan.pipeline:
+        print(pipeline_line(plan.pipeline), flush=True)
     for note in plan.notes:
         console.print(f"note: {note}")
     if any(r.offloaded for r in plan.ranks):
@@ -84,6 +88,17 @@ def print_plan(run: Any, plan: Any) -> None:
             f"fits: no ({_gib(plan.peak.total)} GiB needed, {_gib(FIT_FRACTION * plan.device_memory)} usable of "
             f"{_gib(plan.device_memory)}); hint: {hint(run, plan)}"
         )
+
+
+def pipeline_line(facts: dict[str, Any]) -> str:
+    """The schedule and what it holds, under the per-stage rows (a plain line: grep keeps it whole)."""
+    blocks = " ".join(f"{a}-{b - 1}" for a, b in facts["stage_blocks"])
+    held = ", ".join(map(str, facts["held_forwards"]))
+    return (
+        f"pipeline: {facts['schedule']}, {facts['stages_per_rank']} stage(s) per rank, "
+        f"{facts['microbatches']} micro-batches of {facts['microbatch_size']}; blocks per stage {blocks}; "
+        f"forwards held per pipeline rank {held}; theoretical bubble {facts['bubble_fraction']:.1%}"
+    )
 
 
 def print_search(found: list[Any], memory: int | None) -> None:

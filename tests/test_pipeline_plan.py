@@ -1,0 +1,144 @@
+"""fsdp-plan of pipeline-parallel layouts: each stage's parameters and the activations its
+schedule holds, checked against the pp=1 plan split by hand and the model's own activation
+formula; the sizes a pipeline layout must have, one line each."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from conftest import cli_in_process, composed, run_of
+
+from fsdp_cli.errors import ConfigError
+from fsdp_cli.models.llama_shapes import llama_params
+from fsdp_cli.pipeline.options import PipelineOptions
+from fsdp_cli.pipeline.schedules import schedule_facts
+from fsdp_cli.pipeline.sizes import pipeline_sizes
+from fsdp_cli.plan.check import plan_for
+from fsdp_cli.plan.model import llama_activations
+
+GPUS = 8
+MODEL = ["model=llama_124m", "strategy=fsdp2", "data.seq_len=512", "data.global_batch_size=32"]
+"""12 blocks, every dimension divisible by 4: FSDP2's chunks over 4 ranks are exact quarters."""
+HELD = ("params", "grads", "optimizer")
+
+
+def plan_of(*overrides: str, gpus: int = GPUS) -> Any:
+    plan = plan_for(run_of(composed(*MODEL, *overrides), gpus=gpus))
+    assert plan is not None
+    return plan
+
+
+def stage_numel(params: list[Any], first: bool) -> int:
+    """Elements of stage 0 (embedding + blocks 0-5) or stage 1 (blocks 6-11 + norm + head), by name."""
+    in_first = [
+        p.name.startswith("tok_embeddings") or p.name.split(".")[1:2] in [[str(i)] for i in range(6)]
+        for p in params
+    ]
+    return sum(p.numel for p, f in zip(params, in_first, strict=True) if f == first)
+
+
+def test_each_stage_holds_its_part_of_the_pp1_plan() -> None:
+    """pp=2 x dp=4 on 8 GPUs: each stage's parameter, gradient and optimizer bytes are its share
+    of the whole model sharded over the same 4 data-parallel ranks (the pp=1 plan on 4 GPUs),
+    and the two stages add up to it."""
+    whole = plan_of("data.micro_batch_size=8", gpus=4).ranks[0]
+    plan = plan_of("pp=2", "data.micro_batch_size=8")
+    assert plan.layout["pp"] == 2 and plan.layout["shard"] == 4 and len(plan.ranks) == 8
+    first, last = plan.ranks[0], plan.ranks[7]
+    assert (first.stages, last.stages) == ([0], [1])
+    params = llama_params(composed(*MODEL).model)
+    for rank, is_first in ((first, True), (last, False)):
+        assert rank.params == stage_numel(params, is_first) // 4 * 4  # fp32 parameters, a quarter each
+    for kind in HELD:
+        assert getattr(first, kind) + getattr(last, kind) == getattr(whole, kind), kind
+    assert all(plan.ranks[r].params == first.params for r in range(4))
+
+
+@pytest.mark.parametrize(("schedule", "held_first", "held_last"), [("GPipe", 8, 8), ("1F1B", 2, 1)])
+def test_activations_are_the_forwards_the_schedule_holds(
+    schedule: str, held_first: int, held_last: int
+) -> None:
+    """8 sequences per rank in 8 micro-batches of one: GPipe keeps all 8 forwards on every
+    stage, 1F1B two on the first stage and one on the last; each forward is that stage's blocks
+    (and on the last, the head and loss) at one sequence, from the model's activation formula."""
+    plan = plan_of(
+        "pp=2", "data.micro_batch_size=8", "pipeline.microbatches=8", f"pipeline.schedule={schedule}"
+    )
+    acts = llama_activations(composed(*MODEL).model, 512, 2)  # bf16 activations on GPUs
+    block = acts.blocks[0]
+    assert plan.ranks[0].activations == held_first * 6 * block + block
+    assert plan.ranks[7].activations == held_last * (6 * block + acts.other) + block
+    assert plan.pipeline["held_forwards"] == [held_first, held_last]
+
+
+def test_interleaved_holds_torchs_warmup_forwards() -> None:
+    """Interleaved1F1B at pp=4, 2 stages per rank, 8 micro-batches: torch warms rank r up with
+    (2 - 1) x 4 + 2 x (3 - r) forwards and holds one more in the steady 1F1B phase."""
+    facts = schedule_facts("Interleaved1F1B")
+    assert facts is not None
+    assert [facts.held_activation_sets(4, 8, 2, r) for r in range(4)] == [11, 9, 7, 5]
+    assert facts.rank_stages(4, 2, 1) == [1, 5]
+    v_facts = schedule_facts("ZBVZeroBubble")
+    assert v_facts is not None and v_facts.rank_stages(4, 2, 1) == [1, 6]
+
+
+def test_the_plan_table_shows_each_stage() -> None:
+    args = [*MODEL, "pp=2", "data.micro_batch_size=8", "--gpus", "8", "--device-memory", "80GB"]
+    table = cli_in_process(args, prog="fsdp-plan")
+    assert table.returncode == 0, table.stderr
+    assert "stages" in table.stdout and "0-3" in table.stdout and "4-7" in table.stdout
+    assert (
+        "pipeline: 1F1B, 1 stage(s) per rank, 2 micro-batches of 4; blocks per stage 0-5 6-11" in table.stdout
+    )
+    data = json.loads(cli_in_process([*args, "--json"], prog="fsdp-plan").stdout)
+    assert data["pipeline"]["bubble_fraction"] == pytest.approx(1 / 3)
+    assert [r["stages"] for r in data["ranks"]] == [[0]] * 4 + [[1]] * 4
+
+
+@pytest.mark.parametrize(
+    ("pp", "options", "batch", "key", "words"),
+    [
+        (2, PipelineOptions(schedule="1F2B"), 8, "pipeline.schedule", "not a schedule torch ships"),
+        (
+            2,
+            PipelineOptions(schedule="ZBVZeroBubble", stages_per_rank=3),
+            8,
+            "pipeline.stages_per_rank",
+            "allowed: 2",
+        ),
+        (
+            2,
+            PipelineOptions(schedule="GPipe", stages_per_rank=2),
+            8,
+            "pipeline.stages_per_rank",
+            "allowed: 1",
+        ),
+        (8, PipelineOptions(), 8, "pp", "fewer than pp x stages_per_rank"),
+        (2, PipelineOptions(microbatches=3), 8, "pipeline.microbatches", "allowed: 1, 2, 4, 8"),
+        (4, PipelineOptions(microbatches=2), 8, "pipeline.microbatches", "needs at least pp=4"),
+    ],
+)
+def test_a_pipeline_layout_torch_cannot_run_is_one_line(
+    pp: int, options: PipelineOptions, batch: int, key: str, words: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        pipeline_sizes(pp, options, n_blocks=6, batch=batch)
+    line = err.value.one_line()
+    assert err.value.key == key and words in line and "\n" not in line, line
+
+
+def test_gpipe_takes_fewer_microbatches_than_stages() -> None:
+    sizes = pipeline_sizes(4, PipelineOptions(schedule="GPipe", microbatches=2), n_blocks=8, batch=8)
+    assert (sizes.microbatches, sizes.microbatch_size, sizes.held(0)) == (2, 4, 2)
+    assert math.isclose(sizes.bubble, 3 / 5)
+
+
+def test_pp_must_divide_the_world() -> None:
+    result = cli_in_process([*MODEL, "pp=3", "--gpus", "8"], prog="fsdp-plan")
+    assert result.returncode == 2
+    assert (
+        "pp=3: must divide the world size 8 (devices=8 x num_nodes=1); allowed: 1, 2, 4, 8" in result.stderr
+    )
