@@ -142,3 +142,31 @@ def test_pp_must_divide_the_world() -> None:
     assert (
         "pp=3: must divide the world size 8 (devices=8 x num_nodes=1); allowed: 1, 2, 4, 8" in result.stderr
     )
+
+
+def test_search_considers_pp_and_says_why_it_skipped_a_layout() -> None:
+    """8 GPUs, 12 blocks, a global batch of 32 in micro-batches of 1: pp=2 and pp=4 are
+    planned (accumulation turned into pipeline micro-batches), pp=8 is skipped (it does not
+    divide 12 blocks), each pipelined row is the plan of its own overrides."""
+    from fsdp_cli.cli.plan import resolved
+
+    common = [*MODEL, "data.micro_batch_size=1"]
+    result = cli_in_process(
+        [*common, "--gpus", "8", "--device-memory", "80GB", "--search", "--json"], prog="fsdp-plan"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    planned = [r for r in rows if "skipped" not in r]
+    pipelined = {r["overrides"].split()[1] for r in planned if " pp=" in r["overrides"]}
+    assert pipelined == {"pp=2", "pp=4"}, pipelined
+    (pp8,) = [r for r in rows if r.get("skipped") and "pp=8 " in r["overrides"]]
+    assert "pp=8: does not divide the model's 12 blocks" in pp8["skipped"]
+    row = next(r for r in planned if "pp=4 " in r["overrides"])
+    assert "data.micro_batch_size=16 pipeline.microbatches=16" in row["overrides"]  # 32 sequences / dp=2
+    plan = plan_for(resolved([*common, *row["overrides"].split()], gpus=8), 80 * 10**9)
+    assert (
+        plan is not None and plan.peak.total == row["total_bytes"] and plan.pipeline["microbatch_size"] == 1
+    )
+    table = cli_in_process([*common, "--gpus", "8", "--device-memory", "80GB", "--search"], prog="fsdp-plan")
+    skipped = [line for line in table.stdout.splitlines() if line.startswith("skipped: strategy=fsdp2 pp=8 ")]
+    assert len(skipped) == 1 and "replicate_size=1: pp=8: does not divide the model's 12 blocks" in skipped[0]

@@ -101,7 +101,7 @@ def pipeline_line(facts: dict[str, Any]) -> str:
     )
 
 
-def print_search(found: list[Any], memory: int | None) -> None:
+def print_search(found: list[Any], skipped: list[Any], memory: int | None) -> None:
     from rich.table import Table
 
     table = Table(
@@ -114,6 +114,8 @@ def print_search(found: list[Any], memory: int | None) -> None:
         fits = "?" if c.plan.fits is None else ("yes" if c.plan.fits else "no")
         table.add_row(fits, _gib(c.plan.peak.total), _gib(c.plan.peak.activations), c.overrides)
     _console().print(table)
+    for s in skipped:  # plain lines: a reason stays whole for grep
+        print(f"skipped: {s.overrides}: {s.reason}")
 
 
 def print_rehearsal(run: ResolvedRun, result: Any, plan: Any) -> None:
