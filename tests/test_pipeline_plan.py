@@ -170,3 +170,26 @@ def test_search_considers_pp_and_says_why_it_skipped_a_layout() -> None:
     table = cli_in_process([*common, "--gpus", "8", "--device-memory", "80GB", "--search"], prog="fsdp-plan")
     skipped = [line for line in table.stdout.splitlines() if line.startswith("skipped: strategy=fsdp2 pp=8 ")]
     assert len(skipped) == 1 and "replicate_size=1: pp=8: does not divide the model's 12 blocks" in skipped[0]
+
+
+def test_the_70b_pipeline_recipe_fits_80gb_at_512_ranks() -> None:
+    """recipe=llama_70b_pp on 64 nodes x 8 GPUs of 80 GB: pp=4 x dp=16 x tp=8, every rank within
+    the usable memory; rank 0 holds stages 0 and 4 (blocks 0-9 and 40-49 and the embedding),
+    about 1/128 of their fp32 weights."""
+    from fsdp_cli.cli.plan import resolved
+
+    plan = plan_for(resolved(["recipe=llama_70b_pp"], gpus=8), 80 * 10**9)
+    assert plan is not None and plan.fits and len(plan.ranks) == 512
+    assert (plan.layout["pp"], plan.layout["shard"], plan.layout["tp"]) == (4, 16, 8)
+    assert plan.pipeline["held_forwards"] == [11, 9, 7, 5] and plan.pipeline["microbatch_size"] == 1
+    params = llama_params(composed("model=llama_70b").model)
+    blocks = {str(i) for i in [*range(10), *range(40, 50)]}
+    parts = [p.name.split(".") for p in params]
+    numel = sum(
+        p.numel
+        for p, (first, index, *_) in zip(params, parts, strict=True)
+        if first == "tok_embeddings" or (first == "layers" and index in blocks)
+    )
+    assert plan.ranks[0].stages == [0, 4]
+    assert plan.ranks[0].params == pytest.approx(numel / 128 * 4, rel=0.01)
+    assert plan.peak.total <= 0.95 * 80 * 10**9

@@ -138,7 +138,7 @@ def test_recipe_runs_on_the_hardware_its_header_names(
     else:
         assert cfg.accelerator is Accelerator.cpu
         assert int(cfg.devices) == int(CPUS.search(recipe.hardware).group(1))  # type: ignore[union-attr]
-    assert int(cfg.dp) * cfg.tp == int(cfg.devices) * cfg.num_nodes
+    assert cfg.pp * int(cfg.dp) * cfg.tp == int(cfg.devices) * cfg.num_nodes
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -153,6 +153,8 @@ def test_recipe_shards_on_its_hardware_as_planned(
     from fsdp_cli.plan.rehearsal import HELD, rehearse
 
     _, cfg, nodes, gpus_per_node = resolve_recipe(name, tmp_path, monkeypatch)
+    if cfg.pp > 1:
+        pytest.skip("the rehearsal builds pipeline stages once pp trains (issue 29 part A)")
     world = int(cfg.devices) * cfg.num_nodes
     run = ResolvedRun.of(cfg)
     plan = plan_for(run)
