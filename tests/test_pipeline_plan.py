@@ -193,3 +193,14 @@ def test_the_70b_pipeline_recipe_fits_80gb_at_512_ranks() -> None:
     assert plan.ranks[0].stages == [0, 4]
     assert plan.ranks[0].params == pytest.approx(numel / 128 * 4, rel=0.01)
     assert plan.peak.total <= 0.95 * 80 * 10**9
+
+
+def test_a_gpipe_plan_that_does_not_fit_is_told_to_hold_fewer_forwards() -> None:
+    """GPipe keeps all 32 forwards of the 70B recipe (209 GiB): the hint is a 1F1B-family schedule."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan.check import hint
+
+    run = resolved(["recipe=llama_70b_pp", "pipeline.schedule=GPipe", "pipeline.stages_per_rank=1"], gpus=8)
+    plan = plan_for(run, 80 * 10**9)
+    assert plan is not None and plan.fits is False
+    assert hint(run, plan).startswith("pipeline.schedule=1F1B or Interleaved1F1B")

@@ -52,8 +52,12 @@ def print_plan(run: Any, plan: Any) -> None:
     from fsdp_cli.plan.memory import FIT_FRACTION
 
     layout = " x ".join(f"{k}={v}" for k, v in plan.layout.items())
+    batch = f"micro-batch {plan.micro_batch_size} x {plan.seq_len}"
+    if plan.pipeline:
+        pipe = plan.pipeline
+        batch = f"{plan.micro_batch_size} x {plan.seq_len} per forward in {pipe['microbatches']} micro-batches of {pipe['microbatch_size']}"
     table = Table(
-        title=f"fsdp-plan: {plan.strategy} {layout}, {plan.precision}, micro-batch {plan.micro_batch_size} x {plan.seq_len}, "
+        title=f"fsdp-plan: {plan.strategy} {layout}, {plan.precision}, {batch}, "
         f"activation checkpointing {plan.activation_checkpointing} (GiB per rank)",
         title_justify="left",
     )

@@ -320,6 +320,8 @@ def _fsdp2_pipeline_rank(
 
 def _fsdp2_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
     peak, strategy = plan.peak, run.cfg.strategy
+    if plan.pipeline and max(plan.pipeline["held_forwards"]) > run.cfg.pp * plan.pipeline["stages_per_rank"]:
+        return f"pipeline.schedule=1F1B or Interleaved1F1B (hold at most about pp={run.cfg.pp} micro-batches, not all)"
     if plan.activation_checkpointing != "full":
         with_ac = peak.total - peak.activations + peak.activations_full_ac
         if with_ac <= limit:
