@@ -204,3 +204,18 @@ def test_a_gpipe_plan_that_does_not_fit_is_told_to_hold_fewer_forwards() -> None
     plan = plan_for(run, 80 * 10**9)
     assert plan is not None and plan.fits is False
     assert hint(run, plan).startswith("pipeline.schedule=1F1B or Interleaved1F1B")
+
+
+def test_pp_training_and_its_rehearsal_are_refused_in_one_line_until_they_exist() -> None:
+    """Planned, not trained yet: fsdp-train pp=2 stops before any process starts (not on every
+    rank after), and fsdp-plan --rehearse says it does not build stages."""
+    train = cli_in_process(["accelerator=cpu", "devices=4", "pp=2", "--dry-run"], prog="fsdp-train")
+    assert train.returncode == 2
+    assert (
+        "pp=2: pipeline-parallel training is not available yet; allowed: 1; hint: fsdp-plan" in train.stderr
+    )
+    rehearse = cli_in_process([*MODEL, "pp=2", "--gpus", "8", "--rehearse", "--no-step"], prog="fsdp-plan")
+    assert (
+        rehearse.returncode == 2
+        and "pp=2: the rehearsal does not build pipeline stages yet" in rehearse.stderr
+    )
