@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,30 +141,49 @@ def clip(stages: list[Stage], pp_group: Any) -> None:
     torch.nn.utils.clip_grads_with_norm_(params, 1.0, squared.sqrt(), foreach=True)
 
 
-def main(out: str, opts: dict[str, str]) -> None:
+@dataclass
+class Pipeline:
+    """One rank's part of the pipeline, ready to train."""
+
+    facts: ScheduleFacts
+    mesh: Any
+    stages: list[Stage]
+    indices: list[int]
+    schedule: Any
+    stages_per_rank: int
+    microbatches: int
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.size(0)
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.indices
+
+    @property
+    def last(self) -> bool:
+        return self.pp * self.stages_per_rank - 1 in self.indices
+
+
+def build(opts: dict[str, str]) -> Pipeline:
+    """The mesh (pp x dp, pp outermost), this rank's sharded stages and torch's schedule over them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-    steps, warmup, log_every = int(opts["steps"]), int(opts["warmup"]), int(opts["log_every"])
-    batch, seq, pp = int(opts["global_batch_size"]), int(opts["seq_len"]), int(opts["pp"])
-    facts = schedule_facts(opts["schedule"])
+    pp, facts = int(opts["pp"]), schedule_facts(opts["schedule"])
     assert facts is not None, f"no such schedule: {opts['schedule']}"
     v = int(opts.get("stages_per_rank") or facts.default_stages_per_rank())
     microbatches = int(opts.get("microbatches") or pp * v)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp = world // pp
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    device = torch.device("cpu")
-    torch.manual_seed(SEED)
+    mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh.get_local_rank("pp")
     stages = build_stages(opts, facts, pp_rank, pp, v)
     for stage in stages:
-        shard_and_init(stage, mesh["dp"], opts, device)
+        shard_and_init(stage, mesh["dp"], opts, torch.device("cpu"))
     indices = facts.rank_stages(pp, v, pp_rank)
     pipeline = [
-        PipelineStage(stage, index, pp * v, device, group=mesh.get_group("pp"))
+        PipelineStage(stage, index, pp * v, torch.device("cpu"), group=mesh.get_group("pp"))
         for stage, index in zip(stages, indices, strict=True)
     ]
 
@@ -173,59 +193,78 @@ def main(out: str, opts: dict[str, str]) -> None:
     cls = get_schedule_class(facts.name)
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(pipeline[0] if single else pipeline, n_microbatches=microbatches, loss_fn=loss_fn)
-    params = [p for s in stages for p in s.parameters()]
+    return Pipeline(facts, mesh, stages, indices, schedule, v, microbatches)
+
+
+def train(run: Pipeline, opts: dict[str, str]) -> tuple[list[float], float]:
+    """The measured steps' times (per step, between host reads of the loss) and this rank's idle
+    fraction (time in the schedule's waits for its peers over the measured steps' time)."""
+    steps, warmup, log_every = int(opts["steps"]), int(opts["warmup"]), int(opts["log_every"])
+    batch, dp = int(opts["global_batch_size"]), run.mesh.size(1)
+    params = [p for s in run.stages for p in s.parameters()]
     optimizer = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    data = SyntheticTokens(vocab_size=VOCAB, seq_len=seq, seed=SEED)
+    data = SyntheticTokens(vocab_size=VOCAB, seq_len=int(opts["seq_len"]), seed=SEED)
+    dp_rank = run.mesh.get_local_rank("dp")
     sampler = iter(
         StepBatchSampler(global_batch_size=batch, micro_batch_size=batch // dp, dp_rank=dp_rank, dp_size=dp)
     )
-    first, last = 0 in indices, pp * v - 1 in indices
-    waited = timed_waits()
-    times: list[float] = []
-    t_last: float | None = None
+    waited, times, t_last = timed_waits(), [], None
     t_measured, waited_measured = 0.0, 0.0
     for step in range(1, steps + 1):
-        tokens = torch.stack([data[i] for i in next(sampler)]).to(device)
+        tokens = torch.stack([data[i] for i in next(sampler)])
         losses: list[torch.Tensor] = []
-        inputs = (tokens[:, :-1],) if first else ()
-        target = tokens[:, 1:] if last else None
         wait_before, started = waited(), time.perf_counter()
-        schedule.step(*inputs, target=target, losses=losses if last else None)
-        clip(stages, mesh.get_group("pp"))
+        run.schedule.step(
+            *((tokens[:, :-1],) if run.first else ()),
+            target=tokens[:, 1:] if run.last else None,
+            losses=losses if run.last else None,
+        )
+        clip(run.stages, run.mesh.get_group("pp"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step > warmup:
             t_measured += time.perf_counter() - started
             waited_measured += waited() - wait_before
         if step % log_every == 0:
-            value = torch.stack(losses).mean() if last else torch.zeros(())
-            dist.all_reduce(value, group=mesh.get_group("dp"))
+            value = torch.stack(losses).mean() if run.last else torch.zeros(())
+            dist.all_reduce(value, group=run.mesh.get_group("dp"))
             (value / dp).item()
             now = time.perf_counter()
             if t_last is not None and step > warmup:  # warmup is a multiple of log_every
                 times.append((now - t_last) / log_every)
             t_last = now
-    idle = waited_measured / t_measured if t_measured else float("nan")
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (pp_rank, idle))
-    if rank == 0:
-        by_stage = {r: statistics.mean(i for p, i in gathered if p == r) for r in range(pp)}
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "schedule": facts.name,
-                    "pp": pp,
-                    "dp": dp,
-                    "stages_per_rank": v,
-                    "microbatches": microbatches,
-                    "step_time_s": statistics.median(times),
-                    "samples": times,
-                    "idle_fraction_by_pp_rank": by_stage,
-                    "theoretical_bubble": facts.bubble_fraction(pp, microbatches, v),
-                    "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                }
-            )
-        )
+    return times, waited_measured / t_measured if t_measured else float("nan")
+
+
+def report(out: str, run: Pipeline, times: list[float], idle: float) -> None:
+    """Rank 0 writes the step time and each pipeline rank's idle fraction (mean over its dp ranks)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (run.mesh.get_local_rank("pp"), idle))
+    if dist.get_rank() != 0:
+        return
+    pp, v, m = run.pp, run.stages_per_rank, run.microbatches
+    by_stage = {r: statistics.mean(i for p, i in gathered if p == r) for r in range(pp)}
+    result = {
+        "schedule": run.facts.name,
+        "pp": pp,
+        "dp": run.mesh.size(1),
+        "stages_per_rank": v,
+        "microbatches": m,
+        "step_time_s": statistics.median(times),
+        "samples": times,
+        "idle_fraction_by_pp_rank": by_stage,
+        "theoretical_bubble": run.facts.bubble_fraction(pp, m, v),
+        "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    Path(out).write_text(json.dumps(result))
+
+
+def main(out: str, opts: dict[str, str]) -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(SEED)
+    run = build(opts)
+    times, idle = train(run, opts)
+    report(out, run, times, idle)
     dist.barrier()
     dist.destroy_process_group()
 
