@@ -219,3 +219,23 @@ def test_pp_training_and_its_rehearsal_are_refused_in_one_line_until_they_exist(
         rehearse.returncode == 2
         and "pp=2: the rehearsal does not build pipeline stages yet" in rehearse.stderr
     )
+
+
+def test_a_plain_module_is_cut_by_its_block_list() -> None:
+    """benchmarks.gpt.GPT (token and position embeddings, a ModuleList of blocks, a final norm
+    and head) at pp=2 x dp=2: stage 0 holds the embeddings and blocks 0-1, stage 1 blocks 2-3,
+    the norm and the head, each halved by FSDP2 (every dimension even)."""
+    from fsdp_cli.plan.check import model_spec
+
+    gpt = ["model=custom", "model._target_=benchmarks.gpt.GPT", "+model.dim=64", "+model.n_layers=4"]
+    run = run_of(composed(*gpt, "strategy=fsdp2", "pp=2", "data.global_batch_size=8"), gpus=4)
+    spec = model_spec(run)
+    assert spec is not None and spec.blocks == [f"blocks.{i}" for i in range(4)]
+    plan = plan_for(run)
+    assert plan is not None and [r.stages for r in plan.ranks] == [[0], [0], [1], [1]]
+
+    def numel(first: bool) -> int:
+        in_first = [p.name.startswith(("tok.", "pos.", "blocks.0.", "blocks.1.")) for p in spec.params]
+        return sum(p.numel for p, f in zip(spec.params, in_first, strict=True) if f == first)
+
+    assert (plan.ranks[0].params, plan.ranks[3].params) == (numel(True) // 2 * 4, numel(False) // 2 * 4)
