@@ -120,6 +120,13 @@ def test_the_plan_table_shows_each_stage() -> None:
         (8, PipelineOptions(), 8, "pp", "fewer than pp x stages_per_rank"),
         (2, PipelineOptions(microbatches=3), 8, "pipeline.microbatches", "allowed: 1, 2, 4, 8"),
         (4, PipelineOptions(microbatches=2), 8, "pipeline.microbatches", "needs at least pp=4"),
+        (
+            2,
+            PipelineOptions(schedule="DualPipeV", microbatches=2),
+            8,
+            "pipeline.microbatches",
+            "allowed: >= 4",
+        ),
     ],
 )
 def test_a_pipeline_layout_torch_cannot_run_is_one_line(
@@ -249,3 +256,47 @@ def test_a_plain_module_is_cut_by_its_block_list() -> None:
         return sum(p.numel for p, f in zip(spec.params, in_first, strict=True) if f == first)
 
     assert (plan.ranks[0].params, plan.ranks[3].params) == (numel(True) // 2 * 4, numel(False) // 2 * 4)
+
+
+def torch_peaks(name: str, pp: int, microbatches: int, v: int) -> list[int]:
+    """The most forwards each pipeline rank holds in torch's own order of actions for a runtime
+    schedule (torch's private ``_calculate_single_rank_operations``, on a bare instance: no
+    process group): a forward holds until its full backward, or under zero-bubble splitting
+    until its weight gradient (the layers' inputs stay until then)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    schedule = object.__new__(get_schedule_class(name))
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, v, microbatches
+    schedule.num_stages = schedule._num_stages = pp * v
+    schedule.number_of_rounds = max(1, microbatches // pp)
+    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
+    peaks = []
+    for rank in range(pp):
+        schedule.rank, held, peak = rank, 0, 0
+        for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+            kind = action.computation_type.name
+            held += kind == "FORWARD"
+            held -= kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT")
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize(
+    ("pp", "microbatches", "v"), [(2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 12, 3), (3, 6, 2)]
+)
+def test_held_forwards_are_those_of_torchs_own_schedule(
+    name: str, pp: int, microbatches: int, v: int
+) -> None:
+    """Exact for the interleaved schedules, an upper bound reached at the peak rank for the V ones."""
+    facts = schedule_facts(name)
+    assert facts is not None
+    if facts.v_shape and v != 2:
+        pytest.skip("V schedules hold exactly two stages per rank")
+    ours = [facts.held_activation_sets(pp, microbatches, v, r) for r in range(pp)]
+    torch_held = torch_peaks(name, pp, microbatches, v)
+    if facts.v_shape:
+        assert all(a >= b for a, b in zip(ours, torch_held, strict=True)) and max(ours) == max(torch_held)
+    else:
+        assert ours == torch_held

@@ -51,6 +51,13 @@ def pipeline_sizes(pp: int, options: PipelineOptions, *, n_blocks: int, batch: i
         raise ConfigError(key, value, problem, hint="a smaller pp or pipeline.stages_per_rank")
     microbatches = options.microbatches or n_stages
     _check_microbatches(facts, pp, microbatches, batch)
+    if facts.microbatch_per_stage and microbatches < n_stages:
+        raise ConfigError(
+            "pipeline.microbatches",
+            microbatches,
+            f"{facts.name} needs a micro-batch per stage: at least pp x stages_per_rank = {n_stages}",
+            allowed=f">= {n_stages}",
+        )
     return PipelineSizes(
         pp=pp,
         facts=facts,
