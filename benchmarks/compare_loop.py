@@ -53,7 +53,10 @@ class Cell:
         return f"{self.model}/{self.size}/{self.strategy}/log{self.log_every}"
 
 
-def fsdp_train_command(cell: Cell, args: argparse.Namespace, run_dir: Path) -> list[str]:
+def fsdp_train_command(
+    cell: Cell, args: argparse.Namespace, run_dir: Path, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The fsdp-train command of a cell; ``extra``: more overrides (``compare_pipeline.py``'s pp)."""
     size = SIZES[cell.size]
     if cell.model == "builtin":
         model = [
@@ -86,12 +89,14 @@ def fsdp_train_command(cell: Cell, args: argparse.Namespace, run_dir: Path) -> l
         f"data.seq_len={size['seq']}",
         "checkpoint.save_last=false",
         "optim.lr=3e-4",
+        *extra,
         f"hydra.run.dir={run_dir}",
     ]
 
 
-def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path) -> dict:
-    result = subprocess.run(fsdp_train_command(cell, args, run_dir), capture_output=True, text=True, cwd=REPO)
+def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
+    command = fsdp_train_command(cell, args, run_dir, extra)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"fsdp-train failed ({cell.name}):\n{result.stderr[-3000:]}")
     warmup = SIZES[cell.size]["warmup"]
@@ -210,12 +215,15 @@ def commit() -> str:
     )
 
 
-def record(path: Path, command: str, text: str, settings: str) -> None:
+def record(
+    path: Path, command: str, text: str, settings: str, marks: tuple[str, str] = (MARK_BEGIN, MARK_END)
+) -> None:
     """Replace the block between the markers in ``path`` with this run's table."""
     doc = path.read_text()
-    begin, end = doc.index(MARK_BEGIN), doc.index(MARK_END)
-    block = f"{MARK_BEGIN}\n`{command}` ({settings}):\n\n{text}\n{MARK_END}"
-    path.write_text(doc[:begin] + block + doc[end + len(MARK_END) :])
+    mark_begin, mark_end = marks
+    begin, end = doc.index(mark_begin), doc.index(mark_end)
+    block = f"{mark_begin}\n`{command}` ({settings}):\n\n{text}\n{mark_end}"
+    path.write_text(doc[:begin] + block + doc[end + len(mark_end) :])
 
 
 def main() -> None:

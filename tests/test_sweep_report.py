@@ -305,3 +305,39 @@ def test_an_optuna_sweep_logs_without_colour_codes_where_stderr_is_not_a_termina
     assert "\x1b[" not in formatter.format(record) and "Trial 0 finished" in formatter.format(record)
     callback.on_multirun_end(config)
     assert "NO_COLOR" not in os.environ
+
+
+def test_a_sweep_over_pp_and_schedules_shows_pp_and_why_a_layout_was_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp is a layout column like dp and tp: in summary.json (a skipped job's too), the CSV and
+    the table (shown once a job of the sweep pipelines); pp=3 on 4 processes is skipped with the
+    layout's own one line."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cfg = composed_job(tmp_path, "accelerator=cpu", "devices=4", "pp=3", "pipeline.schedule=GPipe")
+    reason = sweep_job.check_job(cfg)
+    assert reason is not None and reason.startswith("pp=3: must divide the world size 4"), reason
+    sweep_job.skip_job(reason, cfg)
+    skipped = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert (skipped["status"], skipped["pp"]) == ("skipped", 3)
+    d = tmp_path / "sweep"
+    ok = {
+        "status": "ok",
+        "tp": 1,
+        "strategy": "fsdp2",
+        "precision": "32-true",
+        "steps": 3,
+        "tokens_per_s": 9.0,
+    }
+    make_job(d, 0, ["pp=1", "pipeline.schedule=1F1B"], {**ok, "pp": 1, "dp": 4}, [5.0, 4.5])
+    make_job(d, 1, ["pp=2", "pipeline.schedule=GPipe"], {**ok, "pp": 2, "dp": 2}, [5.0, 4.5])
+    make_job(d, 2, ["pp=3", "pipeline.schedule=GPipe"], skipped, [])
+    jobs = collect(d)
+    assert [(j.pp, j.dp, j.status) for j in jobs] == [(1, 4, "ok"), (2, 2, "ok"), (3, None, "skipped")]
+    assert [row["pp"] for row in (j.row() for j in jobs)] == [1, 2, 3] and "pp" in COLUMNS
+    out = _rendered(lambda console: print_table(jobs, d, console), 140)
+    header = next(line for line in out.splitlines() if " overrides " in f" {line} ")
+    assert re.search(r"\bpp\s+dp\s+tp\b", header), out
+    assert all(_whole(word, out) for word in reason.split()), out  # the reason, wrapped between words
+    plain = _rendered(lambda console: print_table(jobs[:1], d, console), 140)
+    assert not re.search(r"\bpp\s+dp\b", plain), "no pp column for a sweep that does not pipeline"

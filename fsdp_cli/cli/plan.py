@@ -199,13 +199,13 @@ def run(resolved_run: Any, memory: int | None, *, as_json: bool, search_layouts:
     if search_layouts:
         from fsdp_cli.plan.search import search
 
-        found = search(resolved_run, spec, memory)
+        found, skipped = search(resolved_run, spec, memory)
         if as_json:
-            print(json.dumps([c.row for c in found], indent=2))
+            print(json.dumps([c.row for c in [*found, *skipped]], indent=2))
         else:
             from fsdp_cli.cli.plan_tables import print_search
 
-            print_search(found, memory)
+            print_search(found, skipped, memory)
         return
     plan = plan_memory(resolved_run, spec, memory)
     if as_json:

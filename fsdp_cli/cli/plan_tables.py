@@ -22,6 +22,7 @@ def _rank_groups(plan: Any) -> list[tuple[str, list[str]]]:
     groups: list[tuple[list[int], list[str]]] = []
     for rank in plan.ranks:
         cells = [
+            *([",".join(map(str, rank.stages))] if plan.pipeline else []),
             _gib(rank.params),
             _gib(rank.grads),
             _gib(rank.optimizer),
@@ -51,13 +52,18 @@ def print_plan(run: Any, plan: Any) -> None:
     from fsdp_cli.plan.memory import FIT_FRACTION
 
     layout = " x ".join(f"{k}={v}" for k, v in plan.layout.items())
+    batch = f"micro-batch {plan.micro_batch_size} x {plan.seq_len}"
+    if plan.pipeline:
+        pipe = plan.pipeline
+        batch = f"{plan.micro_batch_size} x {plan.seq_len} per forward in {pipe['microbatches']} micro-batches of {pipe['microbatch_size']}"
     table = Table(
-        title=f"fsdp-plan: {plan.strategy} {layout}, {plan.precision}, micro-batch {plan.micro_batch_size} x {plan.seq_len}, "
+        title=f"fsdp-plan: {plan.strategy} {layout}, {plan.precision}, {batch}, "
         f"activation checkpointing {plan.activation_checkpointing} (GiB per rank)",
         title_justify="left",
     )
     for column in (
         "rank",
+        *(["stages"] if plan.pipeline else []),
         "params",
         "grads",
         "optimizer",
@@ -71,6 +77,8 @@ def print_plan(run: Any, plan: Any) -> None:
         table.add_row(ranks, *cells)
     console = _console()
     console.print(table)
+    if plan.pipeline:
+        print(pipeline_line(plan.pipeline), flush=True)
     for note in plan.notes:
         console.print(f"note: {note}")
     if any(r.offloaded for r in plan.ranks):
@@ -86,7 +94,18 @@ def print_plan(run: Any, plan: Any) -> None:
         )
 
 
-def print_search(found: list[Any], memory: int | None) -> None:
+def pipeline_line(facts: dict[str, Any]) -> str:
+    """The schedule and what it holds, under the per-stage rows (a plain line: grep keeps it whole)."""
+    blocks = " ".join(f"{a}-{b - 1}" for a, b in facts["stage_blocks"])
+    held = ", ".join(map(str, facts["held_forwards"]))
+    return (
+        f"pipeline: {facts['schedule']}, {facts['stages_per_rank']} stage(s) per rank, "
+        f"{facts['microbatches']} micro-batches of {facts['microbatch_size']}; blocks per stage {blocks}; "
+        f"forwards held per pipeline rank {held}; theoretical bubble {facts['bubble_fraction']:.1%}"
+    )
+
+
+def print_search(found: list[Any], skipped: list[Any], memory: int | None) -> None:
     from rich.table import Table
 
     table = Table(
@@ -99,6 +118,8 @@ def print_search(found: list[Any], memory: int | None) -> None:
         fits = "?" if c.plan.fits is None else ("yes" if c.plan.fits else "no")
         table.add_row(fits, _gib(c.plan.peak.total), _gib(c.plan.peak.activations), c.overrides)
     _console().print(table)
+    for s in skipped:  # plain lines: a reason stays whole for grep
+        print(f"skipped: {s.overrides}: {s.reason}")
 
 
 def print_rehearsal(run: ResolvedRun, result: Any, plan: Any) -> None:

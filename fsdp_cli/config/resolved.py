@@ -121,6 +121,7 @@ class ResolvedRun:
             "strategy": self.entry.name,
             "accelerator": self.layout.accelerator,
             **self.layout.columns(),
+            "pp": self.cfg.pp,
             "precision": self.precision.name,
             "model": self.model_label,
             "run_dir": str(self.cfg.run_dir),

@@ -28,8 +28,10 @@ from typing import Any
 
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, tp_local_shape
+from fsdp_cli.pipeline.sizes import PipelineSizes
 from fsdp_cli.plan.model import Activations, ModelSpec
 
 FIT_FRACTION = 0.95
@@ -56,6 +58,8 @@ class RankMemory:
     """FSDP all-gather / reduce-scatter buffers (DDP under autocast: the low-precision weight copies)."""
     offloaded: int = 0
     """Parameters, gradients and optimizer state kept in host memory (``cpu_offload`` on GPUs)."""
+    stages: list[int] = field(default_factory=list)
+    """The pipeline stages this rank holds (empty without pipeline parallel)."""
 
     @property
     def total(self) -> int:
@@ -73,6 +77,9 @@ class MemoryPlan:
     ranks: list[RankMemory]
     device_memory: int | None = None
     notes: list[str] = field(default_factory=list)
+    pipeline: dict[str, Any] | None = None
+    """With pp > 1: the schedule, micro-batches and their size, the forwards each pipeline rank
+    holds and the schedule's theoretical bubble."""
 
     @property
     def peak(self) -> RankMemory:
@@ -114,6 +121,8 @@ class Placement:
     activation_checkpointing: str = ActivationCheckpointing.none.value
     ac_every_n_blocks: int = 1
     sequence_parallel: bool = False
+    pipeline: PipelineSizes | None = None
+    """With pp > 1: the sizes the ranks' ``stages`` refer to."""
 
 
 @dataclass(frozen=True)
@@ -131,9 +140,13 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
     if planner is None:
         raise ValueError(f"strategy={run.entry.name}: no memory plan for it")
     layout, data = run.layout, run.cfg.data
-    micro = data.micro_batch_size or data.global_batch_size // layout.dp
+    micro = per_rank_batch(run)
     dtypes = dtypes_of(run)
     placement = planner.place(run, spec, dtypes)
+    if run.cfg.pp > 1 and placement.pipeline is None:
+        raise ConfigError(
+            "pp", run.cfg.pp, f"strategy={run.entry.name} has no pipeline plan", allowed="strategy=fsdp2"
+        )
     acts = spec.activations(data.seq_len, dtypes.compute)
     mode, every, sp = (
         placement.activation_checkpointing,
@@ -142,15 +155,17 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
     )
     offloaded = layout.on_gpu and run.cfg.strategy.offloads()
     for rank in placement.ranks:
-        rank.activations_no_ac = micro * _activation_bytes(acts, "none", 1, layout.tp, sp)
-        rank.activations_full_ac = micro * _activation_bytes(acts, "full", 1, layout.tp, sp)
-        rank.activations = micro * _activation_bytes(acts, mode, every, layout.tp, sp)
+        held = _held_activations(placement, rank, acts, micro, layout.tp, sp)
+        rank.activations_no_ac = held("none", 1)
+        rank.activations_full_ac = held("full", 1)
+        rank.activations = held(mode, every)
         if offloaded:
             rank.offloaded = rank.params + rank.grads + rank.optimizer
             rank.params = rank.grads = rank.optimizer = 0
     return MemoryPlan(
         strategy=run.entry.name,
         layout={
+            **({"pp": run.cfg.pp} if placement.pipeline else {}),
             "replicate": layout.replicate,
             "shard": layout.shard,
             "tp": layout.tp,
@@ -163,7 +178,51 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
         ranks=placement.ranks,
         device_memory=device_memory,
         notes=list(spec.notes),
+        pipeline=_pipeline_facts(placement.pipeline),
     )
+
+
+def per_rank_batch(run: ResolvedRun) -> int:
+    """Sequences one data-parallel rank takes in one forward (``data.micro_batch_size``; without
+    it, its whole share of the global batch): under pipeline parallel, what one schedule step
+    splits into the pipeline's micro-batches."""
+    data = run.cfg.data
+    return data.micro_batch_size or data.global_batch_size // run.layout.dp
+
+
+def _held_activations(
+    placement: Placement, rank: RankMemory, acts: Activations, micro: int, tp: int, sp: bool
+) -> Callable[[str, int], int]:
+    """The activation bytes ``rank`` holds under a checkpointing mode: ``micro`` sequences'
+    worth; under pipeline parallel, the forwards its schedule keeps of its largest stage, at the
+    micro-batch size, plus one block's backward transient."""
+    sizes = placement.pipeline
+    if sizes is None:
+        return lambda mode, every: micro * int(sum(_activation_parts(acts, mode, every, tp, sp)))
+    from fsdp_cli.plan.stages import stage_activations
+
+    held = sizes.held(rank.stages[0] % sizes.pp)
+    parts = [stage_activations(acts, sizes, s) for s in rank.stages]
+
+    def bytes_held(mode: str, every: int) -> int:
+        kept, transient = zip(*(_activation_parts(a, mode, every, tp, sp) for a in parts), strict=True)
+        return int(sizes.microbatch_size * (held * max(kept) + max(transient)))
+
+    return bytes_held
+
+
+def _pipeline_facts(sizes: PipelineSizes | None) -> dict[str, Any] | None:
+    if sizes is None:
+        return None
+    return {
+        "schedule": sizes.facts.name,
+        "stages_per_rank": sizes.stages_per_rank,
+        "microbatches": sizes.microbatches,
+        "microbatch_size": sizes.microbatch_size,
+        "stage_blocks": [[r.start, r.stop] for r in sizes.blocks],
+        "held_forwards": [sizes.held(r) for r in range(sizes.pp)],
+        "bubble_fraction": sizes.bubble,
+    }
 
 
 def planner_of(run: ResolvedRun) -> Planner | None:
@@ -171,8 +230,10 @@ def planner_of(run: ResolvedRun) -> Planner | None:
     return PLANNERS[run.entry.name]
 
 
-def _activation_bytes(acts: Activations, mode: str, every: int, tp: int, sequence_parallel: bool) -> int:
-    """One sequence's saved activations on one rank, plus the transient of one block in backward
+def _activation_parts(
+    acts: Activations, mode: str, every: int, tp: int, sequence_parallel: bool
+) -> tuple[float, float]:
+    """One sequence's saved activations on one rank, and the transient of one block in backward
     (its recomputation under checkpointing, its activation gradients otherwise)."""
     inner = 1 / tp if acts.tp_shards_blocks else 1.0
     blocks = [b * inner for b in acts.blocks]
@@ -185,7 +246,7 @@ def _activation_bytes(acts: Activations, mode: str, every: int, tp: int, sequenc
         checkpointed = set()
     kept = sum(inputs[i] if i in checkpointed else blocks[i] for i in range(len(blocks)))
     transient = max(blocks, default=0)
-    return int(kept + transient + acts.other)
+    return kept + acts.other, transient
 
 
 # --------------------------------------------------------------------------- strategies
@@ -204,31 +265,63 @@ def _unit_sizes(spec: ModelSpec, tp: int) -> dict[str, int]:
 
 def _fsdp2_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
     strategy, layout = run.cfg.strategy, run.layout
-    # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
-    shapes = Counter((p.shape, p.tp_dim) for p in spec.params)
-    buffers = _gather_buffers(
-        _unit_sizes(spec, layout.tp),
-        dtypes,
-        keep_all=strategy.reshard_after_forward is False,
-        keep_root=True,  # parallel/fsdp2.py leaves the root gathered from forward to backward
-    )
-    by_coordinate: dict[tuple[int, int], RankMemory] = {}
+    sizes = None
+    if run.cfg.pp > 1:
+        from fsdp_cli.plan.stages import sizes_of
+
+        sizes = sizes_of(run, spec, per_rank_batch(run))
+    pipeline_ranks = [_fsdp2_pipeline_rank(run, spec, dtypes, sizes, r) for r in range(run.cfg.pp)]
+    stage_world = layout.world_size // run.cfg.pp
     ranks = []
     for rank in range(layout.world_size):
-        coordinate = ((rank // layout.tp) % layout.shard, rank % layout.tp)
-        if coordinate not in by_coordinate:
-            by_coordinate[coordinate] = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate, dtypes)
-        ranks.append(dataclasses.replace(by_coordinate[coordinate], rank=rank, buffers=buffers))
+        pp_rank, local = divmod(rank, stage_world)  # pp is the mesh's outermost dimension
+        coordinate = ((local // layout.tp) % layout.shard, local % layout.tp)
+        ranks.append(dataclasses.replace(pipeline_ranks[pp_rank](coordinate), rank=rank))
     return Placement(
         ranks,
         activation_checkpointing=strategy.activation_checkpointing.value,
         ac_every_n_blocks=strategy.ac_every_n_blocks,
         sequence_parallel=strategy.sequence_parallel,
+        pipeline=sizes,
     )
+
+
+def _fsdp2_pipeline_rank(
+    run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes, sizes: PipelineSizes | None, pp_rank: int
+) -> Callable[[tuple[int, int]], RankMemory]:
+    """The memory of one pipeline rank's (shard, tp) coordinates: the parameters of its stages
+    (the whole model without pipeline parallel), each stage an FSDP root of its own."""
+    layout, keep_all = run.layout, run.cfg.strategy.reshard_after_forward is False
+    if sizes is None:
+        params, stages, units = spec.params, [], [_unit_sizes(spec, layout.tp)]
+    else:
+        from fsdp_cli.plan.stages import stage_params, stage_units
+
+        stages = sizes.rank_stages(pp_rank)
+        by_stage = stage_params(spec, sizes)
+        params = [p for s in stages for p in by_stage[s]]
+        units = [stage_units(spec, by_stage[s], layout.tp) for s in stages]
+    # keep_root: parallel/fsdp2.py leaves the root gathered from forward to backward; one stage
+    # runs at a time, but with resharding after forward off every stage stays gathered.
+    gathered = [_gather_buffers(u, dtypes, keep_all=keep_all, keep_root=True) for u in units]
+    buffers = sum(gathered) if keep_all else max(gathered)
+    # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
+    shapes = Counter((p.shape, p.tp_dim) for p in params)
+    cache: dict[tuple[int, int], RankMemory] = {}
+
+    def memory(coordinate: tuple[int, int]) -> RankMemory:
+        if coordinate not in cache:
+            mem = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate, dtypes)
+            cache[coordinate] = dataclasses.replace(mem, buffers=buffers, stages=stages)
+        return cache[coordinate]
+
+    return memory
 
 
 def _fsdp2_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
     peak, strategy = plan.peak, run.cfg.strategy
+    if plan.pipeline and max(plan.pipeline["held_forwards"]) > run.cfg.pp * plan.pipeline["stages_per_rank"]:
+        return f"pipeline.schedule=1F1B or Interleaved1F1B (hold at most about pp={run.cfg.pp} micro-batches, not all)"
     if plan.activation_checkpointing != "full":
         with_ac = peak.total - peak.activations + peak.activations_full_ac
         if with_ac <= limit:

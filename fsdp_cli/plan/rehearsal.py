@@ -63,6 +63,14 @@ class Rehearsal:
 def rehearse(run: ResolvedRun, rank: int = 0, *, step: bool = True) -> Rehearsal:
     """Rehearse rank ``rank`` of a resolved, validated run. A layout the model cannot take raises
     :class:`ConfigError` (one line)."""
+    if run.cfg.pp > 1:  # (issue 29's pipeline stages make this possible)
+        raise ConfigError(
+            "pp",
+            run.cfg.pp,
+            "the rehearsal does not build pipeline stages yet",
+            allowed="1",
+            hint="fsdp-plan without --rehearse plans each stage (docs/pipeline.md)",
+        )
     run = rehearsal_run(run)
     world = FakeWorld(num_nodes=run.layout.num_nodes, per_node=run.layout.devices, rank=rank)
     if not 0 <= rank < world.world_size:

@@ -30,67 +30,128 @@ class Candidate:
         }
 
 
+@dataclass
+class Skipped:
+    """A candidate the run cannot take, and the one-line reason."""
+
+    overrides: str
+    reason: str
+
+    @property
+    def row(self) -> dict[str, object]:
+        return {"overrides": self.overrides, "skipped": self.reason}
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
-    """FSDP2 over every tp (within a node) x HSDP replication x activation checkpointing x
-    reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices and nodes (each a
-    config of its own layout, resolved as its own run by :func:`search`)."""
+    """FSDP2 over every pipeline size x tp (within a node) x HSDP replication x activation
+    checkpointing x reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices
+    and nodes (each a config of its own layout, resolved as its own run by :func:`search`)."""
     cfg, world = run.cfg, run.layout.world_size
     base = cfg.strategy if isinstance(cfg.strategy, FSDP2Config) else FSDP2Config()
     out: list[tuple[str, TrainConfig]] = []
     for tp in _divisors(int(cfg.devices)):
-        dp = world // tp
-        for replicate in _divisors(dp):
-            for ac in (
-                ActivationCheckpointing.none,
-                ActivationCheckpointing.selective,
-                ActivationCheckpointing.full,
-            ):
-                for reshard in (True, False):
-                    strategy = dataclasses.replace(
-                        base,
-                        replicate_size=replicate,
-                        activation_checkpointing=ac,
-                        reshard_after_forward=reshard,
-                    )
-                    text = (
-                        f"strategy=fsdp2 tp={tp} strategy.replicate_size={replicate} "
-                        f"strategy.activation_checkpointing={ac.value} strategy.reshard_after_forward={str(reshard).lower()}"
-                    )
-                    out.append((text, dataclasses.replace(cfg, strategy=strategy, tp=tp, dp=dp)))
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            pp_text, staged = _pipelined(cfg, pp, dp)
+            for replicate in _divisors(dp):
+                for ac in (
+                    ActivationCheckpointing.none,
+                    ActivationCheckpointing.selective,
+                    ActivationCheckpointing.full,
+                ):
+                    for reshard in (True, False):
+                        strategy = dataclasses.replace(
+                            base,
+                            replicate_size=replicate,
+                            activation_checkpointing=ac,
+                            reshard_after_forward=reshard,
+                        )
+                        text = (
+                            f"strategy=fsdp2 {pp_text}tp={tp} strategy.replicate_size={replicate} "
+                            f"strategy.activation_checkpointing={ac.value} strategy.reshard_after_forward={str(reshard).lower()}"
+                        )
+                        out.append((text, dataclasses.replace(staged, strategy=strategy, tp=tp, dp=dp)))
     out.append(
         (
             "strategy=fsdp",
             dataclasses.replace(
-                cfg, strategy=FSDPConfig(sharding_strategy=ShardingStrategy.FULL_SHARD), tp=1, dp=world
+                cfg, strategy=FSDPConfig(sharding_strategy=ShardingStrategy.FULL_SHARD), tp=1, dp=world, pp=1
             ),
         )
     )
-    out.append(("strategy=ddp", dataclasses.replace(cfg, strategy=DDPConfig(), tp=1, dp=world)))
+    out.append(("strategy=ddp", dataclasses.replace(cfg, strategy=DDPConfig(), tp=1, dp=world, pp=1)))
     return out
 
 
-def search(run: ResolvedRun, spec: ModelSpec, device_memory: int | None) -> list[Candidate]:
+def _pipelined(cfg: TrainConfig, pp: int, dp: int) -> tuple[str, TrainConfig]:
+    """``cfg`` at pipeline size ``pp`` (and the overrides that say so). Unless the config fixes
+    the micro-batches, gradient accumulation becomes the pipeline's micro-batches: each forward
+    takes the rank's whole batch (global / dp) in micro-batches of ``data.micro_batch_size``, so
+    a pipeline micro-batch holds what an accumulation step held."""
+    if pp == 1:
+        return "", dataclasses.replace(cfg, pp=1)
+    text = f"pp={pp} "
+    data, pipeline = cfg.data, cfg.pipeline
+    if pipeline.microbatches is None and data.micro_batch_size and data.global_batch_size % dp == 0:
+        batch = data.global_batch_size // dp
+        if batch % data.micro_batch_size == 0:
+            microbatches = batch // data.micro_batch_size
+            data = dataclasses.replace(data, micro_batch_size=batch)
+            pipeline = dataclasses.replace(pipeline, microbatches=microbatches)
+            text += f"data.micro_batch_size={batch} pipeline.microbatches={microbatches} "
+    return text, dataclasses.replace(cfg, pp=pp, data=data, pipeline=pipeline)
+
+
+def search(
+    run: ResolvedRun, spec: ModelSpec, device_memory: int | None
+) -> tuple[list[Candidate], list[Skipped]]:
     """Every valid candidate's plan: the fitting ones first, least memory first among them
-    after preferring no recomputation and fewer tensor-parallel ranks (less communication)."""
-    found = []
+    after preferring no recomputation, fewer tensor-parallel ranks (less communication) and
+    fewer pipeline stages (a smaller bubble); and the candidates the run cannot take, each with
+    its reason (pipeline sizes not dividing the model's blocks among them)."""
+    found, skipped = [], []
     for text, candidate in candidates(run):
         try:
+            _check_blocks(candidate.pp, spec)
             candidate_run = checked_run(candidate)  # another layout: a run of its own
             validate(candidate_run)
-        except ConfigError:
-            continue
-        found.append(Candidate(text, plan_memory(candidate_run, spec, device_memory)))
+            found.append(Candidate(text, plan_memory(candidate_run, spec, device_memory)))
+        except ConfigError as err:
+            skipped.append(Skipped(text, err.one_line()))
     cost = {"none": 0, "selective": 1, "full": 2}
-    return sorted(
+    ranked = sorted(
         found,
         key=lambda c: (
             c.plan.fits is False,
             cost[c.plan.activation_checkpointing],
             c.plan.layout["tp"],
+            c.plan.layout.get("pp", 1),
             c.plan.peak.total,
         ),
     )
+    return ranked, _one_per_reason(skipped)
+
+
+def _check_blocks(pp: int, spec: ModelSpec) -> None:
+    """A candidate's stages are even: pp divides the model's blocks."""
+    if pp > 1 and len(spec.blocks) % pp:
+        raise ConfigError(
+            "pp",
+            pp,
+            f"does not divide the model's {len(spec.blocks)} blocks (uneven stages)",
+            allowed=", ".join(str(d) for d in _divisors(len(spec.blocks))),
+        )
+
+
+def _one_per_reason(skipped: list[Skipped]) -> list[Skipped]:
+    """The skipped candidates, one per layout and reason (the activation checkpointing and
+    resharding variants of a layout fail alike)."""
+    seen: dict[tuple[str, str], Skipped] = {}
+    for s in skipped:
+        layout = s.overrides.split(" strategy.activation_checkpointing=")[0]
+        seen.setdefault((layout, s.reason), Skipped(layout, s.reason))
+    return list(seen.values())

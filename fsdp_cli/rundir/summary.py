@@ -35,6 +35,7 @@ class RunSummary:
     strategy: str | None = None
     accelerator: str | None = None
     world_size: int | None = None
+    pp: int | None = None
     dp: int | None = None
     tp: int | None = None
     precision: str | None = None

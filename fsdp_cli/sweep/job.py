@@ -138,6 +138,7 @@ def layout_of(cfg: DictConfig) -> dict[str, Any]:
     columns = {
         "strategy": typed.strategy.name,
         "precision": typed.precision.name,
+        "pp": typed.pp,
         "tp": typed.tp,
         "dp": None if typed.dp == "auto" else typed.dp,
         "model": model_label(typed),

@@ -22,6 +22,7 @@ COLUMNS = (
     "overrides",
     "status",
     "reason",
+    "pp",
     "dp",
     "tp",
     "strategy",
@@ -47,6 +48,7 @@ class JobResult:
     overrides: list[str]
     status: str
     reason: str | None = None
+    pp: int | None = None
     dp: int | None = None
     tp: int | None = None
     strategy: str | None = None
@@ -93,6 +95,7 @@ def read_job(job_dir: Path) -> JobResult:
         overrides=_overrides(job_dir),
         status=str(summary.get("status") or STATUS_FAILED),
         reason=summary.get("reason") or summary.get("error"),
+        pp=summary.get("pp"),
         dp=summary.get("dp"),
         tp=summary.get("tp"),
         strategy=summary.get("strategy"),

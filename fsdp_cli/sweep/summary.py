@@ -93,6 +93,17 @@ STACKED = (
 GAP = 2
 """Blank columns between two of the table's columns (one of padding either side of the line)."""
 LEFT = ("overrides", "status", "strategy", "precision", "reason / error")
+PIPELINE = "pp"
+"""The pipeline-parallel column, before ``dp``: shown when a job of the sweep has pp > 1."""
+
+
+def _with_pp(headers: Sequence[str]) -> tuple[str, ...]:
+    at = list(headers).index("dp")
+    return (*headers[:at], PIPELINE, *headers[at:])
+
+
+def pipelined(jobs: Sequence[JobResult]) -> bool:
+    return any((j.pp or 1) > 1 for j in jobs)
 
 
 def print_table(jobs: Sequence[JobResult], sweep_dir: Path, console: Console | None = None) -> None:
@@ -108,14 +119,17 @@ def print_table(jobs: Sequence[JobResult], sweep_dir: Path, console: Console | N
         title += "; no job ran: every job was skipped (reasons below)"
     _print_whole(console, Text(title))
     best = max((j.tokens_per_s for j in jobs if j.tokens_per_s), default=None)
-    rows = [_cells(j, best) for j in jobs]
-    for groups in ([HEADERS], STACKED):
-        tables = [_table(jobs, rows, group, console.width) for group in groups]
+    with_pp = pipelined(jobs)
+    rows = [_cells(j, best, with_pp=with_pp) for j in jobs]
+    headers = _with_pp(HEADERS) if with_pp else HEADERS
+    stacked = [_with_pp(STACKED[0]), STACKED[1]] if with_pp else STACKED
+    for groups in ([headers], stacked):
+        tables = [_table(jobs, rows, group, console.width, headers) for group in groups]
         if all(table is not None for table in tables):
             console.print(*tables)
             return
     for job, row in zip(jobs, rows):
-        _print_stacked(console, job, row)
+        _print_stacked(console, job, row, headers)
 
 
 def _console() -> Console:
@@ -125,11 +139,15 @@ def _console() -> Console:
 
 
 def _table(
-    jobs: Sequence[JobResult], rows: Sequence[Sequence[str]], headers: Sequence[str], width: int
+    jobs: Sequence[JobResult],
+    rows: Sequence[Sequence[str]],
+    headers: Sequence[str],
+    width: int,
+    all_headers: Sequence[str] = HEADERS,
 ) -> Table | None:
-    """The ``headers`` columns of every job (a skipped job has no numbers to show), or None where
-    they do not fit ``width`` without cutting a word."""
-    index = [HEADERS.index(h) for h in headers]
+    """The ``headers`` columns (of the rows' ``all_headers``) of every job (a skipped job has no
+    numbers to show), or None where they do not fit ``width`` without cutting a word."""
+    index = [list(all_headers).index(h) for h in headers]
     numbers_only = "reason / error" not in headers
     keep = [i for i, job in enumerate(jobs) if not (numbers_only and job.status == STATUS_SKIPPED)]
     cells = [[rows[r][i] for i in index] for r in keep]
@@ -148,7 +166,9 @@ def _table(
     return table
 
 
-def _print_stacked(console: Console, job: JobResult, row: Sequence[str]) -> None:
+def _print_stacked(
+    console: Console, job: JobResult, row: Sequence[str], headers: Sequence[str] = HEADERS
+) -> None:
     """One job as a block: a skipped job on one line with its reason; else every value that is
     not "-" on a line of its own, so nothing is cut however narrow the terminal."""
     colour = STATUS_COLOURS.get(job.status, "red")
@@ -157,7 +177,7 @@ def _print_stacked(console: Console, job: JobResult, row: Sequence[str]) -> None
         _print_whole(console, head.append(f": {job.reason or ''}"))
         return
     _print_whole(console, head)
-    for header, value in zip(HEADERS[3:], row[3:]):
+    for header, value in zip(headers[3:], row[3:]):
         if value not in ("-", ""):
             _print_whole(console, Text(f"    {header}: {value}"))
 
@@ -181,11 +201,13 @@ def sweep_exit_status(jobs: Sequence[JobResult]) -> int:
     return EXIT_CONFIG_ERROR if none_ran(jobs) else EXIT_OK
 
 
-def _cells(j: JobResult, best: float | None) -> list[str]:
+def _cells(j: JobResult, best: float | None, *, with_pp: bool = False) -> list[str]:
+    """The row of :data:`HEADERS` (with ``pp`` before ``dp`` when ``with_pp``)."""
     return [
         j.job,
         j.label,
         j.status,
+        *([_show(j.pp)] if with_pp else []),
         *(_show(v) for v in (j.dp, j.tp, j.strategy, j.precision, j.steps)),
         "-" if j.final_loss is None else f"{j.final_loss:.4f}",
         "-" if j.tokens_per_s is None else f"{j.tokens_per_s:,.0f}",
