@@ -80,6 +80,7 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         world_size=devices * num_nodes,
         dp=dp,
         tp=tp,
+        pp=_positive_int("pp", cfg.pp),
         replicate=cfg.strategy.replicas(),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )
