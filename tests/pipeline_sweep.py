@@ -72,7 +72,7 @@ class PlainModel(nn.Module):
 def llama() -> nn.Module:
     from fsdp_cli.models.llama import Llama
 
-    args = LlamaArgs(dim=16, n_layers=4, n_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, tie_embeddings=False)
+    args = LlamaArgs(dim=16, n_layers=8, n_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, tie_embeddings=False)
     return Llama(args, seed=0)
 
 

@@ -38,7 +38,9 @@ class SizeNames:
     pp: str = "pp"
 
 
-LIBRARY_NAMES = SizeNames("data_parallel_size", "tensor_parallel_size", "replicate_size", "pipeline_parallel_size")
+LIBRARY_NAMES = SizeNames(
+    "data_parallel_size", "tensor_parallel_size", "replicate_size", "pipeline_parallel_size"
+)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.activation_checkpoint import apply_ac
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
@@ -56,7 +57,9 @@ def layout_of(options: PipelineOptions, dims: ParallelDims, pp_rank: int, n_bloc
     )
 
 
-def parallelize_stages(split: PipelineSplit, layout: PipelineLayout, dims: ParallelDims, options: Any) -> list[StageView]:
+def parallelize_stages(
+    split: PipelineSplit, layout: PipelineLayout, dims: ParallelDims, options: Any
+) -> list[StageView]:
     """Cut ``split.model`` to this rank's stages and parallelize them (``options``: the strategy's
     :class:`~fsdp_cli.parallel.parallelize.ParallelizeOptions`); returns the stage views."""
     from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
@@ -67,7 +70,15 @@ def parallelize_stages(split: PipelineSplit, layout: PipelineLayout, dims: Paral
     block_classes = repeated_block_classes(model)
     blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
     if dims.tp_enabled:
-        plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel) or {}
+        plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
+        if plan is None:
+            raise ConfigError(
+                "tp",
+                dims.tp,
+                f"{type(model).__name__} has no tensor-parallel plan",
+                allowed="tp=1 for this model",
+                hint="define model.tp_plan(sequence_parallel), or use tp=1",
+            )
         apply_tp(model, dims.tp_mesh, {k: v for k, v in plan.items() if _present(model, k)})
     if options.float8:
         from fsdp_cli.parallel.float8 import apply_float8, emulates_float8
@@ -139,7 +150,9 @@ class PipelineDriver:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.scale
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool, scale: float = 1.0) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool, scale: float = 1.0
+    ) -> torch.Tensor:
         """The step's loss (unscaled), the same on every rank of the pipeline."""
         self.scale = scale
         losses: list[torch.Tensor] = []

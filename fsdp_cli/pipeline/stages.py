@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -55,7 +56,9 @@ class StageView(nn.Module):
     """One stage: its blocks (keyed by their index in the whole model), and the first / last
     parts when it is the first / last stage. The parts are the pruned model's own modules."""
 
-    def __init__(self, split: PipelineSplit, blocks: dict[str, nn.Module], *, first: bool, last: bool) -> None:
+    def __init__(
+        self, split: PipelineSplit, blocks: dict[str, nn.Module], *, first: bool, last: bool
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleDict(blocks)
         self.first_parts = nn.ModuleList([split.model.get_submodule(n) for n in split.first] if first else [])
@@ -84,7 +87,7 @@ def sequential_split(model: nn.Module) -> PipelineSplit | None:
     classes = repeated_block_classes(model)
     if not classes:
         return None
-    names = list(model._modules)
+    names = [n for n, _ in model.named_children()]
     stacks = [
         n
         for n, child in model.named_children()
@@ -136,7 +139,11 @@ def prune(split: PipelineSplit, ranges: Sequence[range], ids: Sequence[int]) -> 
     keyed by the blocks' indices, so every kept name stays the whole model's."""
     keep = {i for s in ids for i in ranges[s]}
     container = split.model.get_submodule(split.blocks)
-    blocks = dict(container.items()) if isinstance(container, nn.ModuleDict) else {str(i): b for i, b in enumerate(container)}
+    blocks = (
+        dict(container.items())
+        if isinstance(container, nn.ModuleDict)
+        else {str(i): b for i, b in enumerate(container)}
+    )
     _replace(split.model, split.blocks, nn.ModuleDict({k: b for k, b in blocks.items() if int(k) in keep}))
     if 0 not in ids:
         for name in split.first:
@@ -163,4 +170,4 @@ def views(split: PipelineSplit, ranges: Sequence[range], ids: Sequence[int]) -> 
 def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    parent._modules[leaf] = module
+    setattr(parent, leaf, module)  # (None on a registered child: nn.Module keeps the name, empty)
