@@ -100,7 +100,9 @@ def one_process(factory: Callable[[], nn.Module], steps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for batch in batches(steps):
-        loss = loss_fn(model(batch[:, :-1]) if not hasattr(model, "hf") else model(batch[:, :-1]), batch[:, 1:])
+        loss = loss_fn(
+            model(batch[:, :-1]) if not hasattr(model, "hf") else model(batch[:, :-1]), batch[:, 1:]
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -151,7 +153,13 @@ def main() -> None:
             losses = pipelined(factories[name], dims, schedule, args.steps)
             if dist.get_rank() == 0:
                 worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-                row = {"model": name, "schedule": schedule, "losses": losses, "reference": reference, "rel": worst}
+                row = {
+                    "model": name,
+                    "schedule": schedule,
+                    "losses": losses,
+                    "reference": reference,
+                    "rel": worst,
+                }
                 print(json.dumps(row), flush=True)
     dist.destroy_process_group()
     os._exit(0)

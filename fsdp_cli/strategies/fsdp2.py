@@ -127,6 +127,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.pipeline_options = pipeline or PipelineOptions()
         self.pipeline: Any = None  # the PipelineDriver, once the stages exist (pp > 1)
         self._pipeline_stages: list[nn.Module] | None = None
+        self._pipeline_grads: list[tuple[Any, Any]] = []
         self.given_dims = dims
         self.dims: ParallelDims | None = None
         self.parallelize_report: ParallelizeReport | None = None
@@ -372,7 +373,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             rank_zero_info("FSDP2Strategy: restored the optimizer state deferred from checkpoint loading.")
         if self.pipeline is not None:
             with self.precision_plugin.train_step_context():
-                return self._pipeline_step(args[0], train=True)
+                return self._pipeline_step(args[0], train=True, batch_idx=args[1] if len(args) > 1 else 0)
         if self._root_is_the_module():
             with self.precision_plugin.train_step_context():
                 return self._as_root_forward("training_step", *args, **kwargs)
@@ -390,13 +391,27 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 return self._as_root_forward("validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
 
-    def _pipeline_step(self, batch: Any, *, train: bool) -> Any:
+    def _pipeline_step(self, batch: Any, *, train: bool, batch_idx: int = 0) -> Any:
         """One batch through the schedule (backward included when training); the loss of the
         whole batch, on every rank of the pipeline. Gradients are scaled for accumulation here,
         since the schedule, not Lightning, runs backward."""
-        inputs, targets = self.lightning_module.pipeline_inputs(batch)
-        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches if train else 1.0
-        return self.pipeline.step(inputs, targets, train=train, scale=scale)
+        module = self.lightning_module
+        inputs, targets = module.pipeline_inputs(batch)
+        accumulation = module.trainer.accumulate_grad_batches
+        scale = 1.0 / accumulation if train else 1.0
+        if train and batch_idx % accumulation == 0:
+            # A new optimizer step: Lightning zeroes the gradients only after this step, too late
+            # for a step that runs backward itself.
+            for param in module.parameters():
+                param.grad = None
+        loss = self.pipeline.step(inputs, targets, train=train, scale=scale)
+        if train:
+            # Lightning zeroes gradients between the step and its backward, and this step has run
+            # backward already: the gradients wait aside until backward() puts them back.
+            self._pipeline_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+            for param, _ in self._pipeline_grads:
+                param.grad = None
+        return loss
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward, less the backward pass itself under pipeline parallel: the
@@ -407,6 +422,9 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for param, grad in self._pipeline_grads:
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._pipeline_grads = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
