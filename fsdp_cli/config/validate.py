@@ -464,8 +464,44 @@ def check_callbacks(run: ResolvedRun) -> None:
             check_dotted(f"callbacks.{name}._target_", str(entry["_target_"]))
 
 
+def check_pipeline_layout(run: ResolvedRun) -> None:
+    """``pp`` and ``pipeline.*`` (:func:`fsdp_cli.pipeline.checks.check_pipeline`): the strategy,
+    the schedule, stages per rank, the cut (when the model's blocks are known before launch),
+    micro-batches."""
+    from fsdp_cli.pipeline.checks import check_pipeline
+
+    cfg = run.cfg
+    if cfg.pp == 1:
+        return
+    settings = cfg.strategy.parallelize_settings()
+    for key, refused in (
+        ("parallelize_fn", "a parallelize_fn of yours does not know the stages"),
+        ("sequence_parallel", "sequence-parallel activations between stages are not verified here"),
+    ):
+        if settings is not None and getattr(cfg.strategy, key, None):
+            raise ConfigError(
+                f"strategy.{key}",
+                getattr(cfg.strategy, key),
+                f"not with pp={cfg.pp}: {refused}",
+                allowed="null/false with pp > 1",
+                hint=f"drop strategy.{key}, or pp=1",
+            )
+    points = run.model_kind.stage_split_points(cfg.model)
+    data = cfg.data
+    per_rank = data.global_batch_size // run.layout.dp if getattr(data, "global_batch_size", None) else 1
+    forward_batch = getattr(data, "micro_batch_size", None) or per_rank
+    check_pipeline(
+        cfg.pp,
+        cfg.pipeline,
+        strategy=run.entry.name,
+        n_blocks=len(points) if points is not None else None,
+        forward_batch=forward_batch,
+    )
+
+
 CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
+    check_pipeline_layout,
     check_model,
     check_datamodule,
     check_trainer,
