@@ -1,0 +1,110 @@
+"""Pipeline parallel (issue 29): layouts refused before launch, every schedule against one process,
+and fsdp-train end to end with pp=2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cli_in_process, losses, run, run_cli
+from harness import REPO
+
+from fsdp_cli.errors import ConfigError
+from fsdp_cli.parallel.dims import ParallelDims
+
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+SWEEP = REPO / "tests" / "pipeline_sweep.py"
+
+
+# ---------------------------------------------------------------- fast tier: bad input
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (["pp=3"], "pp=3", ["divide the world size 2", "allowed: 1, 2"]),
+        (["pp=2", "strategy=ddp"], "pp=2", ["strategy=ddp", "strategy=fsdp2"]),
+        (["pp=2", "pipeline.schedule=Foo"], "pipeline.schedule=Foo", ["1F1B", "DualPipeV"]),
+        (
+            ["pp=2", "pipeline.schedule=ZBVZeroBubble", "pipeline.stages_per_rank=3"],
+            "pipeline.stages_per_rank=3",
+            ["allowed: 2"],
+        ),
+        (
+            ["pp=2", "pipeline.schedule=1F1B", "pipeline.stages_per_rank=2"],
+            "pipeline.stages_per_rank=2",
+            ["allowed: 1"],
+        ),
+        (["pp=2", "pipeline.microbatches=3"], "pipeline.microbatches=3", ["8 sequences", "1, 2, 4, 8"]),
+        (["pp=2", "pipeline.microbatches=1"], "pipeline.microbatches=1", ["at least pp=2"]),
+        (["devices=4", "pp=4", "pipeline.schedule=Interleaved1F1B"], "pp=4", ["4 blocks", "8 stages"]),
+        (["pp=2", "pipeline.cut=explicit", "pipeline.cuts=[3,1]"], "pipeline.cuts", ["1 cut points"]),
+        (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
+    ],
+)
+def test_an_impossible_pipeline_layout_is_one_line_before_launch(
+    overrides: list[str], key: str, words: list[str], tmp_path: Path
+) -> None:
+    result = cli_in_process(["recipe=cpu_smoke", *overrides], tmp_path / "run", env=CPU)
+    assert result.returncode == 2, result
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fsdp-train: error: "), result.stderr
+    assert key in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_pp_is_a_named_dimension_of_the_mesh_sizes() -> None:
+    dims = ParallelDims.resolve(world_size=8, pp=2, tp=2)
+    assert (dims.pp, dims.dp, dims.tp, dims.world_size) == (2, 2, 2, 8)
+    assert list(dims.sizes()) == [
+        "pipeline_parallel",
+        "data_parallel_replicate",
+        "data_parallel_shard",
+        "tensor_parallel",
+    ]
+    with pytest.raises(ConfigError, match=r"dp\(4\) \* tp\(2\) != world size 4 \(= 8 / pp=2"):
+        ParallelDims.resolve(world_size=8, pp=2, tp=2, dp=4)
+
+
+# ---------------------------------------------------------------- every schedule against one process
+
+
+def sweep(nproc: int, *args: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(SWEEP), *args]
+    result = run(cmd, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [(2, ["--pp=2"]), (4, ["--pp=2", "--dp=2"]), (4, ["--pp=2", "--tp=2"])],
+    ids=["pp2", "pp2xdp2", "pp2xtp2"],
+)
+def test_every_schedule_equals_one_process(nproc: int, layout: list[str]) -> None:
+    """8 steps of AdamW; the Llama has 8 blocks, so each stage holds several FSDP units (the
+    zero-bubble and V schedules give wrong gradients when a unit reshards after forward)."""
+    rows = sweep(nproc, *layout, "--models=llama,module", "--steps=8")
+    assert len(rows) == 2 * 7, rows
+    for row in rows:
+        assert row["rel"] < 1e-5, (row["model"], row["schedule"], row["losses"], row["reference"])
+
+
+@pytest.mark.distributed
+def test_fsdp_train_pp2_equals_one_process(tmp_path: Path) -> None:
+    common = [
+        "recipe=cpu_smoke",
+        "trainer.max_steps=8",
+        "trainer.log_every_n_steps=1",
+        "checkpoint.every_n_steps=null",
+    ]
+    piped = run_cli([*common, "pp=2"], tmp_path / "pp2", env=CPU)
+    single = run_cli([*common, "devices=1"], tmp_path / "one", env=CPU)
+    assert piped.returncode == 0 and single.returncode == 0, (piped, single)
+    got, want = losses(tmp_path / "pp2"), losses(tmp_path / "one")
+    assert len(got) == 8
+    assert got == pytest.approx(want, rel=1e-5)
