@@ -25,13 +25,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_cli.models.args import LlamaArgs  # noqa: E402
-from fsdp_cli.parallel.dims import ParallelDims  # noqa: E402
-from fsdp_cli.parallel.parallelize import ParallelizeOptions  # noqa: E402
-from fsdp_cli.pipeline.driver import PipelineDriver, layout_of, parallelize_stages  # noqa: E402
-from fsdp_cli.pipeline.options import PipelineOptions  # noqa: E402
-from fsdp_cli.pipeline.schedules import SCHEDULES  # noqa: E402
-from fsdp_cli.pipeline.stages import block_count, split_of  # noqa: E402
+from fsdp_cli.models.args import LlamaArgs
+from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.parallelize import ParallelizeOptions
+from fsdp_cli.pipeline.driver import PipelineDriver, layout_of, parallelize_stages
+from fsdp_cli.pipeline.options import PipelineOptions
+from fsdp_cli.pipeline.schedules import SCHEDULES
+from fsdp_cli.pipeline.stages import block_count, split_of
 
 VOCAB, SEQ, BATCH = 64, 8, 8
 
@@ -61,6 +61,15 @@ class PlainModel(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+    def tp_plan(self, *, sequence_parallel: bool) -> dict[str, object]:
+        """Each block's layer split by columns and gathered again (its output whole on every rank)."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return {
+            f"blocks.{i}.fc": ColwiseParallel(output_layouts=Replicate()) for i in range(len(self.blocks))
+        }
 
     def init_weights(self, buffer_device: object = None) -> None:
         from fsdp_cli.models.init import seeded_normal_

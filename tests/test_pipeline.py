@@ -79,17 +79,38 @@ def sweep(nproc: int, *args: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+def hf_folder(tmp_path: Path) -> Path:
+    """A tiny LlamaForCausalLM's config.json (fresh weights: nothing to download)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("nproc", "layout"),
     [(2, ["--pp=2"]), (4, ["--pp=2", "--dp=2"]), (4, ["--pp=2", "--tp=2"])],
     ids=["pp2", "pp2xdp2", "pp2xtp2"],
 )
-def test_every_schedule_equals_one_process(nproc: int, layout: list[str]) -> None:
-    """8 steps of AdamW; the Llama has 8 blocks, so each stage holds several FSDP units (the
-    zero-bubble and V schedules give wrong gradients when a unit reshards after forward)."""
-    rows = sweep(nproc, *layout, "--models=llama,module", "--steps=8")
-    assert len(rows) == 2 * 7, rows
+def test_every_schedule_equals_one_process(nproc: int, layout: list[str], tmp_path: Path) -> None:
+    """8 steps of AdamW on the built-in Llama (8 blocks, so each stage holds several FSDP units:
+    the zero-bubble and V schedules give wrong gradients when a unit reshards after forward), a
+    Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module."""
+    rows = sweep(
+        nproc, *layout, "--models=llama,module,hf", f"--hf-folder={hf_folder(tmp_path)}", "--steps=8"
+    )
+    assert len(rows) == 3 * 7, rows
     for row in rows:
         assert row["rel"] < 1e-5, (row["model"], row["schedule"], row["losses"], row["reference"])
 

@@ -486,6 +486,15 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
                 allowed="null/false with pp > 1",
                 hint=f"drop strategy.{key}, or pp=1",
             )
+    attention = getattr(cfg.model, "attn_implementation", "sdpa")
+    if attention != "sdpa":
+        raise ConfigError(
+            "model.attn_implementation",
+            attention,
+            f"pipeline stages run the decoder layers without a mask (causal under sdpa), pp={cfg.pp}",
+            allowed="sdpa with pp > 1",
+            hint="model.attn_implementation=sdpa, or pp=1",
+        )
     points = run.model_kind.stage_split_points(cfg.model)
     data = cfg.data
     per_rank = data.global_batch_size // run.layout.dp if getattr(data, "global_batch_size", None) else 1

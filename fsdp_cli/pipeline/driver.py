@@ -62,23 +62,16 @@ def parallelize_stages(
 ) -> list[StageView]:
     """Cut ``split.model`` to this rank's stages and parallelize them (``options``: the strategy's
     :class:`~fsdp_cli.parallel.parallelize.ParallelizeOptions`); returns the stage views."""
-    from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
+    from fsdp_cli.parallel.tensor_parallel import apply_tp
 
     model = split.model
+    # The plan of the whole model (it may name every part; a stage applies what it still holds).
+    plan = _tp_plan(model, dims, options) if dims.tp_enabled else {}
     prune(split, layout.ranges, layout.ids)
     units = wrap_units(model, options.wrap)
     block_classes = repeated_block_classes(model)
     blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
     if dims.tp_enabled:
-        plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
-        if plan is None:
-            raise ConfigError(
-                "tp",
-                dims.tp,
-                f"{type(model).__name__} has no tensor-parallel plan",
-                allowed="tp=1 for this model",
-                hint="define model.tp_plan(sequence_parallel), or use tp=1",
-            )
         apply_tp(model, dims.tp_mesh, {k: v for k, v in plan.items() if _present(model, k)})
     if options.float8:
         from fsdp_cli.parallel.float8 import apply_float8, emulates_float8
@@ -102,6 +95,21 @@ def parallelize_stages(
             offload_policy=options.offload_policy,
         )
     return stages
+
+
+def _tp_plan(model: nn.Module, dims: ParallelDims, options: Any) -> dict[str, Any]:
+    from fsdp_cli.parallel.tensor_parallel import model_tp_plan
+
+    plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
+    if plan is None:
+        raise ConfigError(
+            "tp",
+            dims.tp,
+            f"{type(model).__name__} has no tensor-parallel plan",
+            allowed="tp=1 for this model",
+            hint="define model.tp_plan(sequence_parallel), or use tp=1",
+        )
+    return plan
 
 
 def _present(model: nn.Module, name: str) -> bool:
