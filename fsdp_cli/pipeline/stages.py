@@ -60,8 +60,10 @@ class StageView(nn.Module):
         self, split: PipelineSplit, blocks: dict[str, nn.Module], *, first: bool, last: bool
     ) -> None:
         super().__init__()
-        self.blocks = nn.ModuleDict(blocks)
+        # Registered in the model's order (first parts, blocks, last parts): the order parameters
+        # are listed in, by the view and by a whole-model optimizer state gathered from views.
         self.first_parts = nn.ModuleList([split.model.get_submodule(n) for n in split.first] if first else [])
+        self.blocks = nn.ModuleDict(blocks)
         self.last_parts = nn.ModuleList([split.model.get_submodule(n) for n in split.last] if last else [])
         self.is_first, self.is_last = first, last
         # Not registered: the owner's buffers (RoPE tables) are read, its parameters are not this view's.

@@ -473,7 +473,35 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self._pending_optimizer_states is not None:  # saving before the first step: restore first
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
-        return DistributedCheckpointing.optimizer_state(self, optimizer)
+        state = DistributedCheckpointing.optimizer_state(self, optimizer)
+        if self.pipeline is not None and state.get("param_groups"):
+            state["param_groups"] = self._whole_model_param_groups(state["param_groups"])
+        return state
+
+    def _whole_model_param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each group's parameter names over every stage, in stage order (this rank's list names
+        only its stages'): a sharded save then describes the whole model's optimizer, as it does
+        for any other layout, and converts to one file (``fsdp-ckpt convert --to full``)."""
+        import torch.distributed as dist
+
+        from fsdp_cli.parallel.names import canonical_name
+
+        stage_of = {
+            id(p): s
+            for s, view in zip(self._pipeline_layout.ids, self._pipeline_stages, strict=True)
+            for p in view.parameters()
+        }
+        where = {
+            canonical_name(n): stage_of.get(id(p), -1) for n, p in self.lightning_module.named_parameters()
+        }
+        mine = [[(where.get(name, -1), i, name) for i, name in enumerate(g["params"])] for g in groups]
+        gathered: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(gathered, mine, group=self.pipeline_group)
+        merged = []
+        for index, group in enumerate(groups):
+            names = sorted(entry for rank in gathered for entry in rank[index])
+            merged.append({**group, "params": [name for _, _, name in names]})
+        return merged
 
 
 def is_parallelized(module: nn.Module) -> bool:
