@@ -11,6 +11,7 @@ import pytest
 from conftest import cli_in_process, losses, run, run_cli
 from harness import REPO
 
+from fsdp_cli.checkpoint.convert import load
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
 
@@ -115,17 +116,51 @@ def test_every_schedule_equals_one_process(nproc: int, layout: list[str], tmp_pa
         assert row["rel"] < 1e-5, (row["model"], row["schedule"], row["losses"], row["reference"])
 
 
+COMMON = ["recipe=cpu_smoke", "trainer.max_steps=8", "trainer.log_every_n_steps=1"]
+SAVES = ["checkpoint=sharded", "checkpoint.every_n_steps=4"]
+
+
 @pytest.mark.distributed
-def test_fsdp_train_pp2_equals_one_process(tmp_path: Path) -> None:
-    common = [
-        "recipe=cpu_smoke",
-        "trainer.max_steps=8",
-        "trainer.log_every_n_steps=1",
-        "checkpoint.every_n_steps=null",
-    ]
-    piped = run_cli([*common, "pp=2"], tmp_path / "pp2", env=CPU)
-    single = run_cli([*common, "devices=1"], tmp_path / "one", env=CPU)
+def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(tmp_path: Path) -> None:
+    """fsdp-train pp=2 (the default schedule, 1F1B) against devices=1 over 8 steps; its sharded
+    step-4 save resumed at pp=1 and at tp=2 repeats the uninterrupted run's last 4 losses; the
+    save converts to one file (the whole model's weights and optimizer) that verifies."""
+    piped = run_cli([*COMMON, *SAVES, "pp=2"], tmp_path / "pp2", env=CPU)
+    single = run_cli([*COMMON, "checkpoint.every_n_steps=null", "devices=1"], tmp_path / "one", env=CPU)
     assert piped.returncode == 0 and single.returncode == 0, (piped, single)
-    got, want = losses(tmp_path / "pp2"), losses(tmp_path / "one")
-    assert len(got) == 8
-    assert got == pytest.approx(want, rel=1e-5)
+    straight = losses(tmp_path / "pp2")
+    assert len(straight) == 8
+    assert straight == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    save = tmp_path / "pp2" / "checkpoints" / "step_00000004"
+    for name, layout in (("to_pp1", ["devices=1"]), ("to_tp2", ["tp=2"])):
+        resumed = run_cli([*COMMON, *SAVES, *layout, f"resume={save}"], tmp_path / name, env=CPU)
+        assert resumed.returncode == 0, resumed
+        assert losses(tmp_path / name) == pytest.approx(straight[4:], rel=1e-5), name
+    converted = tmp_path / "full.pt"
+    assert fsdp_ckpt("convert", str(save), str(converted), "--to", "full") == 0
+    assert fsdp_ckpt("verify", str(converted)) == 0
+    whole = load(converted)
+    names = {n for n in whole.state_dict if n.startswith("model.")}
+    assert {"model.tok_embeddings.weight", "model.output.weight", "model.layers.3.ffn_norm.weight"} <= names
+    assert len(whole.optimizer_states[0]["state"]) == len(whole.state_dict)
+
+
+def fsdp_ckpt(*args: str) -> int:
+    from fsdp_cli.cli.ckpt import main
+
+    try:
+        main(list(args))
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
+
+
+@pytest.mark.distributed
+def test_a_3d_pipeline_equals_one_process() -> None:
+    """pp x dp x tp = 2 x 2 x 2 on 8 processes, the default schedule and a V schedule."""
+    rows = sweep(
+        8, "--pp=2", "--dp=2", "--tp=2", "--models=llama", "--schedules=1F1B,ZBVZeroBubble", "--steps=8"
+    )
+    assert [r["schedule"] for r in rows] == ["1F1B", "ZBVZeroBubble"]
+    for row in rows:
+        assert row["rel"] < 1e-5, row

@@ -75,7 +75,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         pipeline_parallel_size: pipeline stages' ranks (pp); the world is pp x data x tensor
             parallel. With pp > 1 the LightningModule answers the pipeline hooks
             (``pipeline_inputs(batch)``, ``pipeline_loss(output, targets)``, optionally
-            ``pipeline_split()``; see docs/pipeline.md) and the strategy runs each step through
+            ``pipeline_split()``; see docs/strategies.md, Pipeline parallel) and the strategy runs each step through
             a ``torch.distributed.pipelining`` schedule.
         pipeline: a :class:`~fsdp_cli.pipeline.options.PipelineOptions` (schedule, micro-batches,
             stages per rank, where the model is cut).
@@ -229,7 +229,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 self.dims.pp,
                 f"{type(module).__name__} does not say how a pipeline runs it: it lacks {', '.join(missing)}",
                 hint="define pipeline_inputs(batch) -> (inputs, targets) and pipeline_loss(output, targets) "
-                "(docs/pipeline.md), or use pp=1",
+                "(docs/strategies.md, Pipeline parallel), or use pp=1",
             )
         own = getattr(module, "pipeline_split", None)
         split = own() if callable(own) else split_of(target)
