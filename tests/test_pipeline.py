@@ -43,6 +43,7 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
         (["devices=4", "pp=4", "pipeline.schedule=Interleaved1F1B"], "pp=4", ["4 blocks", "8 stages"]),
         (["pp=2", "pipeline.cut=explicit", "pipeline.cuts=[3,1]"], "pipeline.cuts", ["1 cut points"]),
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
+        (["pp=2", "checkpoint=full"], "checkpoint.format=full", ["sharded", "fsdp-ckpt convert"]),
     ],
 )
 def test_an_impossible_pipeline_layout_is_one_line_before_launch(
@@ -116,23 +117,25 @@ def test_every_schedule_equals_one_process(nproc: int, layout: list[str], tmp_pa
         assert row["rel"] < 1e-5, (row["model"], row["schedule"], row["losses"], row["reference"])
 
 
-COMMON = ["recipe=cpu_smoke", "trainer.max_steps=8", "trainer.log_every_n_steps=1"]
-SAVES = ["checkpoint=sharded", "checkpoint.every_n_steps=4"]
+COMMON = ["recipe=cpu_pp", "trainer.max_steps=8", "trainer.log_every_n_steps=1"]
+SAVES = ["checkpoint.every_n_steps=4"]
 
 
 @pytest.mark.distributed
 def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(tmp_path: Path) -> None:
-    """fsdp-train pp=2 (the default schedule, 1F1B) against devices=1 over 8 steps; its sharded
+    """fsdp-train recipe=cpu_pp (pp=2, 1F1B) against one process over 8 steps; its sharded
     step-4 save resumed at pp=1 and at tp=2 repeats the uninterrupted run's last 4 losses; the
     save converts to one file (the whole model's weights and optimizer) that verifies."""
-    piped = run_cli([*COMMON, *SAVES, "pp=2"], tmp_path / "pp2", env=CPU)
-    single = run_cli([*COMMON, "checkpoint.every_n_steps=null", "devices=1"], tmp_path / "one", env=CPU)
+    piped = run_cli([*COMMON, *SAVES], tmp_path / "pp2", env=CPU)
+    single = run_cli(
+        [*COMMON, "checkpoint.every_n_steps=null", "pp=1", "devices=1"], tmp_path / "one", env=CPU
+    )
     assert piped.returncode == 0 and single.returncode == 0, (piped, single)
     straight = losses(tmp_path / "pp2")
     assert len(straight) == 8
     assert straight == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     save = tmp_path / "pp2" / "checkpoints" / "step_00000004"
-    for name, layout in (("to_pp1", ["devices=1"]), ("to_tp2", ["tp=2"])):
+    for name, layout in (("to_pp1", ["pp=1", "devices=1"]), ("to_tp2", ["pp=1", "tp=2"])):
         resumed = run_cli([*COMMON, *SAVES, *layout, f"resume={save}"], tmp_path / name, env=CPU)
         assert resumed.returncode == 0, resumed
         assert losses(tmp_path / name) == pytest.approx(straight[4:], rel=1e-5), name
