@@ -494,6 +494,14 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
             allowed="sharded with pp > 1",
             hint="checkpoint=sharded, then fsdp-ckpt convert STEP OUT.pt --to full for one file",
         )
+    if getattr(cfg.model, "tie_embeddings", False):
+        raise ConfigError(
+            "model.tie_embeddings",
+            True,
+            f"the embedding sits on the first stage and the head on the last, pp={cfg.pp}",
+            allowed="false with pp > 1",
+            hint="model.tie_embeddings=false, or pp=1",
+        )
     attention = getattr(cfg.model, "attn_implementation", "sdpa")
     if attention != "sdpa":
         raise ConfigError(
