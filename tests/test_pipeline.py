@@ -168,3 +168,32 @@ def test_a_3d_pipeline_equals_one_process() -> None:
     assert [r["schedule"] for r in rows] == ["1F1B", "ZBVZeroBubble"]
     for row in rows:
         assert row["rel"] < 1e-5, row
+
+
+def test_an_hf_models_cut_points_and_stages_name_its_real_modules(tmp_path: Path) -> None:
+    """model=hf's block count comes from config.json before launch and names modules a meta build
+    has; the cut keeps the whole model's names (a checkpoint is layout-free)."""
+    from fsdp_cli.config.model_kinds import HF
+    from fsdp_cli.config.schema import HFModelConfig
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+    from fsdp_cli.pipeline.cuts import stage_blocks
+    from fsdp_cli.pipeline.options import CutPolicy
+    from fsdp_cli.pipeline.stages import prune, split_of, views
+
+    folder = hf_folder(tmp_path)
+    points = HF.stage_split_points(HFModelConfig(path=str(folder)))
+    model = build_hf_model(HFModelArgs(path=str(folder), pretrained=False), seed=0)
+    whole = dict(model.named_parameters())
+    assert points == [f"hf.model.layers.{i}" for i in range(4)]
+    assert all(name in dict(model.named_modules()) for name in points)
+    split = split_of(model)
+    ranges = stage_blocks(4, 2, CutPolicy.balanced)
+    prune(split, ranges, [1])
+    kept = dict(model.named_parameters())
+    assert set(kept) < set(whole)
+    assert {n.split(".")[3] for n in kept if ".layers." in n} == {"2", "3"}
+    assert "hf.lm_head.weight" in kept and "hf.model.embed_tokens.weight" not in kept
+    (view,) = views(split, ranges, [1])
+    assert view.is_last and not view.is_first
+    assert {id(p) for p in view.parameters()} == {id(p) for p in kept.values()}
