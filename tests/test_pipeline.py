@@ -197,3 +197,22 @@ def test_an_hf_models_cut_points_and_stages_name_its_real_modules(tmp_path: Path
     (view,) = views(split, ranges, [1])
     assert view.is_last and not view.is_first
     assert {id(p) for p in view.parameters()} == {id(p) for p in kept.values()}
+
+
+@pytest.mark.distributed
+def test_a_lightning_module_with_the_pipeline_hooks_trains_under_pp(tmp_path: Path) -> None:
+    """model=custom with a LightningModule of its own (its loaders, optimizer and the two
+    pipeline hooks): pp=2 gives the losses of one process."""
+    common = [
+        "model=custom",
+        "model._target_=tests.assets.pipeline_modules.PipelinedLM",
+        "accelerator=cpu",
+        "trainer.max_steps=8",
+        "trainer.log_every_n_steps=1",
+        "checkpoint.every_n_steps=null",
+    ]
+    piped = run_cli([*common, "pp=2", "devices=2"], tmp_path / "pp2", env=CPU)
+    single = run_cli([*common, "devices=1"], tmp_path / "one", env=CPU)
+    assert piped.returncode == 0 and single.returncode == 0, (piped, single)
+    assert len(losses(tmp_path / "pp2")) == 8
+    assert losses(tmp_path / "pp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
