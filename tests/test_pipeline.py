@@ -120,14 +120,17 @@ def test_every_schedule_equals_one_process(nproc: int, layout: list[str], tmp_pa
 
 COMMON = ["recipe=cpu_pp", "trainer.max_steps=8", "trainer.log_every_n_steps=1"]
 SAVES = ["checkpoint.every_n_steps=4"]
+ACCUMULATE = ["data.micro_batch_size=4", "pipeline.microbatches=2"]
 
 
 @pytest.mark.distributed
 def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(tmp_path: Path) -> None:
-    """fsdp-train recipe=cpu_pp (pp=2, 1F1B) against one process over 8 steps; its sharded
+    """fsdp-train recipe=cpu_pp (pp=2, 1F1B, accumulating 2 batches per step) against one process
+    (no accumulation) over 8 steps; its sharded
     step-4 save resumed at pp=1 and at tp=2 repeats the uninterrupted run's last 4 losses; the
     save converts to one file (the whole model's weights and optimizer) that verifies."""
-    piped = run_cli([*COMMON, *SAVES], tmp_path / "pp2", env=CPU)
+    # Two batches of 4 per optimizer step (gradient accumulation), each in 2 micro-batches.
+    piped = run_cli([*COMMON, *SAVES, *ACCUMULATE], tmp_path / "pp2", env=CPU)
     single = run_cli(
         [*COMMON, "checkpoint.every_n_steps=null", "pp=1", "devices=1"], tmp_path / "one", env=CPU
     )
@@ -137,7 +140,7 @@ def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(tmp_path
     assert straight == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     save = tmp_path / "pp2" / "checkpoints" / "step_00000004"
     for name, layout in (("to_pp1", ["pp=1", "devices=1"]), ("to_tp2", ["pp=1", "tp=2"])):
-        resumed = run_cli([*COMMON, *SAVES, *layout, f"resume={save}"], tmp_path / name, env=CPU)
+        resumed = run_cli([*COMMON, *SAVES, *ACCUMULATE, *layout, f"resume={save}"], tmp_path / name, env=CPU)
         assert resumed.returncode == 0, resumed
         assert losses(tmp_path / name) == pytest.approx(straight[4:], rel=1e-5), name
     converted = tmp_path / "full.pt"

@@ -399,17 +399,24 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         inputs, targets = module.pipeline_inputs(batch)
         accumulation = module.trainer.accumulate_grad_batches
         scale = 1.0 / accumulation if train else 1.0
-        if train and batch_idx % accumulation == 0:
-            # A new optimizer step: Lightning zeroes the gradients only after this step, too late
-            # for a step that runs backward itself.
+        earlier: dict[int, Any] = {}
+        if train:
+            # The schedule divides every gradient it finds by the micro-batch count at the end of
+            # its step: the batches accumulated before this one wait aside meanwhile. A new
+            # optimizer step starts from none (Lightning zeroes them only after this step, too
+            # late for a step that runs backward itself).
+            first = batch_idx % accumulation == 0
             for param in module.parameters():
+                if param.grad is not None and not first:
+                    earlier[id(param)] = param.grad
                 param.grad = None
         loss = self.pipeline.step(inputs, targets, train=train, scale=scale)
         if train:
             # Lightning zeroes gradients between the step and its backward, and this step has run
             # backward already: the gradients wait aside until backward() puts them back.
-            self._pipeline_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-            for param, _ in self._pipeline_grads:
+            self._pipeline_grads = [(p, _summed(earlier.get(id(p)), p.grad)) for p in module.parameters()]
+            self._pipeline_grads = [(p, g) for p, g in self._pipeline_grads if g is not None]
+            for param in module.parameters():
                 param.grad = None
         return loss
 
@@ -520,6 +527,13 @@ def refuse_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
             "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
             f" The `{strategy_name}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
         )
+
+
+def _summed(earlier: Any, new: Any) -> Any:
+    """Two accumulated gradients, either of which may be None."""
+    if earlier is None or new is None:
+        return new if earlier is None else earlier
+    return earlier + new
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
