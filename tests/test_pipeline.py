@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_process, losses, run, run_cli
+from conftest import cli_in_process, losses, read_metrics, run, run_cli
 from harness import REPO
 
 from fsdp_cli.checkpoint.convert import load
@@ -205,17 +205,23 @@ def test_an_hf_models_cut_points_and_stages_name_its_real_modules(tmp_path: Path
 @pytest.mark.distributed
 def test_a_lightning_module_with_the_pipeline_hooks_trains_under_pp(tmp_path: Path) -> None:
     """model=custom with a LightningModule of its own (its loaders, optimizer and the two
-    pipeline hooks): pp=2 gives the losses of one process."""
+    pipeline hooks): pp=2 gives the losses of one process, and validation (the schedule forward
+    only) its val_loss."""
     common = [
         "model=custom",
         "model._target_=tests.assets.pipeline_modules.PipelinedLM",
         "accelerator=cpu",
         "trainer.max_steps=8",
         "trainer.log_every_n_steps=1",
+        "trainer.val_check_interval=4",
         "checkpoint.every_n_steps=null",
     ]
     piped = run_cli([*common, "pp=2", "devices=2"], tmp_path / "pp2", env=CPU)
     single = run_cli([*common, "devices=1"], tmp_path / "one", env=CPU)
     assert piped.returncode == 0 and single.returncode == 0, (piped, single)
-    assert len(losses(tmp_path / "pp2")) == 8
-    assert losses(tmp_path / "pp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    rows = {d: read_metrics(tmp_path / d) for d in ("pp2", "one")}
+    trained = {d: [r["loss"] for r in rows[d] if "loss" in r] for d in rows}
+    validated = {d: [r["val_loss"] for r in rows[d] if "val_loss" in r] for d in rows}
+    assert len(trained["pp2"]) == 8 and len(validated["pp2"]) == 2
+    assert trained["pp2"] == pytest.approx(trained["one"], rel=1e-5)
+    assert validated["pp2"] == pytest.approx(validated["one"], rel=1e-5)

@@ -44,9 +44,19 @@ class PipelinedLM(L.LightningModule):
         inputs, targets = self.pipeline_inputs(batch)
         return self.pipeline_loss(self.model(inputs), targets)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = self.pipeline_inputs(batch)
+        loss = self.pipeline_loss(self.model(inputs), targets)
+        self.log("val_loss", loss, sync_dist=True)  # (under pp the strategy logs it)
+        return loss
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> Any:
         tokens = torch.randint(0, VOCAB, (64, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
+
+    def val_dataloader(self) -> Any:
+        tokens = torch.randint(0, VOCAB, (16, SEQ + 1), generator=torch.Generator().manual_seed(1))
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
