@@ -63,21 +63,7 @@ def memory_plan_check(run: ResolvedRun) -> None:
         raise Advisory("memory plan", "does not fit", problem.removeprefix("memory plan: "), warning=problem)
 
 
-def pipeline_training_check(run: ResolvedRun) -> None:
-    """``pp > 1`` is planned (``fsdp-plan``) but not trained yet: refused before any process
-    starts, not on every rank after (issue 29's pipeline training replaces this check)."""
-    if run.cfg.pp > 1:
-        raise ConfigError(
-            "pp",
-            run.cfg.pp,
-            "pipeline-parallel training is not available yet",
-            allowed="1",
-            hint="fsdp-plan plans pp layouts stage by stage (docs/pipeline.md)",
-        )
-
-
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
-    pipeline_training_check,
     memory_plan_check,
     check_callback_classes,
     check_batch_source,

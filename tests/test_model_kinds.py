@@ -92,7 +92,7 @@ def test_the_llama_hooks_name_its_real_blocks_and_linear_layers() -> None:
         if isinstance(m, nn.Linear) and "layers." in name
     }
     assert set(LLAMA.adapter_targets(model_cfg)) == linear
-    assert (HF.stage_split_points(None), MODULE.adapter_targets(None), LIGHTNING.document_masks) == (
+    assert (MODULE.stage_split_points(None), MODULE.adapter_targets(None), LIGHTNING.document_masks) == (
         None,
         None,
         False,

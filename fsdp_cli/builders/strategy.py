@@ -58,6 +58,7 @@ def build_fsdp2(run: ResolvedRun) -> Strategy:
         if strategy.parallelize_fn
         else None,
         options=parallelize_options(run),
+        pipeline=run.cfg.pipeline,
         process_group_backend=strategy.process_group_backend,
         timeout=timedelta(seconds=strategy.timeout_s),
         **checkpointing(run),

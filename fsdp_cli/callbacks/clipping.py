@@ -33,4 +33,6 @@ class GradientClipping(L.Callback):
         if self.algorithm == "value":
             torch.nn.utils.clip_grad_value_(pl_module.parameters(), self.max_value)
             return
-        self.grad_norm = clip_grad_norm(trainer.model, pl_module.parameters(), self.max_value)
+        # Under pipeline parallel the other stages hold the rest of the model's gradients.
+        across = getattr(trainer.strategy, "pipeline_group", None)
+        self.grad_norm = clip_grad_norm(trainer.model, pl_module.parameters(), self.max_value, across=across)

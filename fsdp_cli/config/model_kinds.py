@@ -75,7 +75,8 @@ class ModelKind(NamedTuple):
     blocks are its repeated classes and whose FSDP units the ``wrap`` policy picks
     (:func:`fsdp_cli.parallel.wrap.wrap_units`)."""
     stage_split_points: Callable[[Any], list[str] | None]
-    """Hook for pipeline parallel: the module names it may be cut before, None: not supported."""
+    """Pipeline parallel: the blocks a stage boundary may fall before, for the checks before
+    launch; None: not known before launch (the cut is checked when the model is built)."""
     adapter_targets: Callable[[Any], list[str] | None]
     """Hook for adapters (LoRA): the linear layers (name suffixes) adapters may wrap, None: not
     supported."""
@@ -263,6 +264,12 @@ def llama_stage_split_points(model: LlamaConfig) -> list[str]:
     return llama_block_names(model)
 
 
+def hf_stage_split_points(model: HFModelConfig) -> list[str] | None:
+    """Its decoder layers, counted from config.json (None where it does not say)."""
+    layers = read_model_folder(model.path).get("num_hidden_layers")
+    return [f"hf.model.layers.{i}" for i in range(layers)] if isinstance(layers, int) else None
+
+
 def not_supported(model: Any) -> None:
     """Not supported for this model kind yet."""
     return None
@@ -432,7 +439,7 @@ HF = ModelKind(
     tp_plan=own_tp_plan,
     flops_per_token=counted_flops,
     closed_form=False,
-    stage_split_points=not_supported,
+    stage_split_points=hf_stage_split_points,
     adapter_targets=not_supported,
     document_masks=True,  # position_ids, no attention mask: transformers masks packed documents
     default_vocab=hf_folder_vocab,

@@ -38,6 +38,8 @@ class Layout:
     """Data-parallel groups that hold the same parameters (HSDP replicas, DDP ranks)."""
     shard: int
     """Ranks one parameter is sharded over (1: not sharded)."""
+    pp: int = 1
+    """Pipeline stages' ranks: the model is cut into pp x ``pipeline.stages_per_rank`` stages."""
 
     @property
     def world_size(self) -> int:
@@ -49,7 +51,8 @@ class Layout:
 
     def columns(self) -> dict[str, int]:
         """The layout as a run's summary reports it."""
-        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp}
+        columns = {"world_size": self.world_size, "dp": self.dp, "tp": self.tp}
+        return {**columns, "pp": self.pp} if self.pp > 1 else columns
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ class ResolvedRun:
         entry = entry_of(cfg)
         devices, dp = int(cfg.devices), int(cfg.dp)
         world = devices * cfg.num_nodes
-        split = cfg.strategy.sharding(dp, devices, world)
+        # (the data-parallel sharding is decided within one pipeline stage's share of the ranks)
+        split = cfg.strategy.sharding(dp, devices, world // cfg.pp)
         layout = Layout(
             accelerator=cfg.accelerator.value,
             devices=devices,
@@ -78,6 +82,7 @@ class ResolvedRun:
             tp=cfg.tp,
             replicate=split.replicate,
             shard=split.shard,
+            pp=cfg.pp,
         )
         precision = resolve_precision(cfg.precision.name, policy_dtypes(cfg.strategy.explicit_policy()))
         return cls(
@@ -91,9 +96,10 @@ class ResolvedRun:
     @property
     def dims(self) -> ParallelDims:
         """The mesh sizes the parent decided (replicate x shard x tp), for the strategy to take as
-        they are: a fresh object per call, since each strategy builds its own mesh on it."""
+        they are: a fresh object per call, since each strategy builds its own mesh on it. (pp x
+        replicate x shard x tp.)"""
         layout = self.layout
-        return ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp)
+        return ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, pp=layout.pp)
 
     def with_config(self, cfg: TrainConfig) -> ResolvedRun:
         """This run with a later edit of its config that derives nothing anew (the resume path

@@ -76,22 +76,13 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
     """The mesh sizes of ``cfg`` on ``devices x num_nodes`` processes; errors name every factor."""
     tp = _positive_int("tp", cfg.tp)
     dp = None if cfg.dp == "auto" else _positive_int("dp", cfg.dp, allow_auto=True)
-    world, pp = devices * num_nodes, _positive_int("pp", cfg.pp)
-    if world % pp:
-        raise ConfigError(
-            "pp",
-            pp,
-            f"must divide the world size {world} (devices={devices} x num_nodes={num_nodes})",
-            allowed=", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
-            hint="world = pp x dp x tp: change pp or devices",
-        )
-    # Each pipeline stage is a data x tensor parallel mesh of world / pp ranks.
     return ParallelDims.resolve(
-        world_size=world // pp,
+        world_size=devices * num_nodes,
         dp=dp,
         tp=tp,
+        pp=_positive_int("pp", cfg.pp),
         replicate=cfg.strategy.replicas(),
-        world=f"devices={devices} x num_nodes={num_nodes}" + (f" / pp={pp}" if pp > 1 else ""),
+        world=f"devices={devices} x num_nodes={num_nodes}",
     )
 
 

@@ -61,8 +61,20 @@ class CausalLMModule(L.LightningModule):
         return out if isinstance(out, torch.Tensor) else out.logits
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self(inputs)
+        inputs, targets = self.pipeline_inputs(batch)
+        return self.pipeline_loss(self(inputs), targets)
+
+    # The pipeline hooks (pp > 1: the strategy runs the step through a schedule, which feeds the
+    # inputs to the first stage and hands the last stage's output to the loss, micro-batch by
+    # micro-batch); the steps above use the same two, so a pipeline computes the same loss.
+
+    def pipeline_inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of ``[B, T + 1]`` token ids -> (inputs, next-token targets)."""
+        return batch[:, :-1], batch[:, 1:]
+
+    def pipeline_loss(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy of one (micro-)batch's logits."""
+        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
         # Cross-entropy in fp32 at least (fp64 under 64-true): bf16 log-softmax over a large
         # vocabulary is lossy.
         wide = at_least_fp32(logits)

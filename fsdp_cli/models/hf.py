@@ -66,6 +66,32 @@ class HFCausalLM(nn.Module):
         block-diagonally: sdpa and eager through the mask, flash_attention_2 through its varlen kernel."""
         return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
+    def pipeline_split(self) -> Any:
+        """How pipeline parallel cuts a decoder-only model laid out as ``LlamaForCausalLM`` (its
+        ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb`` and
+        ``lm_head``); one line naming what another layout lacks."""
+        from fsdp_cli.errors import ConfigError
+        from fsdp_cli.pipeline.stages import PipelineSplit
+
+        inner = getattr(self.hf, "model", None)
+        parts = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+        missing = [p for p in parts if _find(self.hf, p) is None]
+        if inner is None or missing:
+            raise ConfigError(
+                "pp",
+                "> 1",
+                f"{type(self.hf).__name__} is not laid out as LlamaForCausalLM: it lacks {', '.join(missing)}",
+                hint="pipeline parallel cuts decoder-only models with those parts; use pp=1 for this one",
+            )
+        return PipelineSplit(
+            model=self,
+            blocks="hf.model.layers",
+            first=("hf.model.embed_tokens",),
+            last=("hf.model.norm", "hf.lm_head"),
+            forward=_hf_stage_forward,
+            tied=bool(getattr(self.hf.config, "tie_word_embeddings", False)),
+        )
+
     @property
     def load_report(self) -> LoadReport:
         return self.weights.report
@@ -102,6 +128,27 @@ class HFCausalLM(nn.Module):
             if module_name not in resolved and any(True for _ in module.parameters(recurse=False)):
                 resolved[module_name] = ReplicateParallel()
         return resolved
+
+
+def _find(module: nn.Module, name: str) -> Any:
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def _hf_stage_forward(view: Any, x: torch.Tensor) -> torch.Tensor:
+    """One pipeline stage of a LlamaForCausalLM-style model: its decoder's forward over the
+    stage's layers (sdpa attention without a mask is causal: checked before launch)."""
+    hf = view.owner.hf
+    inner = hf.model
+    h = inner.embed_tokens(x) if view.is_first else x
+    positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    rotary = inner.rotary_emb(h, position_ids=positions)
+    for layer in view.blocks.values():
+        h = layer(h, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+    return hf.lm_head(inner.norm(h)) if view.is_last else h
 
 
 def require_tp_plan(model: nn.Module, tp: int) -> None:

@@ -164,10 +164,24 @@ class Llama(nn.Module):
             h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
+    def pipeline_split(self) -> Any:
+        """How pipeline parallel cuts it: the blocks, the embedding on the first stage, the norm
+        and the head on the last (:class:`fsdp_cli.pipeline.stages.PipelineSplit`)."""
+        from fsdp_cli.pipeline.stages import PipelineSplit
+
+        return PipelineSplit(
+            model=self,
+            blocks="layers",
+            first=("tok_embeddings",),
+            last=("norm", "output"),
+            forward=_llama_stage_forward,
+            tied=self.cfg.tie_embeddings,
+        )
+
     @torch.no_grad()
     def init_weights(self, buffer_device: Any = None) -> None:
         """Initialise every parameter and buffer; valid on a sharded model materialised from meta."""
-        device = buffer_device or self.tok_embeddings.weight.device
+        device = buffer_device or self.rope.device
         if device.type == "meta":
             device = torch.device("cpu")
         head_dim = self.cfg.dim // self.cfg.n_heads
@@ -216,3 +230,12 @@ class Llama(nn.Module):
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 )
         return plan
+
+
+def _llama_stage_forward(view: Any, x: torch.Tensor) -> torch.Tensor:
+    """One pipeline stage of :class:`Llama`: its forward, over the stage's parts only."""
+    model = view.owner
+    h = model.tok_embeddings(x) if view.is_first else x
+    for layer in view.blocks.values():
+        h = layer(h, model.rope)
+    return model.output(model.norm(h)) if view.is_last else h

@@ -1,6 +1,7 @@
 """The sizes of a run's device mesh, checked once and turned into the mesh once.
 
-``ParallelDims`` is data-parallel replicate x data-parallel shard x tensor parallel. The parent
+``ParallelDims`` is pipeline parallel x data-parallel replicate x data-parallel shard x tensor
+parallel (its :data:`DIMENSIONS`, by name). The parent
 process builds it from the config to check the layout before any rank starts (no torch import);
 every rank builds the same object and asks it for the mesh, whose dimensions every layer then
 takes by name: ``fully_shard`` the (replicate, shard) part, tensor parallel the ``tp`` part, the
@@ -14,7 +15,15 @@ from typing import Any
 
 from fsdp_cli.errors import ConfigError
 
-DP_REPLICATE, DP_SHARD, TP = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
+PP, DP_REPLICATE, DP_SHARD, TP = (
+    "pipeline_parallel",
+    "data_parallel_replicate",
+    "data_parallel_shard",
+    "tensor_parallel",
+)
+DIMENSIONS = (PP, DP_REPLICATE, DP_SHARD, TP)
+"""The mesh's dimensions, outermost first: a pipeline's stages talk least often (point to point,
+once per micro-batch), tensor parallel most (every layer), so tp ranks are neighbours."""
 DATA_PARALLEL = "data_parallel"
 """The flattened replicate x shard dimension (what Lightning's ModelParallelStrategy calls it)."""
 
@@ -26,9 +35,12 @@ class SizeNames:
     dp: str = "dp"
     tp: str = "tp"
     replicate: str = "strategy.replicate_size"
+    pp: str = "pp"
 
 
-LIBRARY_NAMES = SizeNames("data_parallel_size", "tensor_parallel_size", "replicate_size")
+LIBRARY_NAMES = SizeNames(
+    "data_parallel_size", "tensor_parallel_size", "replicate_size", "pipeline_parallel_size"
+)
 
 
 @dataclass
@@ -36,6 +48,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
     _mesh: Any = field(default=None, init=False, repr=False, compare=False)
     _data_parallel_mesh: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -47,12 +60,25 @@ class ParallelDims:
         dp: int | None = None,
         tp: int = 1,
         replicate: int = 1,
+        pp: int = 1,
         names: SizeNames = SizeNames(),
         world: str = "",
     ) -> ParallelDims:
-        """Check the sizes against ``world_size`` (``dp=None``: the world size / tp); every error
-        names each factor. ``world`` says where the world size comes from (``devices=4 x num_nodes=1``)."""
+        """Check the sizes against ``world_size`` (``dp=None``: the world size / (pp x tp)); every
+        error names each factor. ``world`` says where the world size comes from (``devices=4 x num_nodes=1``)."""
         origin = f" ({world})" if world else ""
+        if pp < 1 or world_size % pp != 0:
+            divisors = _divisors(world_size)
+            raise ConfigError(
+                names.pp,
+                pp,
+                f"must divide the world size {world_size}{origin}",
+                allowed=", ".join(map(str, divisors)),
+                hint=f"use {names.pp}={max(d for d in divisors if d <= max(pp, 1))} or change devices",
+            )
+        if pp > 1:  # the other sizes split each stage's share of the world
+            origin = f" (= {world_size} / {names.pp}={pp}{', ' + world if world else ''})"
+            world_size //= pp
         if tp < 1 or world_size % tp != 0:
             divisors = _divisors(world_size)
             raise ConfigError(
@@ -79,7 +105,7 @@ class ParallelDims:
                 allowed=", ".join(map(str, _divisors(dp))),
                 hint=f"{names.replicate}=1 is plain FSDP; {names.replicate}=num_nodes shards within each node",
             )
-        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp)
+        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, pp=pp)
 
     def for_world(self, world_size: int) -> ParallelDims:
         """These sizes as given (a fresh copy: each strategy builds its mesh on its own), after
@@ -87,11 +113,12 @@ class ParallelDims:
         if self.world_size != world_size:
             raise ConfigError(
                 "dims",
-                f"{self.dp_replicate}x{self.dp_shard}x{self.tp}",
-                f"replicate({self.dp_replicate}) * shard({self.dp_shard}) * tp({self.tp}) != world size {world_size}",
+                f"{self.pp}x{self.dp_replicate}x{self.dp_shard}x{self.tp}",
+                f"pp({self.pp}) * replicate({self.dp_replicate}) * shard({self.dp_shard}) * tp({self.tp}) "
+                f"!= world size {world_size}",
                 hint="decide the sizes for the world the processes form",
             )
-        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)
 
     @property
     def dp(self) -> int:
@@ -99,7 +126,15 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def sizes(self) -> dict[str, int]:
+        """Each named dimension's size (:data:`DIMENSIONS` order)."""
+        return dict(zip(DIMENSIONS, (self.pp, self.dp_replicate, self.dp_shard, self.tp), strict=True))
 
     @property
     def tp_enabled(self) -> bool:
@@ -117,18 +152,15 @@ class ParallelDims:
     # ------------------------------------------------------------------ the mesh (on a rank)
 
     def build_mesh(self, device_type: str) -> Any:
-        """The 3-D mesh (replicate, shard, tp), built once; sizes of 1 are kept so that every
+        """The 4-D mesh (pp, replicate, shard, tp), built once; sizes of 1 are kept so that every
         dimension can be asked for by name."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             from fsdp_cli.compat.torch_internals import flatten_mesh
 
-            mesh = init_device_mesh(
-                device_type,
-                (self.dp_replicate, self.dp_shard, self.tp),
-                mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP),
-            )
+            sizes = self.sizes()
+            mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
             # Flattened once and kept: slicing a flattened dimension out of the root mesh is
             # deprecated in torch.
             self._data_parallel_mesh = flatten_mesh(mesh[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
@@ -164,6 +196,11 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> Any:
         return self.mesh[TP]
+
+    @property
+    def pp_mesh(self) -> Any:
+        """The ranks holding the other stages of this rank's pipeline (same data and tp position)."""
+        return self.mesh[PP]
 
     @property
     def data_parallel_mesh(self) -> Any:

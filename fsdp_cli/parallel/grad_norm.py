@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 
-def clip_grad_norm(wrapped: nn.Module | None, parameters: Any, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    wrapped: nn.Module | None, parameters: Any, max_norm: float, *, across: Any = None
+) -> torch.Tensor:
     """Clip ``parameters``' gradients by their global norm across all shards; returns that norm
-    (before clipping). ``wrapped``: the strategy's model (an FSDP1 root totals its own)."""
+    (before clipping). ``wrapped``: the strategy's model (an FSDP1 root totals its own).
+    ``across``: a process group whose ranks hold other parameters (pipeline stages): their
+    squared norms are summed in."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     if isinstance(wrapped, FSDP1):
@@ -29,6 +33,10 @@ def clip_grad_norm(wrapped: nn.Module | None, parameters: Any, max_norm: float) 
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else torch.zeros(())
+    if across is not None:
+        squared = total.square()
+        torch.distributed.all_reduce(squared, group=across)
+        total = squared.sqrt()
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total.detach()

@@ -38,6 +38,8 @@ class RunSummary:
     pp: int | None = None
     dp: int | None = None
     tp: int | None = None
+    pp: int | None = None
+    """Pipeline-parallel size (only when above 1)."""
     precision: str | None = None
     model: str | None = None
     parameters: int | None = None

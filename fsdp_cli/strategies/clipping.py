@@ -25,6 +25,7 @@ class GlobalNormClipping:
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             # The plugin's own method (public Lightning API), replaced on this instance only: the
             # plugin class is Lightning's choice for the precision and must stay it.
-            clip_grad_norm(self.model, plugin.main_params(optimizer), clip_val)
+            across = getattr(self, "pipeline_group", None)  # the other stages' gradients
+            clip_grad_norm(self.model, plugin.main_params(optimizer), clip_val, across=across)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm

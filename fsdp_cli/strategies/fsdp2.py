@@ -39,6 +39,7 @@ from fsdp_cli.parallel.parallelize import (
     call_parallelize_fn,
     parallelize,
 )
+from fsdp_cli.pipeline.options import PipelineOptions
 from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 
@@ -71,7 +72,14 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         replicate_size: HSDP replica groups; parameters are sharded within each of the
             ``data_parallel_size / replicate_size`` ranks of a group and replicated across groups.
         dims: the mesh sizes, decided by the caller (fsdp-train's parent decides them once); taken
-            as they are in place of the three sizes above, which are then not given.
+            as they are in place of the sizes above and below, which are then not given.
+        pipeline_parallel_size: pipeline stages' ranks (pp); the world is pp x data x tensor
+            parallel. With pp > 1 the LightningModule answers the pipeline hooks
+            (``pipeline_inputs(batch)``, ``pipeline_loss(output, targets)``, optionally
+            ``pipeline_split()``; see docs/strategies.md, Pipeline parallel) and the strategy runs each step through
+            a ``torch.distributed.pipelining`` schedule.
+        pipeline: a :class:`~fsdp_cli.pipeline.options.PipelineOptions` (schedule, micro-batches,
+            stages per rank, where the model is cut).
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
@@ -90,6 +98,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         options: ParallelizeOptions | None = None,
         replicate_size: int = 1,
         dims: ParallelDims | None = None,
+        pipeline_parallel_size: int = 1,
+        pipeline: PipelineOptions | None = None,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -100,6 +110,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             overrides["mp_policy"] = mp_policy
         if dims is not None:  # (Lightning's ModelParallelStrategy keeps the two sizes too)
             data_parallel_size, tensor_parallel_size, replicate_size = dims.dp, dims.tp, dims.dp_replicate
+            pipeline_parallel_size = dims.pp
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -113,6 +124,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.options = dataclasses.replace(options or ParallelizeOptions(), **overrides)
         self.parallelize_fn = parallelize_fn
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.pipeline_options = pipeline or PipelineOptions()
+        self.pipeline: Any = None  # the PipelineDriver, once the stages exist (pp > 1)
+        self._pipeline_stages: list[nn.Module] | None = None
+        self._pipeline_grads: list[tuple[Any, Any]] = []
         self.given_dims = dims
         self.dims: ParallelDims | None = None
         self.parallelize_report: ParallelizeReport | None = None
@@ -142,20 +158,22 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self.given_dims is not None:
             return self.given_dims.for_world(self.world_size)
         dp, tp, replicate = self.requested_sizes
+        pp = self.pipeline_parallel_size
         if dp == "auto" and tp == "auto":
-            dp, tp = self.num_nodes, self.num_processes
+            dp, tp = (None, 1) if pp > 1 else (self.num_nodes, self.num_processes)
         elif tp == "auto":
-            tp = self.world_size // int(dp)
+            tp = self.world_size // (pp * int(dp))
         try:
             return ParallelDims.resolve(
                 world_size=self.world_size,
-                dp=None if dp == "auto" else int(dp),
+                dp=None if dp in ("auto", None) else int(dp),
                 tp=int(tp),
                 replicate=replicate,
+                pp=pp,
                 names=LIBRARY_NAMES,
             )
         except ConfigError as err:
-            if err.key == LIBRARY_NAMES.replicate:
+            if err.key in (LIBRARY_NAMES.replicate, LIBRARY_NAMES.pp):
                 raise
             # ModelParallelStrategy's error (a RuntimeError, its words), still one of our ConfigErrors.
             sentence = (
@@ -187,13 +205,57 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         target = self.parallelize_target()
         # Decided once (read on every step); the module's steps then call its children directly.
         self._root_is_module = target is self.lightning_module
-        if self.parallelize_fn is not None:
+        if self.dims.pp_enabled:
+            self._parallelize_stages(target)
+        elif self.parallelize_fn is not None:
             call_parallelize_fn(self.parallelize_fn, target, self.dims.mesh, self.options)
         else:
             self.parallelize_report = parallelize(
                 target, self.dims, self.options, called_directly=self._root_is_module
             )
         self._parallelized = True
+
+    def _parallelize_stages(self, target: nn.Module) -> None:
+        """Cut the model to this rank's pipeline stages and parallelize each over the rest of the
+        mesh (:mod:`fsdp_cli.pipeline.driver`); the schedule is made once they are materialised."""
+        from fsdp_cli.pipeline.driver import layout_of, parallelize_stages
+        from fsdp_cli.pipeline.stages import block_count, split_of
+
+        assert self.dims is not None
+        module = self.lightning_module
+        missing = [h for h in ("pipeline_inputs", "pipeline_loss") if not callable(getattr(module, h, None))]
+        if missing:
+            raise ConfigError(
+                "pp",
+                self.dims.pp,
+                f"{type(module).__name__} does not say how a pipeline runs it: it lacks {', '.join(missing)}",
+                hint="define pipeline_inputs(batch) -> (inputs, targets) and pipeline_loss(output, targets) "
+                "(docs/strategies.md, Pipeline parallel), or use pp=1",
+            )
+        own = getattr(module, "pipeline_split", None)
+        split = own() if callable(own) else split_of(target)
+        layout = layout_of(
+            self.pipeline_options, self.dims, self.dims.pp_mesh.get_local_rank(), block_count(split)
+        )
+        self._pipeline_layout = layout
+        self._pipeline_stages = parallelize_stages(split, layout, self.dims, self.options)
+
+    @property
+    def pipeline_group(self) -> Any:
+        """The process group of this rank's pipeline (None without pipeline parallel): gradient
+        norms are totalled across it."""
+        if self.dims is None or not self.dims.pp_enabled:
+            return None
+        return self.dims.pp_mesh.get_group()
+
+    def _make_pipeline(self) -> None:
+        from fsdp_cli.pipeline.driver import PipelineDriver
+
+        assert self.dims is not None and self._pipeline_stages is not None
+        module = self.lightning_module
+        self.pipeline = PipelineDriver(
+            self._pipeline_stages, self._pipeline_layout, self.dims, self.root_device, module.pipeline_loss
+        )
 
     def parallelize_target(self) -> nn.Module:
         """The module that is parallelized: the LightningModule's ``model`` attribute when it holds
@@ -227,6 +289,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             else:
                 self.parallelize()
         self._materialize(self.parallelize_target())
+        if self._pipeline_stages is not None:
+            self._make_pipeline()
         self.model = self.precision_plugin.convert_module(self.model)
         if self._offloaded:
             # FSDP keeps the sharded parameters on CPU; buffers still belong on the compute device.
@@ -294,6 +358,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         """Lightning enters this for every micro-batch but the last of an optimizer step (and
         ``toggle_model(sync_grad=False)`` under manual optimization): gradients accumulate
         unsharded, and are reduce-scattered (and all-reduced across HSDP replicas) once per step."""
+        if self.pipeline is not None:
+            # The schedule syncs each stage's gradients at the end of its step (torch's
+            # PipelineStage re-enables sync there): each batch of an accumulation is reduced.
+            yield
+            return
         if self._sharded_modules is None:
             self._sharded_modules = fsdp2_modules(self.parallelize_target())
         with gradient_sync_disabled(self._sharded_modules):
@@ -305,16 +374,70 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
             rank_zero_info("FSDP2Strategy: restored the optimizer state deferred from checkpoint loading.")
+        if self.pipeline is not None:
+            with self.precision_plugin.train_step_context():
+                return self._pipeline_step(args[0], train=True, batch_idx=args[1] if len(args) > 1 else 0)
         if self._root_is_the_module():
             with self.precision_plugin.train_step_context():
                 return self._as_root_forward("training_step", *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            with self.precision_plugin.val_step_context():
+                loss = self._pipeline_step(args[0], train=False)
+            # Every rank holds the last stage's loss (broadcast): the mean over ranks is over dp.
+            self.lightning_module.log("val_loss", loss, sync_dist=True, prog_bar=True)
+            return loss
         if self._root_is_the_module():
             with self.precision_plugin.val_step_context():
                 return self._as_root_forward("validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
+
+    def _pipeline_step(self, batch: Any, *, train: bool, batch_idx: int = 0) -> Any:
+        """One batch through the schedule (backward included when training); the loss of the
+        whole batch, on every rank of the pipeline. Gradients are scaled for accumulation here,
+        since the schedule, not Lightning, runs backward."""
+        module = self.lightning_module
+        inputs, targets = module.pipeline_inputs(batch)
+        accumulation = module.trainer.accumulate_grad_batches
+        scale = 1.0 / accumulation if train else 1.0
+        earlier: dict[int, Any] = {}
+        if train:
+            # The schedule divides every gradient it finds by the micro-batch count at the end of
+            # its step: the batches accumulated before this one wait aside meanwhile. A new
+            # optimizer step starts from none (Lightning zeroes them only after this step, too
+            # late for a step that runs backward itself).
+            first = batch_idx % accumulation == 0
+            for param in module.parameters():
+                if param.grad is not None and not first:
+                    earlier[id(param)] = param.grad
+                param.grad = None
+        loss = self.pipeline.step(inputs, targets, train=train, scale=scale)
+        if train:
+            # Lightning zeroes gradients between the step and its backward, and this step has run
+            # backward already: the gradients wait aside until backward() puts them back.
+            self._pipeline_grads = [(p, _summed(earlier.get(id(p)), p.grad)) for p in module.parameters()]
+            self._pipeline_grads = [(p, g) for p, g in self._pipeline_grads if g is not None]
+            for param in module.parameters():
+                param.grad = None
+        return loss
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward, less the backward pass itself under pipeline parallel: the
+        schedule ran it, micro-batch by micro-batch, inside the step (the hooks before and after
+        it still run)."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for param, grad in self._pipeline_grads:
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._pipeline_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def _root_is_the_module(self) -> bool:
         return self._root_is_module
@@ -360,7 +483,35 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self._pending_optimizer_states is not None:  # saving before the first step: restore first
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
-        return DistributedCheckpointing.optimizer_state(self, optimizer)
+        state = DistributedCheckpointing.optimizer_state(self, optimizer)
+        if self.pipeline is not None and state.get("param_groups"):
+            state["param_groups"] = self._whole_model_param_groups(state["param_groups"])
+        return state
+
+    def _whole_model_param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each group's parameter names over every stage, in stage order (this rank's list names
+        only its stages'): a sharded save then describes the whole model's optimizer, as it does
+        for any other layout, and converts to one file (``fsdp-ckpt convert --to full``)."""
+        import torch.distributed as dist
+
+        from fsdp_cli.parallel.names import canonical_name
+
+        stage_of = {
+            id(p): s
+            for s, view in zip(self._pipeline_layout.ids, self._pipeline_stages, strict=True)
+            for p in view.parameters()
+        }
+        where = {
+            canonical_name(n): stage_of.get(id(p), -1) for n, p in self.lightning_module.named_parameters()
+        }
+        mine = [[(where.get(name, -1), i, name) for i, name in enumerate(g["params"])] for g in groups]
+        gathered: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(gathered, mine, group=self.pipeline_group)
+        merged = []
+        for index, group in enumerate(groups):
+            names = sorted(entry for rank in gathered for entry in rank[index])
+            merged.append({**group, "params": [name for _, _, name in names]})
+        return merged
 
 
 def is_parallelized(module: nn.Module) -> bool:
@@ -379,6 +530,13 @@ def refuse_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
             "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
             f" The `{strategy_name}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
         )
+
+
+def _summed(earlier: Any, new: Any) -> Any:
+    """Two accumulated gradients, either of which may be None."""
+    if earlier is None or new is None:
+        return new if earlier is None else earlier
+    return earlier + new
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:

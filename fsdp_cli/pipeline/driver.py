@@ -1,0 +1,183 @@
+"""This rank's stages parallelized over the non-pipeline part of the mesh, and driven by one of
+torch's schedules (``torch.distributed.pipelining``).
+
+Order per rank, as :func:`fsdp_cli.parallel.parallelize.parallelize` does for a whole model:
+cut (prune the model to this rank's stages) -> tensor parallel -> float8 -> activation
+checkpointing -> compile -> the stage views -> ``fully_shard`` each block, then each view as a
+root. FSDP2 must not reshard after forward under the zero-bubble and V schedules: they split
+backward into an input pass and a weight pass, and a resharded block's weight pass then sees
+wrong (or no) gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_cli.errors import ConfigError
+from fsdp_cli.parallel.activation_checkpoint import apply_ac
+from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.fsdp2 import apply_fsdp
+from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
+from fsdp_cli.pipeline.cuts import stage_blocks
+from fsdp_cli.pipeline.options import PipelineOptions
+from fsdp_cli.pipeline.schedules import ScheduleFacts, schedule_facts
+from fsdp_cli.pipeline.stages import PipelineSplit, StageView, prune, stage_ids, views
+
+
+@dataclass
+class PipelineLayout:
+    """The schedule, the micro-batches and this rank's stages, all decided."""
+
+    facts: ScheduleFacts
+    microbatches: int
+    stages_per_rank: int
+    n_stages: int
+    ids: list[int]
+    ranges: list[range]
+
+
+def layout_of(options: PipelineOptions, dims: ParallelDims, pp_rank: int, n_blocks: int) -> PipelineLayout:
+    """``options`` with its defaults filled in, for the rank at ``pp_rank`` of the pipeline."""
+    facts = schedule_facts(options.schedule)
+    assert facts is not None  # checked before launch (fsdp_cli.pipeline.checks)
+    per_rank = options.stages_per_rank or facts.default_stages_per_rank()
+    n_stages = dims.pp * per_rank
+    return PipelineLayout(
+        facts=facts,
+        microbatches=options.microbatches or n_stages,
+        stages_per_rank=per_rank,
+        n_stages=n_stages,
+        ids=stage_ids(pp_rank, dims.pp, per_rank, v_shape=facts.v_shape),
+        ranges=stage_blocks(n_blocks, n_stages, options.cut, options.cuts),
+    )
+
+
+def parallelize_stages(
+    split: PipelineSplit, layout: PipelineLayout, dims: ParallelDims, options: Any
+) -> list[StageView]:
+    """Cut ``split.model`` to this rank's stages and parallelize them (``options``: the strategy's
+    :class:`~fsdp_cli.parallel.parallelize.ParallelizeOptions`); returns the stage views."""
+    from fsdp_cli.parallel.tensor_parallel import apply_tp
+
+    model = split.model
+    # The plan of the whole model (it may name every part; a stage applies what it still holds).
+    plan = _tp_plan(model, dims, options) if dims.tp_enabled else {}
+    prune(split, layout.ranges, layout.ids)
+    units = wrap_units(model, options.wrap)
+    block_classes = repeated_block_classes(model)
+    blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
+    if dims.tp_enabled:
+        apply_tp(model, dims.tp_mesh, {k: v for k, v in plan.items() if _present(model, k)})
+    if options.float8:
+        from fsdp_cli.parallel.float8 import apply_float8, emulates_float8
+
+        apply_float8(model, emulate=emulates_float8(dims.mesh.device_type))
+    apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
+    if options.compile:
+        from fsdp_cli.parallel.compile import compile_blocks
+
+        compile_blocks(model, blocks, tensor_parallel=dims.tp_enabled)
+    stages = views(split, layout.ranges, layout.ids)
+    reshard = False if layout.facts.zero_bubble else options.reshard_after_forward
+    for view in stages:
+        inside = {id(m) for m in view.modules()}
+        apply_fsdp(
+            view,
+            dims.fsdp_mesh,
+            [u for u in units if id(u) in inside],
+            reshard_after_forward=reshard,
+            mp_policy=options.mp_policy,
+            offload_policy=options.offload_policy,
+        )
+    return stages
+
+
+def _tp_plan(model: nn.Module, dims: ParallelDims, options: Any) -> dict[str, Any]:
+    from fsdp_cli.parallel.tensor_parallel import model_tp_plan
+
+    plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
+    if plan is None:
+        raise ConfigError(
+            "tp",
+            dims.tp,
+            f"{type(model).__name__} has no tensor-parallel plan",
+            allowed="tp=1 for this model",
+            hint="define model.tp_plan(sequence_parallel), or use tp=1",
+        )
+    return plan
+
+
+def _present(model: nn.Module, name: str) -> bool:
+    """A tensor-parallel plan's entry names a module this rank still holds."""
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:
+        return False
+
+
+class PipelineDriver:
+    """Runs one step (train: forward and backward; eval: forward only) of the schedule over this
+    rank's stages; every rank of the pipeline gets the step's loss (the last stage's micro-batch
+    losses, averaged)."""
+
+    def __init__(
+        self,
+        stages: list[StageView],
+        layout: PipelineLayout,
+        dims: ParallelDims,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        group = dims.pp_mesh.get_group()
+        self.layout, self.group, self.device = layout, group, device
+        self.scale = 1.0  # 1 / gradient accumulation, set per step
+        self.loss_fn = loss_fn
+        piped = [
+            PipelineStage(view, stage_index=s, num_stages=layout.n_stages, device=device, group=group)
+            for view, s in zip(stages, layout.ids, strict=True)
+        ]
+        schedule_class = get_schedule_class(layout.facts.name)
+        self.schedule = schedule_class(
+            piped if layout.facts.multi_stage else piped[0],
+            n_microbatches=layout.microbatches,
+            loss_fn=self._scaled_loss,
+            scale_grads=True,
+        )
+        self.holds_first = 0 in layout.ids
+        self.holds_last = layout.n_stages - 1 in layout.ids
+        self.last_rank = _owner(layout)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self.scale
+
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool, scale: float = 1.0
+    ) -> torch.Tensor:
+        """The step's loss (unscaled), the same on every rank of the pipeline."""
+        self.scale = scale
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        target = targets if self.holds_last else None
+        if train:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.eval(*args, target=target, losses=losses)
+        loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        if losses:
+            loss = torch.stack([x.detach().float() for x in losses]).mean() / scale
+        torch.distributed.broadcast(loss, group=self.group, group_src=self.last_rank)
+        return loss
+
+
+def _owner(layout: PipelineLayout) -> int:
+    """The pipeline rank holding the last stage: rank 0 for V schedules, else the last rank."""
+    pp = layout.n_stages // layout.stages_per_rank
+    return 0 if layout.facts.v_shape else (layout.n_stages - 1) % pp

@@ -1,0 +1,178 @@
+"""Test driver (run under torchrun by tests/test_pipeline.py): every schedule torch ships, on one
+process group, against one process.
+
+Each rank builds the model kinds' pipelined stages with the library's code
+(:mod:`fsdp_cli.pipeline.driver`) and trains them for a few steps with every schedule; rank 0
+also trains the whole model in one process on the whole batch. Prints one JSON line per
+(model, schedule): the per-step losses of both and the largest relative difference.
+
+    torchrun --nproc-per-node 4 tests/pipeline_sweep.py --pp 2 --dp 2 --tp 1 --models llama,hf,module
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fsdp_cli.models.args import LlamaArgs
+from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.parallelize import ParallelizeOptions
+from fsdp_cli.pipeline.driver import PipelineDriver, layout_of, parallelize_stages
+from fsdp_cli.pipeline.options import PipelineOptions
+from fsdp_cli.pipeline.schedules import SCHEDULES
+from fsdp_cli.pipeline.stages import block_count, split_of
+
+VOCAB, SEQ, BATCH = 64, 8, 8
+
+
+class Block(nn.Module):
+    """A plain residual MLP block (the plain ``nn.Module`` kind)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class PlainModel(nn.Module):
+    """Embedding, a ModuleList of blocks, a head: cut by its block list."""
+
+    def __init__(self, dim: int = 16, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def tp_plan(self, *, sequence_parallel: bool) -> dict[str, object]:
+        """Each block's layer split by columns and gathered again (its output whole on every rank)."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return {
+            f"blocks.{i}.fc": ColwiseParallel(output_layouts=Replicate()) for i in range(len(self.blocks))
+        }
+
+    def init_weights(self, buffer_device: object = None) -> None:
+        from fsdp_cli.models.init import seeded_normal_
+
+        for name, param in self.named_parameters():
+            seeded_normal_(param, std=0.2, seed=0, name=name)
+
+
+def llama() -> nn.Module:
+    from fsdp_cli.models.llama import Llama
+
+    args = LlamaArgs(dim=16, n_layers=8, n_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, tie_embeddings=False)
+    return Llama(args, seed=0)
+
+
+def hf(folder: str) -> nn.Module:
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+
+    return build_hf_model(HFModelArgs(path=folder, pretrained=False), seed=0)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
+
+
+def one_process(factory: Callable[[], nn.Module], steps: int) -> list[float]:
+    with torch.device("meta"):
+        model = factory()
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for batch in batches(steps):
+        loss = loss_fn(
+            model(batch[:, :-1]) if not hasattr(model, "hf") else model(batch[:, :-1]), batch[:, 1:]
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def pipelined(factory: Callable[[], nn.Module], dims: ParallelDims, schedule: str, steps: int) -> list[float]:
+    with torch.device("meta"):
+        model = factory()
+    split = split_of(model)
+    pp_rank = dims.pp_mesh.get_local_rank()
+    layout = layout_of(PipelineOptions(schedule=schedule), dims, pp_rank, block_count(split))
+    stages = parallelize_stages(split, layout, dims, ParallelizeOptions())
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device=torch.device("cpu"))
+    driver = PipelineDriver(stages, layout, dims, torch.device("cpu"), loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp_rank, dp = dims.data_parallel_mesh.get_local_rank(), dims.dp
+    out = []
+    for batch in batches(steps):
+        mine = batch.chunk(dp)[dp_rank]
+        loss = driver.step(mine[:, :-1], mine[:, 1:], train=True)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss, group=dims.data_parallel_mesh.get_group())
+        out.append(loss.item() / dp)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--models", default="llama")
+    parser.add_argument("--schedules", default=",".join(f.name for f in SCHEDULES.values()))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--hf-folder", default=None)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    factories = {"llama": llama, "module": PlainModel, "hf": lambda: hf(args.hf_folder)}
+    for name in args.models.split(","):
+        reference = one_process(factories[name], args.steps) if dist.get_rank() == 0 else []
+        for schedule in args.schedules.split(","):
+            dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, pp=args.pp)
+            dims.build_mesh("cpu")
+            losses = pipelined(factories[name], dims, schedule, args.steps)
+            if dist.get_rank() == 0:
+                worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+                row = {
+                    "model": name,
+                    "schedule": schedule,
+                    "losses": losses,
+                    "reference": reference,
+                    "rel": worst,
+                }
+                print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
