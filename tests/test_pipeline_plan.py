@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -214,14 +213,18 @@ def test_a_gpipe_plan_that_does_not_fit_is_told_to_hold_fewer_forwards() -> None
     assert hint(run, plan).startswith("pipeline.schedule=1F1B or Interleaved1F1B")
 
 
-def test_the_rehearsal_of_a_pp_layout_is_refused_in_one_line() -> None:
-    """pp trains (tests/test_pipeline.py), but fsdp-plan --rehearse does not build stages yet:
-    one line, not a rank that fails on a mesh it was not built for."""
-    rehearse = cli_in_process([*MODEL, "pp=2", "--gpus", "8", "--rehearse", "--no-step"], prog="fsdp-plan")
-    assert (
-        rehearse.returncode == 2
-        and "pp=2: the rehearsal does not build pipeline stages yet" in rehearse.stderr
+def test_a_pp_rank_is_rehearsed_at_512_ranks_without_a_fake_step() -> None:
+    """The last rank of the 70B pipeline recipe, built on a fake process group of 512: it holds
+    the bytes its stage's plan says; the fake step says why it is not run (no faked sends)."""
+    result = cli_in_process(
+        ["recipe=llama_70b_pp", "--gpus", "8", "--rehearse", "--rank", "511", "--json"], prog="fsdp-plan"
     )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["rehearsal"]["world_size"] == 512
+    for kind in ("params", "grads", "optimizer"):
+        assert report["rehearsal"]["held_bytes"][kind] == report["ranks"][511][kind], kind
+    assert report["rehearsal"]["step"]["skipped"].startswith("pp=4: the schedule's sends")
 
 
 def test_a_plain_module_is_cut_by_its_block_list() -> None:

@@ -16,7 +16,6 @@ from harness import Result
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from fsdp_cli import resolve
 from fsdp_cli.cli import recipes as recipe_cli
 from fsdp_cli.config.schema import Accelerator
 from fsdp_cli.config.store import register_schemas
@@ -165,8 +164,6 @@ def test_recipe_shards_on_its_hardware_as_planned(
     from fsdp_cli.plan.rehearsal import HELD, rehearse
 
     _, cfg, nodes, gpus_per_node = resolve_recipe(name, tmp_path, monkeypatch)
-    if cfg.pp > 1:
-        pytest.skip("fsdp-plan --rehearse does not build pipeline stages yet (docs/pipeline.md)")
     world = int(cfg.devices) * cfg.num_nodes
     run = ResolvedRun.of(cfg)
     plan = plan_for(run)

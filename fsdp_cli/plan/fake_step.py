@@ -84,6 +84,11 @@ def _unsupported(run: ResolvedRun) -> str | None:
         )
     if isinstance(strategy, DDPConfig):
         return f"strategy={run.entry.name}: DistributedDataParallel reads its parameters when built: no fake step"
+    if run.layout.pp > 1:
+        return (
+            f"pp={run.layout.pp}: the schedule's sends between stages are not faked; the held bytes "
+            "above are the rank's own stages, the activations are the plan's"
+        )
     return None
 
 

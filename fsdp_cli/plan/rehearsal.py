@@ -63,14 +63,6 @@ class Rehearsal:
 def rehearse(run: ResolvedRun, rank: int = 0, *, step: bool = True) -> Rehearsal:
     """Rehearse rank ``rank`` of a resolved, validated run. A layout the model cannot take raises
     :class:`ConfigError` (one line)."""
-    if run.cfg.pp > 1:  # (issue 29's pipeline stages make this possible)
-        raise ConfigError(
-            "pp",
-            run.cfg.pp,
-            "the rehearsal does not build pipeline stages yet",
-            allowed="1",
-            hint="fsdp-plan without --rehearse plans each stage (docs/pipeline.md)",
-        )
     run = rehearsal_run(run)
     world = FakeWorld(num_nodes=run.layout.num_nodes, per_node=run.layout.devices, rank=rank)
     if not 0 <= rank < world.world_size:
@@ -170,8 +162,12 @@ def mesh_coordinates(built: BuiltRank) -> dict[str, int]:
     mesh = getattr(built.strategy, "run_mesh", None)
     if mesh is None:  # DDP: one data-parallel dimension
         return {"data_parallel": built.world.rank}
+    from fsdp_cli.parallel.dims import PP
+
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return dict(zip(names, mesh.get_coordinate() or ()))
+    coordinates = zip(names, mesh.get_coordinate() or (), mesh.shape, strict=False)
+    # The pipeline dimension is named only where there is a pipeline.
+    return {name: at for name, at, size in coordinates if name != PP or size > 1}
 
 
 def fsdp_units(built: BuiltRank) -> list[str]:
