@@ -37,6 +37,7 @@ from fsdp_cli.config.schema import (
 from fsdp_cli.config.strategies import SCHEMAS as STRATEGY_SCHEMAS
 from fsdp_cli.config.unknown_keys import field_names, unknown_key_hint, unknown_keys
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.adapters.options import AdapterOptions
 from fsdp_cli.pipeline.options import PipelineOptions
 
 # The `name` key of each group's node selects its schema (strategies: their registry entries).
@@ -63,6 +64,7 @@ SECTION_SCHEMAS: dict[str, type] = {
     "launcher": LauncherConfig,
     "sweep": SweepConfig,
     "pipeline": PipelineOptions,
+    "peft": AdapterOptions,
 }
 _MISSING = "???"
 

@@ -77,8 +77,9 @@ class ModelKind(NamedTuple):
     stage_split_points: Callable[[Any], list[str] | None]
     """Hook for pipeline parallel: the module names it may be cut before, None: not supported."""
     adapter_targets: Callable[[Any], list[str] | None]
-    """Hook for adapters (LoRA): the linear layers (name suffixes) adapters may wrap, None: not
-    supported."""
+    """Adapters (``peft=lora``): the linear layers (name suffixes) adapters may wrap, known from
+    the config; empty: found on its meta model (:func:`fsdp_cli.adapters.targets.block_linears`);
+    None: not supported."""
     document_masks: bool = False
     """Hook for packed sequences: its attention can keep the documents of one sequence apart."""
     recomputes_buffers: bool = False
@@ -279,6 +280,11 @@ def llama_adapter_targets(model: LlamaConfig) -> list[str]:
     ]
 
 
+def on_meta_model(model: Any) -> list[str]:
+    """Its linear layers are found on its meta model (before launch) and on the real one."""
+    return []
+
+
 def hf_folder_vocab(model: HFModelConfig) -> int | None:
     return read_model_folder(model.path).vocab_size
 
@@ -432,7 +438,7 @@ HF = ModelKind(
     flops_per_token=counted_flops,
     closed_form=False,
     stage_split_points=not_supported,
-    adapter_targets=not_supported,
+    adapter_targets=on_meta_model,
     default_vocab=hf_folder_vocab,
     without_weights=hf_without_weights,
 )
@@ -449,13 +455,14 @@ MODULE = ModelKind(
     flops_per_token=counted_flops,
     closed_form=False,
     stage_split_points=not_supported,
-    adapter_targets=not_supported,
+    adapter_targets=on_meta_model,
     target_decides=True,
     yaml_node=custom_node,
 )
 LIGHTNING = MODULE._replace(
     name="lightning",
     tp_plan=plans_in_configure_model,
+    adapter_targets=not_supported,  # its layers appear only in its own configure_model
     lightning=True,
 )
 """Asked the same before launch as :data:`MODULE`; built, planned and stepped as a module that
