@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_cli.adapters.options import AdapterOptions
 from fsdp_cli.config.model_kinds import KINDS, kind_of
 from fsdp_cli.config.schema import (
     CheckpointConfig,
@@ -37,7 +38,6 @@ from fsdp_cli.config.schema import (
 from fsdp_cli.config.strategies import SCHEMAS as STRATEGY_SCHEMAS
 from fsdp_cli.config.unknown_keys import field_names, unknown_key_hint, unknown_keys
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.adapters.options import AdapterOptions
 from fsdp_cli.pipeline.options import PipelineOptions
 
 # The `name` key of each group's node selects its schema (strategies: their registry entries).

@@ -7,7 +7,9 @@ user's model has.
 
 from __future__ import annotations
 
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"})
+WRAPPER_SEGMENTS = frozenset(
+    {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"}
+)
 """(``base_layer``: the layer ``peft``'s LoRA wraps keeps its name, so its init and the weights a
 folder gives it are those of the model without adapters.)"""
 
