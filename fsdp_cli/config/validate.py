@@ -151,6 +151,24 @@ def check_adapters(run: ResolvedRun) -> None:
             )
     if run.model_kind.adapter_targets(cfg.model) is None:
         raise ConfigError("peft", method, f"model kind {run.model_kind.name} does not take adapters")
+    _check_fsdp1_unsharded_adapters(run)
+
+
+def _check_fsdp1_unsharded_adapters(run: ResolvedRun) -> None:
+    """torch's FSDP1 cannot save a model with frozen parameters when nothing is sharded and it
+    keeps the original parameters (its full state-dict hook finds the frozen ones missing)."""
+    strategy = run.cfg.strategy
+    if run.entry.name != "fsdp" or not strategy.use_orig_params:
+        return
+    if run.layout.shard == 1 or strategy.sharding_strategy.value == "NO_SHARD":
+        raise ConfigError(
+            "strategy.use_orig_params",
+            True,
+            f"peft={run.cfg.peft.name.value} under unsharded FSDP1 (shard group of {run.layout.shard}, "
+            f"{strategy.sharding_strategy.value}): torch cannot save its frozen parameters",
+            allowed="false here",
+            hint="strategy.use_orig_params=false, strategy=fsdp2, or strategy=ddp",
+        )
 
 
 def check_precision(cfg: TrainConfig) -> None:
