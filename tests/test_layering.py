@@ -42,7 +42,17 @@ ALLOWED: dict[str, set[str]] = {
     "resolve": {"plan", "checkpoint", "launch", "data", "config", "adapters", *LEAVES},
     # builders/strategies: a rehearsal (plan/rehearsal.py) builds one rank with the builders and
     # strategy classes a real rank uses, instead of a second copy of that logic.
-    "plan": {"builders", "strategies", "launch", "config", "adapters", "models", "pipeline", "parallel", *LEAVES},
+    "plan": {
+        "builders",
+        "strategies",
+        "launch",
+        "config",
+        "adapters",
+        "models",
+        "pipeline",
+        "parallel",
+        *LEAVES,
+    },
     "worker": {"builders", "checkpoint", "launch", "config", *LEAVES},
     "builders": {
         "callbacks",
