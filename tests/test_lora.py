@@ -265,3 +265,53 @@ def test_peft_export_of_a_run_without_adapters_is_one_line_exit_2(layout_run: An
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "peft=none" in lines[0], result.stderr
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.distributed
+def test_hf_lora_exports_load_in_peft_and_transformers_with_the_runs_logits(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from test_hf import save_llama, write_token_stream
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_cli.checkpoint.convert import load
+    from fsdp_cli.models.hf import build_hf_model
+
+    folder, tokens, run = (
+        save_llama(tmp_path / "llama"),
+        write_token_stream(tmp_path / "t.bin", 257),
+        tmp_path / "run",
+    )
+    args = [
+        "model=hf",
+        f"model.path={folder}",
+        "data=tokens",
+        f"data.path={tokens}",
+        "peft.trainable=[norms]",
+    ]
+    assert_ok(
+        run_cli([*args, "strategy=fsdp2", "devices=2", *LORA_RUN[:-1], "trainer.max_steps=4"], run), run
+    )
+    ckpt = _ckpt(run, 4)
+    for to in (["--to", "peft"], ["--to", "hf", "--merge"]):
+        result = cli_in_process(["convert", str(ckpt), str(tmp_path / to[1]), *to], prog="fsdp-ckpt")
+        assert result.returncode == 0, result.stderr
+    cfg = _config(run)
+    ours = build_hf_model(cfg.model, seed=cfg.seed)
+    ours.materialize("cpu")  # the folder's weights, as DDP fills them
+    apply_lora(ours, cfg.peft, seed=cfg.seed)
+    state = load(ckpt, weights_only_model=True).state_dict
+    missing, unexpected = ours.load_state_dict(
+        {k[len("model.") :]: v for k, v in state.items()}, strict=False
+    )
+    assert not unexpected and not [m for m in missing if ".lora_" in m or "norm" in m]
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder), str(tmp_path / "peft")
+    )
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.eval()(ids)
+        for model in (peft_model, merged):
+            got = model.eval()(ids).logits
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), type(model).__name__
+        assert (AutoModelForCausalLM.from_pretrained(folder)(ids).logits - expected).abs().max() > 1e-3

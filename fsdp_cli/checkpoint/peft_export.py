@@ -59,12 +59,24 @@ def adapter_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
+def trained_in_full(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What trained beside the adapters (``peft.trainable``: norms, the head), under PEFT's names
+    for ``modules_to_save`` (an adapters-only save holds nothing else)."""
+    return {
+        f"{PEFT_PREFIX}{model_key(k)}": v
+        for k, v in state_dict.items()
+        if not LORA_KEY.match(model_key(k)) and ".base_layer." not in k
+    }
+
+
 def save_peft(state_dict: dict[str, torch.Tensor], manifest: dict[str, Any] | None, partial: Path) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``partial``."""
     from safetensors.torch import save_file
 
     options = peft_options(manifest)
     tensors = adapter_tensors(state_dict)
+    # (with peft.save_base the checkpoint holds the frozen base too: only peft.trainable's go along)
+    extra = trained_in_full(state_dict) if not options.get("save_base") else {}
     try:
         from peft import LoraConfig
     except ImportError:
@@ -76,10 +88,11 @@ def save_peft(state_dict: dict[str, torch.Tensor], manifest: dict[str, Any] | No
         lora_dropout=float(options["dropout"]),
         target_modules=modules,
         bias=str(options.get("bias", "none")),
+        modules_to_save=sorted({k[len(PEFT_PREFIX) :].rsplit(".", 1)[0] for k in extra}) or None,
         base_model_name_or_path=_base_model(manifest),
     )
     config.save_pretrained(str(partial))
-    owned = {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
+    owned = {k: v.detach().to("cpu").clone().contiguous() for k, v in {**tensors, **extra}.items()}
     save_file(owned, str(partial / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
