@@ -191,7 +191,14 @@ def test_held_bytes_count_gradients_and_optimizer_state_of_the_adapters_only(
     apply_lora(model, cfg.peft, seed=cfg.seed)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     everything = sum(p.numel() for p in model.parameters())
-    ddp = read_summary(lora_runs["ddp"])["setup"]["held_bytes"][0]
+    setup = read_summary(lora_runs["ddp"])["setup"]
+    assert setup["trainable"] == {
+        "parameters": trainable,
+        "of": everything,
+        "dtype": ["float32"],
+        "frozen_dtype": ["float32"],
+    }
+    ddp = setup["held_bytes"][0]
     assert ddp["grads"] == 4 * trainable and ddp["params"] == 4 * everything
     for name in ("fsdp2", "fsdp"):  # sharded over 2 ranks (+ padding)
         held = read_summary(lora_runs[name])["setup"]["held_bytes"][0]
