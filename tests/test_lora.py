@@ -20,6 +20,7 @@ from fsdp_cli.models.llama import Llama
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 LORA = AdapterOptions(name=AdapterMethod.lora, r=4, alpha=8.0)
+LM = ["model=custom", "model._target_=tests.assets.lightning_style.EncoderDecoderLM"]
 
 
 def lora_llama(options: AdapterOptions = LORA, seed: int = 3) -> Llama:
@@ -39,7 +40,8 @@ def lora_llama(options: AdapterOptions = LORA, seed: int = 3) -> Llama:
         (["peft.r=200"], "peft.r=200", ["exceeds layer", "1..128"]),
         (["peft.trainable=[xyz]"], "peft.trainable=xyz", ["matches no module"]),
         (["tp=2"], "tp=2", ["does not shard adapters", "tp=1"]),
-        (["strategy=model_parallel"], "strategy=model_parallel", []),
+        (["strategy=model_parallel", *LM], "strategy=model_parallel", ["peft=lora needs fsdp-train"]),
+        (LM, "peft=lora", ["builds its layers in its own configure_model"]),
         (["strategy=fsdp", "devices=1"], "strategy.use_orig_params", ["unsharded FSDP1"]),
     ],
 )
