@@ -256,6 +256,11 @@ def test_peft_export_loads_in_peft_with_the_runs_logits(lora_runs: dict[str, Pat
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     cfg = _config(lora_runs["ddp"])
     loaded = PeftModel.from_pretrained(Llama(cfg.model, seed=cfg.seed), str(out)).eval()
+    # The names PEFT itself saves for this model, no more, no fewer.
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(out / "adapter_model.safetensors"))) == set(get_peft_model_state_dict(loaded))
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs, base = (
