@@ -63,7 +63,27 @@ def memory_plan_check(run: ResolvedRun) -> None:
         raise Advisory("memory plan", "does not fit", problem.removeprefix("memory plan: "), warning=problem)
 
 
+def adapter_targets_check(run: ResolvedRun) -> None:
+    """``peft=lora``: ``peft.targets`` and ``peft.trainable`` resolved on the model built on the
+    meta device (what each rank will adapt), the rank checked against every target layer."""
+    if not run.cfg.peft.enabled:
+        return
+    from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
+
+    model = run.model_kind.meta_model(run)
+    if model is None:
+        raise ConfigError(
+            "peft",
+            run.cfg.peft.name.value,
+            f"{run.model_label}: a LightningModule builds its layers in its own configure_model",
+            hint="add adapters there (peft.inject_adapter_in_model), or give model._target_ a plain nn.Module",
+        )
+    adapter_layers(model, run.cfg.peft)
+    trainable_modules(model, run.cfg.peft)
+
+
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
+    adapter_targets_check,
     memory_plan_check,
     check_callback_classes,
     check_batch_source,

@@ -22,7 +22,7 @@ from fsdp_cli.launch.layout import resolve_layout
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "default_config_keys.txt"
-GROUPS = ("strategy", "precision", "wrap", "checkpoint", "model", "data", "trainer", "logger")
+GROUPS = ("strategy", "precision", "wrap", "checkpoint", "model", "data", "trainer", "logger", "peft")
 # Machines the layout is resolved for, whatever this one has (it may have 0 to 7 real GPUs).
 EIGHT_GPUS = {"gpus": 8}
 CPU = {"gpus": 0}

@@ -273,6 +273,7 @@ TRAINED_BY = {
     "logger=": "tests/test_callbacks_loggers_epochs.py (mlflow and wandb runs)",
     "+callbacks.": "tests/test_callbacks_loggers_epochs.py (EarlyStopping, ModelCheckpoint, LR monitor)",
     "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
+    "peft=lora": "tests/test_lora.py (LoRA under fsdp2, fsdp and ddp against one process)",
 }
 """What each kind of dry-run command shows in training, and where it is trained for real."""
 

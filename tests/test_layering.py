@@ -9,7 +9,7 @@ and a string that names one of our modules, or an object in one (``module:attrib
 registries write it, or ``module.Attribute``), count as edges; only :data:`PROCESS_ENTRIES`, the
 modules another process runs, are not imports of the room that names them. The table runs one
 way: argv -> cli -> sweep -> resolve -> plan -> worker -> builders -> callbacks / strategies ->
-checkpoint -> launch -> config -> models / data -> parallel -> the leaves. A new edge is added
+checkpoint -> launch -> config -> adapters -> models / data -> parallel -> the leaves. A new edge is added
 to the table on purpose, and the table itself must stay free of cycles.
 """
 
@@ -51,10 +51,20 @@ ALLOWED: dict[str, set[str]] = {
         *LEAVES,
     },
     "sweep": {"resolve", "launch", "config", *LEAVES},
-    "resolve": {"plan", "checkpoint", "launch", "data", "config", *LEAVES},
+    "resolve": {"plan", "checkpoint", "launch", "data", "config", "adapters", *LEAVES},
     # builders/strategies: a rehearsal (plan/rehearsal.py) builds one rank with the builders and
     # strategy classes a real rank uses, instead of a second copy of that logic.
-    "plan": {"builders", "strategies", "launch", "config", "models", "pipeline", "parallel", *LEAVES},
+    "plan": {
+        "builders",
+        "strategies",
+        "launch",
+        "config",
+        "adapters",
+        "models",
+        "pipeline",
+        "parallel",
+        *LEAVES,
+    },
     "worker": {"builders", "checkpoint", "launch", "config", *LEAVES},
     "builders": {
         "callbacks",
@@ -62,6 +72,7 @@ ALLOWED: dict[str, set[str]] = {
         "checkpoint",
         "launch",
         "config",
+        "adapters",
         "models",
         "data",
         "pipeline",
@@ -71,10 +82,13 @@ ALLOWED: dict[str, set[str]] = {
     "callbacks": {"launch", "models", "parallel", *LEAVES},
     "strategies": {"checkpoint", "pipeline", "parallel", *LEAVES},
     # (the checkpoint callback asks how many steps a fit plans; full files number the optimizer
-    # state by the model's parameter names as parallel.names reports them)
-    "checkpoint": {"callbacks", "config", "pipeline", "parallel", *LEAVES},
+    # state by the model's parameter names as parallel.names reports them; a merged LoRA export
+    # reads its base from the model folder through models.folder's checks)
+    "checkpoint": {"callbacks", "config", "models", "pipeline", "parallel", *LEAVES},
     "launch": {"config", "pipeline", "parallel", *LEAVES},
-    "config": {"models", "data", "pipeline", "parallel", *LEAVES},
+    "config": {"adapters", "models", "data", "pipeline", "parallel", *LEAVES},
+    # (adapters: LoRA injected into the models before parallel shards them)
+    "adapters": {"models", "parallel", *LEAVES},
     "models": {"pipeline", "parallel", *LEAVES},
     "data": {*LEAVES},
     # (pipeline stages wrap parallel's sharding of each stage)
@@ -95,7 +109,7 @@ PROCESS_ENTRIES: dict[tuple[str, str], str] = {
     ): "what the agent process imports before it forks the ranks",
 }
 """(module, the module a string in it names): started in another process, not imported here."""
-LIBRARY = {"parallel", "pipeline", "models", "strategies"}
+LIBRARY = {"parallel", "pipeline", "adapters", "models", "strategies"}
 """Usable from Python without the CLI: nothing they import, however indirectly, is the CLI's."""
 CLI_ROOMS = {"cli", "sweep", "resolve", "config"}
 

@@ -92,11 +92,13 @@ def test_the_llama_hooks_name_its_real_blocks_and_linear_layers() -> None:
         if isinstance(m, nn.Linear) and "layers." in name
     }
     assert set(LLAMA.adapter_targets(model_cfg)) == linear
-    assert (MODULE.stage_split_points(None), MODULE.adapter_targets(None), LIGHTNING.document_masks) == (
+    assert (MODULE.stage_split_points(None), LIGHTNING.adapter_targets(None), LIGHTNING.document_masks) == (
         None,
         None,
         False,
     )
+    # (model=hf and a plain module: the layers adapters wrap are found on their meta model)
+    assert HF.adapter_targets(None) == MODULE.adapter_targets(None) == []
 
 
 def test_tensor_parallel_sizes_are_one_check_for_every_kind() -> None:

@@ -23,4 +23,6 @@ def checkpointing(run: ResolvedRun) -> dict[str, Any]:
             RUN_ID_KEY: run.cfg.run_id,  # whose saves retention may remove (CheckpointCallback.prune)
         },
         "async_checkpointing": run.cfg.checkpoint.async_save,
+        # A LoRA run saves its adapters (and what else trains); the frozen base only when asked.
+        "save_frozen": not run.cfg.peft.enabled or run.cfg.peft.save_base,
     }

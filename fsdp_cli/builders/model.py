@@ -29,5 +29,17 @@ def build_module(run: ResolvedRun) -> L.LightningModule:
             "strategy=model_parallel needs a LightningModule with configure_model()",
             hint="use strategy=fsdp2 for a plain nn.Module: it parallelizes the model for you",
         )
-    factory: Callable[[], nn.Module] = built
+    factory: Callable[[], nn.Module] = adapted(built, run) if cfg.peft.enabled else built
     return CausalLMModule(factory, optim=cfg.optim, max_steps=cfg.trainer.max_steps)
+
+
+def adapted(factory: Callable[[], nn.Module], run: ResolvedRun) -> Callable[[], nn.Module]:
+    """The factory's model with LoRA injected (before the strategy parallelizes it)."""
+    from fsdp_cli.adapters.lora import apply_lora
+
+    def build() -> nn.Module:
+        model = factory()
+        apply_lora(model, run.cfg.peft, seed=run.cfg.seed)
+        return model
+
+    return build

@@ -55,11 +55,26 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "float8_linears": report.float8_linears if report is not None else None,
         "float8_emulated": report.float8_emulated if report is not None else None,
     }
+    if any(not p.requires_grad for p in params):  # a LoRA run (or a model that froze its own)
+        info["trainable"] = _trainable(params)
     # A model filled in place after sharding (model=hf) says what this rank read and held.
     weights = getattr(getattr(module, "model", None), "load_report", None)
     if weights is not None:
         info["weights"] = dataclasses.asdict(weights)
     return info
+
+
+def _trainable(params: list[nn.Parameter]) -> dict[str, Any]:
+    """What trains and what is frozen: global element counts (DTensors count whole) and the
+    dtypes each is stored in (a LoRA run's adapters against its base)."""
+    trains = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    return {
+        "parameters": sum(p.numel() for p in trains),
+        "of": sum(p.numel() for p in params),
+        "dtype": sorted({_name(p.dtype) for p in trains}),
+        "frozen_dtype": sorted({_name(p.dtype) for p in frozen}),
+    }
 
 
 def _unit_precision(model: nn.Module, stored: torch.dtype) -> tuple[str, str]:
@@ -166,6 +181,13 @@ def format_setup(info: dict[str, Any]) -> str:
         lines.append(
             f"weights: {weights['bytes_read'] / 2**20:,.1f} MiB read by this rank from {weights['files']} file(s) "
             f"in {weights['seconds']:.2f} s; largest tensor held whole {weights['max_full_tensor_bytes'] / 2**20:,.2f} MiB"
+        )
+    t = info.get("trainable")
+    if t:
+        share = 100 * t["parameters"] / max(1, t["of"])
+        lines.append(
+            f"trainable: {t['parameters']:,} of {t['of']:,} parameters ({share:.2f}%) | stored "
+            f"{'/'.join(t['dtype'])}, frozen {'/'.join(t['frozen_dtype'])}"
         )
     lines.append(
         f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}"

@@ -199,21 +199,34 @@ def save_safetensors(ckpt: Checkpoint, partial: Path) -> None:
     save_file(tensors, str(partial), metadata={"format": "pt", "producer": "fsdp-ckpt", "step": str(step)})
 
 
-def save_hf(ckpt: Checkpoint, partial: Path, hf_config: Path | None = None) -> None:
+def save_hf(ckpt: Checkpoint, partial: Path, hf_config: Path | None = None, *, merge: bool = False) -> None:
     from fsdp_cli.checkpoint.hf_export import save_hf as write_hf
     from fsdp_cli.checkpoint.hf_export import source_folder
 
     step = (ckpt.manifest or {}).get("step", ckpt.meta.get("global_step"))
-    write_hf(ckpt.state_dict, partial, source_folder(ckpt.manifest, hf_config), step=step)
+    folder = source_folder(ckpt.manifest, hf_config)
+    state = ckpt.state_dict
+    if merge:
+        from fsdp_cli.checkpoint.peft_export import merged
+
+        state = merged(state, ckpt.manifest, folder)
+    write_hf(state, partial, folder, step=step)
 
 
-FOLDERS = ("sharded", "hf")
+def save_peft(ckpt: Checkpoint, partial: Path) -> None:
+    from fsdp_cli.checkpoint.peft_export import save_peft as write_peft
+
+    write_peft(ckpt.state_dict, ckpt.manifest, partial)
+
+
+FOLDERS = ("sharded", "hf", "peft")
 """The formats written as a folder (the others: one file)."""
 
 
-def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> Path:
-    """``to``: full, sharded, safetensors, or hf (a Hugging Face model folder, for ``model=hf``
-    checkpoints; ``hf_config`` names the model folder if the run's ``model.path`` moved).
+def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None, merge: bool = False) -> Path:
+    """``to``: full, sharded, safetensors, hf (a Hugging Face model folder, for ``model=hf``
+    checkpoints; ``hf_config`` names the model folder if the run's ``model.path`` moved; ``merge``:
+    a LoRA run's adapters merged into the base), or peft (a LoRA run's adapters as PEFT saves them).
 
     Written under ``DST.partial`` (claimed first: one left by another conversion is refused,
     never removed), flushed, and renamed to ``DST`` only if nothing appeared there meanwhile; a
@@ -229,9 +242,14 @@ def convert(src: Path, dst: Path, to: str, *, hf_config: Path | None = None) -> 
     dst.parent.mkdir(parents=True, exist_ok=True)
     partial = _claim(dst, folder=to in FOLDERS)
     try:
-        ckpt = load(src, weights_only_model=to in ("safetensors", "hf"))
+        ckpt = load(src, weights_only_model=to in ("safetensors", "hf", "peft"))
         if to == "hf":
-            save_hf(ckpt, partial, hf_config)
+            save_hf(ckpt, partial, hf_config, merge=merge)
+        elif to == "peft":
+            try:
+                save_peft(ckpt, partial)
+            except CheckpointFormatError as err:
+                raise CheckpointFormatError(f"{src}: {err}") from None
         else:
             {"full": save_full, "sharded": save_sharded, "safetensors": save_safetensors}[to](ckpt, partial)
         _publish(partial, dst)

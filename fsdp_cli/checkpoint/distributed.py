@@ -60,12 +60,17 @@ class DistributedCheckpointing:
     (DCP folder) or ``full`` (one file from rank 0); its name (``"sharded"``) is accepted too.
     ``checkpoint_manifest``: extra fields written into each checkpoint's manifest.
     ``async_checkpointing``: write sharded saves in the background.
+    ``save_frozen``: checkpoints hold the parameters that do not train too (False: a LoRA run's
+    adapters only; the frozen base is rebuilt from its source on resume, and a checkpoint that
+    lacks frozen parameters loads without them).
     """
 
     _checkpoint_format: CheckpointFormat = CheckpointFormat.sharded
     checkpoint_manifest: dict[str, Any] | None = None
     async_checkpointing: bool = False
     """Sharded saves are written in the background (``checkpoint.async_save``)."""
+    save_frozen: bool = True
+    """Checkpoints hold frozen parameters too (``peft.save_base``)."""
     _async_saves: AsyncSaves | None = None
     run_mesh: Any = None
     """The device mesh the strategy built (None for DDP: one data-parallel dimension)."""
@@ -76,6 +81,7 @@ class DistributedCheckpointing:
         checkpoint_format: CheckpointFormat | str | None = None,
         checkpoint_manifest: dict[str, Any] | None = None,
         async_checkpointing: bool = False,
+        save_frozen: bool = True,
         **kwargs: Any,
     ) -> None:
         """The strategy's own arguments pass through; ``checkpoint_format`` None keeps the
@@ -97,6 +103,7 @@ class DistributedCheckpointing:
             self.checkpoint_format = checkpoint_format
         self.checkpoint_manifest = checkpoint_manifest
         self.async_checkpointing = async_checkpointing
+        self.save_frozen = save_frozen
 
     @property
     def checkpoint_format(self) -> CheckpointFormat:
@@ -150,6 +157,10 @@ class DistributedCheckpointing:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model)
+        if not self.save_frozen:
+            # (Filtered here: torch's ignore_frozen_params trips FSDP1's full state-dict hook.)
+            frozen = frozen_names(self.model)
+            state = {k: v for k, v in state.items() if canonical_name(k) not in frozen}
         return self._gather_if_full(state)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -238,10 +249,13 @@ class DistributedCheckpointing:
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # loaded in place already (sharded, or Lightning's loading)
             return
+        state = checkpoint["state_dict"]
         set_model_state_dict(
             self.model,
-            checkpoint["state_dict"],
-            options=StateDictOptions(full_state_dict=True, strict=strict),
+            state,
+            options=StateDictOptions(
+                full_state_dict=True, strict=strict and not _frozen_missing(self.model, state)
+            ),
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -334,7 +348,13 @@ class DistributedCheckpointing:
 
         check_optimizer_count(len(self.optimizers), _saved_optimizer_count(metadata))
         model_state = get_model_state_dict(self.model)
-        dcp_load({"state_dict": model_state}, path)
+        saved = {k.partition(".")[2] for k in metadata.state_dict_metadata if k.startswith("state_dict.")}
+        # An adapters-only save: the frozen base keeps the values the run built (read in place
+        # into the saved keys' tensors; the whole state set back, as FSDP1 requires every key).
+        reading = model_state
+        if _frozen_missing(self.model, saved):
+            reading = {k: v for k, v in model_state.items() if k in saved}
+        dcp_load({"state_dict": reading}, path)
         set_model_state_dict(self.model, model_state)
         for index, optimizer in enumerate(map(_unwrap, self.optimizers)):
             optim_state = get_optimizer_state_dict(self.model, optimizer)
@@ -344,6 +364,19 @@ class DistributedCheckpointing:
         meta = torch_load(path / META_FILE, map_location="cpu")
         meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
         return meta
+
+
+def frozen_names(model: Any) -> set[str]:
+    """The canonical names of ``model``'s parameters that do not train."""
+    return {canonical_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def _frozen_missing(model: Any, saved: Any) -> bool:
+    """Whether ``saved`` (state-dict keys) lacks parameters of ``model``, all of them frozen: a
+    checkpoint written without them (``save_frozen=False``). Missing trainable ones stay an error."""
+    names = {canonical_name(n): p.requires_grad for n, p in model.named_parameters()}
+    missing = set(names) - {canonical_name(k) for k in saved}
+    return bool(missing) and not any(names[n] for n in missing)
 
 
 def _unwrap(optimizer: Any) -> Any:

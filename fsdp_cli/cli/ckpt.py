@@ -2,7 +2,7 @@
 
     fsdp-ckpt inspect PATH [--json]
     fsdp-ckpt verify PATH [--deep]
-    fsdp-ckpt convert SRC DST --to full|sharded|safetensors|hf [--hf-config MODEL_DIR]
+    fsdp-ckpt convert SRC DST --to full|sharded|safetensors|hf|peft [--hf-config MODEL_DIR] [--merge]
 
 No GPU and no process group are needed. Errors (not a checkpoint, an incomplete save, a missing
 shard) print one line and exit with status 2; ``verify`` exits 1 when a checkpoint is damaged.
@@ -178,7 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="rewrite a checkpoint in another format")
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
-    convert.add_argument("--to", required=True, choices=("full", "sharded", "safetensors", "hf"))
+    convert.add_argument("--to", required=True, choices=("full", "sharded", "safetensors", "hf", "peft"))
+    convert.add_argument(
+        "--merge",
+        action="store_true",
+        help="--to hf of a peft=lora run: the adapters merged into the base weights",
+    )
     convert.add_argument(
         "--hf-config",
         type=Path,
@@ -205,7 +210,13 @@ def run_command(args: argparse.Namespace) -> int:
         return verify(args.path, args.deep)
     from fsdp_cli.checkpoint.convert import convert as run_convert
 
-    out = run_convert(args.src, args.dst, args.to, hf_config=args.hf_config)
+    if args.merge and args.to != "hf":
+        print(
+            f"{PROG}: error: --merge={args.to}: --merge writes a merged model folder; allowed: --to hf --merge",
+            file=sys.stderr,
+        )
+        return 2
+    out = run_convert(args.src, args.dst, args.to, hf_config=args.hf_config, merge=args.merge)
     print(f"{PROG}: wrote {args.to} checkpoint {out}")
     return 0
 

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_cli.adapters.options import AdapterOptions
 from fsdp_cli.config.model_kinds import KINDS, kind_of
 from fsdp_cli.config.schema import (
     ChatDataConfig,
@@ -65,6 +66,7 @@ SECTION_SCHEMAS: dict[str, type] = {
     "launcher": LauncherConfig,
     "sweep": SweepConfig,
     "pipeline": PipelineOptions,
+    "peft": AdapterOptions,
 }
 _MISSING = "???"
 

@@ -78,8 +78,9 @@ class ModelKind(NamedTuple):
     """Pipeline parallel: the blocks a stage boundary may fall before, for the checks before
     launch; None: not known before launch (the cut is checked when the model is built)."""
     adapter_targets: Callable[[Any], list[str] | None]
-    """Hook for adapters (LoRA): the linear layers (name suffixes) adapters may wrap, None: not
-    supported."""
+    """Adapters (``peft=lora``): the linear layers (name suffixes) adapters may wrap, known from
+    the config; empty: found on its meta model (:func:`fsdp_cli.adapters.targets.block_linears`);
+    None: not supported."""
     document_masks: bool = False
     """Hook for packed sequences: its attention can keep the documents of one sequence apart."""
     recomputes_buffers: bool = False
@@ -286,6 +287,11 @@ def llama_adapter_targets(model: LlamaConfig) -> list[str]:
     ]
 
 
+def on_meta_model(model: Any) -> list[str]:
+    """Its linear layers are found on its meta model (before launch) and on the real one."""
+    return []
+
+
 def hf_folder_vocab(model: HFModelConfig) -> int | None:
     return read_model_folder(model.path).vocab_size
 
@@ -440,7 +446,7 @@ HF = ModelKind(
     flops_per_token=counted_flops,
     closed_form=False,
     stage_split_points=hf_stage_split_points,
-    adapter_targets=not_supported,
+    adapter_targets=on_meta_model,
     document_masks=True,  # position_ids, no attention mask: transformers masks packed documents
     default_vocab=hf_folder_vocab,
     without_weights=hf_without_weights,
@@ -458,13 +464,14 @@ MODULE = ModelKind(
     flops_per_token=counted_flops,
     closed_form=False,
     stage_split_points=not_supported,
-    adapter_targets=not_supported,
+    adapter_targets=on_meta_model,
     target_decides=True,
     yaml_node=custom_node,
 )
 LIGHTNING = MODULE._replace(
     name="lightning",
     tp_plan=plans_in_configure_model,
+    adapter_targets=not_supported,  # its layers appear only in its own configure_model
     lightning=True,
 )
 """Asked the same before launch as :data:`MODULE`; built, planned and stepped as a module that

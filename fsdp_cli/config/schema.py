@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import MISSING
 
+from fsdp_cli.adapters.options import AdapterOptions
 from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.models.args import HFModelArgs, LlamaArgs, OptimizerArgs, Scheduler
 from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions, WrapPolicy
@@ -792,6 +793,8 @@ class TrainConfig:
     world = pp x dp x tp."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     """With pp > 1: the schedule, micro-batches, stages per rank and where the model is cut."""
+    peft: AdapterOptions = field(default_factory=AdapterOptions)
+    """Adapters: ``peft=none`` (full fine-tuning) or ``peft=lora`` (LoRA on the blocks' linear layers)."""
     devices: Any = field(default="auto", metadata=at_least(1, also=("auto",)))
     """Processes per node: ``auto`` = every visible GPU, or 2 CPU processes without GPUs."""
     num_nodes: int = field(default=1, metadata=at_least(1))

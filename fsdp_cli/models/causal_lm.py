@@ -128,8 +128,10 @@ class CausalLMModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = self.optim
+        # Only what trains: frozen parameters (a LoRA run's base) get no optimizer state.
+        trainable = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            self.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+            trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(opt, self._horizon))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

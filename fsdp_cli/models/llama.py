@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.init import seeded_normal_
+from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
 
@@ -192,7 +193,10 @@ class Llama(nn.Module):
             if param.dim() == 1:
                 nn.init.ones_(param)
                 continue
-            std = depth_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
+            # (canonical: a LoRA layer's base_layer keeps the init of the layer it wraps)
+            std = (
+                depth_std if canonical_name(name).endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
+            )
             seeded_normal_(param, std=std, seed=self.seed, name=name)
 
     def tp_plan(self, *, sequence_parallel: bool) -> dict[str, Any]:

@@ -19,6 +19,8 @@ class ParamShape:
     shape: tuple[int, ...]
     tp_dim: int | None = None
     """The dimension tensor parallel shards (None: replicated on tensor-parallel ranks)."""
+    trainable: bool = True
+    """Gets a gradient and optimizer state (False: frozen, e.g. a LoRA run's base weights)."""
 
     @property
     def numel(self) -> int:

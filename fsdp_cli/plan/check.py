@@ -22,7 +22,8 @@ def model_spec(run: ResolvedRun) -> ModelSpec | None:
     imports torch and the model's code; a LightningModule with the layers its ``configure_model``
     builds). None for a model with no parameters even then."""
     cfg = run.cfg
-    if run.model_kind.closed_form:
+    # (LoRA: the adapters' shapes and which parameters train are read off the adapted meta model)
+    if run.model_kind.closed_form and not cfg.peft.enabled:
         spec = llama_spec(cfg.model, cfg.wrap)
         if spec is not None:
             return spec
@@ -39,6 +40,10 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
         return None
     if any(not p.is_meta for p in model.parameters()):
         model = model.to("meta")
+    if cfg.peft.enabled:
+        from fsdp_cli.adapters.lora import apply_lora
+
+        apply_lora(model, cfg.peft, seed=cfg.seed)
     tp_plan = None
     if cfg.tp > 1:
         settings = cfg.strategy.parallelize_settings()

@@ -306,7 +306,7 @@ def _fsdp2_pipeline_rank(
     gathered = [_gather_buffers(u, dtypes, keep_all=keep_all, keep_root=True) for u in units]
     buffers = sum(gathered) if keep_all else max(gathered)
     # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
-    shapes = Counter((p.shape, p.tp_dim) for p in params)
+    shapes = Counter((p.shape, p.tp_dim, p.trainable) for p in params)
     cache: dict[tuple[int, int], RankMemory] = {}
 
     def memory(coordinate: tuple[int, int]) -> RankMemory:
@@ -334,7 +334,7 @@ def _fsdp2_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
 
 
 def _fsdp2_rank(
-    shapes: Counter[tuple[tuple[int, ...], int | None]],
+    shapes: Counter[tuple[tuple[int, ...], int | None, bool]],
     shard: int,
     tp: int,
     coordinate: tuple[int, int],
@@ -342,11 +342,13 @@ def _fsdp2_rank(
 ) -> RankMemory:
     shard_rank, tp_rank = coordinate
     mem = RankMemory(0)
-    for (shape, tp_dim), count in shapes.items():
+    for (shape, tp_dim, trainable), count in shapes.items():
         local = tp_local_shape(ParamShape("", shape, tp_dim), tp, tp_rank)
         rest = math.prod(local[1:])
         rows = chunk_sizes(local[0], shard) if local[0] else [0] * shard
         mem.params += count * rows[0] * rest * dtypes.param  # every rank allocates the longest chunk
+        if not trainable:  # frozen (LoRA's base): no gradient, no optimizer state
+            continue
         mem.grads += count * rows[0] * rest * dtypes.param
         mem.optimizer += count * (2 * rows[shard_rank] * rest * dtypes.param + ADAM_STEP_BYTES)
     return mem
@@ -370,13 +372,14 @@ def _fsdp1_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
     sharded = sharding is not ShardingStrategy.NO_SHARD
     group = layout.shard
     aligned = 16 // dtypes.compute
-    units: dict[str, list[tuple[int, int]]] = {}  # unit -> (offset, numel) of each parameter
+    units: dict[str, list[tuple[int, int, bool]]] = {}  # unit -> (offset, numel, trains) per parameter
     totals: dict[str, int] = {}
+    unit_of = _fsdp1_unit_of(spec)
     for p in spec.params:
-        unit = spec.unit_of(p)
+        unit = unit_of(p)
         total = totals.get(unit, 0)
         total += (aligned - total % aligned) % aligned
-        units.setdefault(unit, []).append((total, p.numel))
+        units.setdefault(unit, []).append((total, p.numel, p.trainable))
         totals[unit] = total + p.numel
     totals = {u: t + (group - t % group) % group for u, t in totals.items()}
     ranks = []
@@ -387,10 +390,11 @@ def _fsdp1_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
             size = totals[unit] // group if sharded else totals[unit]
             start = r * size if sharded else 0
             mem.params += size * dtypes.param
-            mem.grads += size * dtypes.param
-            for offset, numel in params:
+            # One gradient for the whole flat parameter as soon as any of its parameters trains.
+            mem.grads += size * dtypes.param if any(trains for *_, trains in params) else 0
+            for offset, numel, trains in params:
                 local = max(0, min(offset + numel, start + size) - max(offset, start))
-                if local:
+                if local and trains:
                     mem.optimizer += 2 * local * dtypes.param + ADAM_STEP_BYTES
         keep_all = sharding in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
         mem.buffers = _gather_buffers(totals, dtypes, keep_all=keep_all) if sharded else 0
@@ -403,6 +407,16 @@ def _fsdp1_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
     return Placement(ranks, activation_checkpointing=ac.value)
 
 
+def _fsdp1_unit_of(spec: ModelSpec) -> Callable[[ParamShape], str]:
+    """The unit of each parameter: the spec's, except that with frozen parameters about, a module
+    whose parameters all train is a unit of its own
+    (:func:`fsdp_cli.strategies.fsdp1.trainable_apart_policy`)."""
+    if all(p.trainable for p in spec.params):
+        return spec.unit_of
+    frozen_modules = {p.module for p in spec.params if not p.trainable}
+    return lambda p: p.module if p.module not in frozen_modules else spec.unit_of(p)
+
+
 def _fsdp1_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
     if run.cfg.strategy.sharding_strategy is ShardingStrategy.NO_SHARD:
         return "strategy.sharding_strategy=FULL_SHARD"
@@ -411,13 +425,15 @@ def _fsdp1_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
 
 def _ddp_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
     numel = sum(p.numel for p in spec.params)
+    trained = [p for p in spec.params if p.trainable]
+    trained_numel = sum(p.numel for p in trained)
     ranks = []
     for rank in range(run.layout.world_size):
         mem = RankMemory(
             rank,
             params=numel * dtypes.param,
-            grads=numel * dtypes.param,
-            optimizer=2 * numel * dtypes.param + ADAM_STEP_BYTES * len(spec.params),
+            grads=trained_numel * dtypes.param,
+            optimizer=2 * trained_numel * dtypes.param + ADAM_STEP_BYTES * len(trained),
         )
         # Autocast keeps a low-precision copy of every weight from forward to backward.
         mem.buffers = numel * dtypes.compute if run.precision.spec.mixed else 0

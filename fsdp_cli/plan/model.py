@@ -130,7 +130,7 @@ def module_spec(
     blocks = [n for n, m in model.named_modules() if block_classes and isinstance(m, block_classes)]
     modules = dict(model.named_modules())
     params = [
-        ParamShape(name, tuple(p.shape), _tp_dim(name, p, tp_plan, modules))
+        ParamShape(name, tuple(p.shape), _tp_dim(name, p, tp_plan, modules), trainable=p.requires_grad)
         for name, p in model.named_parameters()
     ]
     cache: dict[tuple[int, int], Activations] = {}

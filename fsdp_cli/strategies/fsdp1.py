@@ -194,6 +194,8 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
         if self.wrap is not None:
             classes = block_classes(module, self.wrap)
             self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(classes)) if classes else None
+            if any(not p.requires_grad for p in module.parameters()):
+                self.kwargs["auto_wrap_policy"] = trainable_apart_policy(set(classes))
         if self._ac_names is not None:
             classes = resolve_classes(module, self._ac_names, key="strategy.activation_checkpointing_policy")
             set_fsdp1_activation_checkpointing(self, set(classes) or None)
@@ -268,6 +270,26 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
                     f"the optimizer holds {len(stale)} parameter(s) that FSDP replaced when it wrapped the model",
                     hint=hint,
                 )
+
+
+def trainable_apart_policy(classes: set[type]) -> Any:
+    """The blocks, and each leaf module whose parameters all train, as units of their own.
+
+    FSDP1 keeps one gradient for a unit's whole flat parameter as soon as any of its parameters
+    trains (measured: a LoRA block unit held a gradient the size of the block). With the trainable
+    leaves (LoRA's ``lora_A``/``lora_B``, norms made trainable) in units of their own, the block
+    units hold only frozen weights and get no gradient.
+    """
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    def wrap(module: nn.Module) -> bool:
+        own = list(module.parameters(recurse=False))
+        trainable_leaf = (
+            not any(True for _ in module.children()) and bool(own) and all(p.requires_grad for p in own)
+        )
+        return trainable_leaf or isinstance(module, tuple(classes))
+
+    return CustomPolicy(wrap)
 
 
 def meta_param_init_fn(module: nn.Module, device: torch.device) -> Callable[[nn.Module], None] | None:

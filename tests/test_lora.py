@@ -1,0 +1,331 @@
+"""LoRA adapters (peft=lora): what trains, what is refused before launch, what the plan counts,
+and (distributed) losses equal across strategies, exact resume, and the PEFT / merged exports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import FAST, assert_ok, cli_in_process, composed, losses, read_summary, run_cli, run_of
+
+from fsdp_cli.adapters.lora import apply_lora
+from fsdp_cli.adapters.options import AdapterMethod, AdapterOptions
+from fsdp_cli.adapters.targets import adapter_layers
+from fsdp_cli.config.schema import LlamaConfig
+from fsdp_cli.models.llama import Llama
+
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+LORA = AdapterOptions(name=AdapterMethod.lora, r=4, alpha=8.0)
+LM = ["model=custom", "model._target_=tests.assets.lightning_style.EncoderDecoderLM"]
+
+
+def lora_llama(options: AdapterOptions = LORA, seed: int = 3) -> Llama:
+    model = Llama(TINY, seed=seed)
+    apply_lora(model, options, seed=seed)
+    return model
+
+
+# --------------------------------------------------------------------------- fast tier
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        (["peft.targets=[nope]"], "peft.targets=nope", ["matches no linear layer", "allowed"]),
+        (["peft.r=0"], "peft.r=0", ["at least 1"]),
+        (["peft.r=200"], "peft.r=200", ["exceeds layer", "1..128"]),
+        (["peft.trainable=[xyz]"], "peft.trainable=xyz", ["matches no module"]),
+        (["tp=2"], "tp=2", ["does not shard adapters", "tp=1"]),
+        (["strategy=model_parallel", *LM], "strategy=model_parallel", ["peft=lora needs fsdp-train"]),
+        (LM, "peft=lora", ["builds its layers in its own configure_model"]),
+        (["strategy=fsdp", "devices=1"], "strategy.use_orig_params", ["unsharded FSDP1"]),
+    ],
+)
+def test_bad_lora_input_is_one_line_exit_2_before_launch(
+    tmp_path: Path, overrides: list[str], key: str, words: list[str]
+) -> None:
+    result = cli_in_process(["peft=lora", "devices=2", *overrides], tmp_path / "run", env=CPU)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("fsdp-train: error: ") and key in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def test_only_adapters_and_named_modules_train_and_the_start_equals_the_base() -> None:
+    options = AdapterOptions(name=AdapterMethod.lora, r=4, trainable=["norms"])
+    model, base = lora_llama(options), Llama(TINY, seed=3)
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trains and all(".lora_" in n or "norm" in n for n in trains), trains
+    assert sum(".lora_A." in n for n in trains) == 2 * 7  # every linear layer of both blocks
+    ids = torch.randint(0, TINY.vocab_size, (2, 8))
+    assert torch.equal(model(ids), base(ids))  # lora_B = 0 and the base keeps its own init
+    model(ids).sum().backward()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert all(model.get_parameter(n).grad is None for n in frozen)
+
+
+def test_the_optimizer_holds_the_trainable_parameters_only() -> None:
+    from fsdp_cli.models.args import OptimizerArgs
+    from fsdp_cli.models.causal_lm import CausalLMModule
+
+    module = CausalLMModule(lora_llama, optim=OptimizerArgs(), max_steps=4)
+    module.configure_model()
+    optimizer = module.configure_optimizers()["optimizer"]
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert held == {id(p) for p in module.parameters() if p.requires_grad}
+
+
+def test_adapters_built_on_meta_and_filled_later_equal_adapters_built_whole() -> None:
+    whole = lora_llama()
+    with torch.device("meta"):
+        meta = Llama(TINY, seed=3)
+    apply_lora(meta, LORA, seed=3)
+    meta.to_empty(device="cpu")
+    meta.init_weights()  # what FSDP2 calls once each rank holds its shards
+    for (name, a), (_, b) in zip(whole.state_dict().items(), meta.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert any(
+        n.endswith("lora_A.default.weight") and t.abs().sum() > 0 for n, t in meta.state_dict().items()
+    )
+
+
+def test_a_plain_module_takes_targets_by_name_and_aliases() -> None:
+    from tests.assets.custom_models import TinyLM
+
+    model = TinyLM(vocab_size=32, hidden=16, layers=2)
+    named = adapter_layers(model, AdapterOptions(name=AdapterMethod.lora, r=2, targets=["mlp.2"]))
+    assert named == ["blocks.0.mlp.2", "blocks.1.mlp.2"], named
+    every = adapter_layers(model, AdapterOptions(name=AdapterMethod.lora, r=2, targets=["all"]))
+    assert "head" not in every and len(every) == 4, every
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
+def test_the_plan_gives_gradients_and_optimizer_state_to_the_adapters_only(strategy: str) -> None:
+    from fsdp_cli.plan.check import model_spec
+    from fsdp_cli.plan.memory import plan_memory
+
+    plans = {}
+    for peft in ("none", "lora"):
+        run = run_of(composed(f"strategy={strategy}", "devices=2", f"peft={peft}", "precision=32-true"))
+        plans[peft] = plan_memory(run, model_spec(run)).ranks[0]
+        spec = model_spec(run)
+    trainable = sum(p.numel for p in spec.params if p.trainable)
+    assert plans["lora"].params >= plans["none"].params
+    assert 0 < plans["lora"].grads <= trainable * 4 < plans["none"].grads / 5
+    assert 0 < plans["lora"].optimizer < plans["none"].optimizer / 5
+
+
+def test_fsdp1_puts_trainable_leaves_in_units_of_their_own() -> None:
+    from fsdp_cli.models.llama import TransformerBlock
+    from fsdp_cli.strategies.fsdp1 import trainable_apart_policy
+
+    model = lora_llama()
+    wrap = trainable_apart_policy({TransformerBlock})._lambda_fn
+    units = {n for n, m in model.named_modules() if wrap(m)}
+    assert "layers.0" in units and "layers.0.attention.wq.lora_A.default" in units
+    assert "layers.0.attention.wq.base_layer" not in units and "layers.0.attention_norm" not in units
+
+
+# --------------------------------------------------------------------------- real runs
+
+LORA_RUN = [
+    *FAST,
+    "trainer.max_steps=8",
+    "peft=lora",
+    "peft.r=4",
+    "precision=32-true",
+    "accelerator=cpu",
+    "seed=11",
+    "checkpoint.every_n_steps=4",
+]
+LAYOUTS = {
+    "single": ["strategy=ddp", "devices=1"],
+    "fsdp2": ["strategy=fsdp2", "devices=2", "peft.save_base=true"],
+    "fsdp": ["strategy=fsdp", "devices=2"],
+    "ddp": ["strategy=ddp", "devices=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for name, args in LAYOUTS.items():
+        out[name] = root / name
+        assert_ok(run_cli([*args, *LORA_RUN], out[name]), out[name])
+    return out
+
+
+def _relative_gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) >= 4
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+def _ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def _config(run: Path) -> Any:
+    from fsdp_cli.config.convert import load_train_config
+
+    return load_train_config(run / "config.yaml")
+
+
+@pytest.mark.distributed
+def test_lora_losses_equal_one_process_under_fsdp2_fsdp_and_ddp(lora_runs: dict[str, Path]) -> None:
+    reference = losses(lora_runs["single"])
+    assert len(reference) == 8
+    for name in ("fsdp2", "fsdp", "ddp"):
+        assert _relative_gap(reference, losses(lora_runs[name])) < 1e-5, name
+
+
+@pytest.mark.distributed
+def test_held_bytes_count_gradients_and_optimizer_state_of_the_adapters_only(
+    lora_runs: dict[str, Path],
+) -> None:
+    cfg = _config(lora_runs["ddp"])
+    model = Llama(cfg.model, seed=cfg.seed)
+    apply_lora(model, cfg.peft, seed=cfg.seed)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    everything = sum(p.numel() for p in model.parameters())
+    setup = read_summary(lora_runs["ddp"])["setup"]
+    assert setup["trainable"] == {
+        "parameters": trainable,
+        "of": everything,
+        "dtype": ["float32"],
+        "frozen_dtype": ["float32"],
+    }
+    ddp = setup["held_bytes"][0]
+    assert ddp["grads"] == 4 * trainable and ddp["params"] == 4 * everything
+    for name in ("fsdp2", "fsdp"):  # sharded over 2 ranks (+ padding)
+        held = read_summary(lora_runs[name])["setup"]["held_bytes"][0]
+        assert 2 * trainable <= held["grads"] <= 2 * trainable * 1.1, (name, held)
+        assert held["optimizer"] <= 2 * held["grads"] + 4 * 200, (name, held)
+
+
+@pytest.mark.distributed
+def test_frozen_weights_are_bitwise_unchanged_in_the_saved_checkpoint(lora_runs: dict[str, Path]) -> None:
+    from fsdp_cli.checkpoint.convert import load
+
+    cfg = _config(lora_runs["fsdp2"])
+    start = Llama(cfg.model, seed=cfg.seed).state_dict()
+    saved = load(_ckpt(lora_runs["fsdp2"], 8), weights_only_model=True).state_dict
+    base = {k[len("model.") :].replace(".base_layer.", "."): v for k, v in saved.items() if ".lora_" not in k}
+    assert set(base) == set(start)
+    for name, value in base.items():
+        assert torch.equal(value, start[name]), name
+    # Without peft.save_base the checkpoint holds the adapters alone.
+    only = load(_ckpt(lora_runs["ddp"], 8), weights_only_model=True).state_dict
+    assert only and all(".lora_" in k for k in only), sorted(only)[:4]
+
+
+@pytest.mark.distributed
+def test_resume_is_exact_at_another_layout(lora_runs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "resumed"
+    ckpt = _ckpt(lora_runs["fsdp"], 4)
+    assert_ok(run_cli(["strategy=fsdp2", "devices=2", *LORA_RUN, f"resume={ckpt}"], run_dir), run_dir)
+    assert _relative_gap(losses(lora_runs["single"])[4:], losses(run_dir)) < 1e-5
+
+
+def _trained_model(run: Path) -> Llama:
+    from fsdp_cli.checkpoint.convert import load
+
+    cfg = _config(run)
+    model = Llama(cfg.model, seed=cfg.seed)
+    apply_lora(model, cfg.peft, seed=cfg.seed)
+    state = load(_ckpt(run, 8), weights_only_model=True).state_dict
+    missing, unexpected = model.load_state_dict(
+        {k[len("model.") :]: v for k, v in state.items()}, strict=False
+    )
+    assert not unexpected and not [m for m in missing if ".lora_" in m]
+    return model.eval()
+
+
+@pytest.mark.distributed
+def test_peft_export_loads_in_peft_with_the_runs_logits(lora_runs: dict[str, Path], tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    out = tmp_path / "adapter"
+    result = run_cli(["convert", str(_ckpt(lora_runs["ddp"], 8)), str(out), "--to", "peft"], prog="fsdp-ckpt")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    cfg = _config(lora_runs["ddp"])
+    loaded = PeftModel.from_pretrained(Llama(cfg.model, seed=cfg.seed), str(out)).eval()
+    # The names PEFT itself saves for this model, no more, no fewer.
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(out / "adapter_model.safetensors"))) == set(get_peft_model_state_dict(loaded))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs, base = (
+            _trained_model(lora_runs["ddp"])(ids),
+            loaded(ids),
+            Llama(cfg.model, seed=cfg.seed)(ids),
+        )
+    assert (ours - theirs).abs().max() <= 1e-5 * ours.abs().max()
+    assert (ours - base).abs().max() > 1e-3  # the adapters trained
+
+
+@pytest.mark.distributed
+def test_peft_export_of_a_run_without_adapters_is_one_line_exit_2(layout_run: Any, tmp_path: Path) -> None:
+    full = _ckpt(layout_run("single"), 6)  # the shared full fine-tune
+    result = cli_in_process(["convert", str(full), str(tmp_path / "a"), "--to", "peft"], prog="fsdp-ckpt")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "peft=none" in lines[0], result.stderr
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.distributed
+def test_hf_lora_exports_load_in_peft_and_transformers_with_the_runs_logits(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from test_hf import save_llama, write_token_stream
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_cli.checkpoint.convert import load
+    from fsdp_cli.models.hf import build_hf_model
+
+    folder, tokens, run = (
+        save_llama(tmp_path / "llama"),
+        write_token_stream(tmp_path / "t.bin", 257),
+        tmp_path / "run",
+    )
+    args = [
+        "model=hf",
+        f"model.path={folder}",
+        "data=tokens",
+        f"data.path={tokens}",
+        "peft.trainable=[norms]",
+    ]
+    assert_ok(
+        run_cli([*args, "strategy=fsdp2", "devices=2", *LORA_RUN[:-1], "trainer.max_steps=4"], run), run
+    )
+    ckpt = _ckpt(run, 4)
+    for to in (["--to", "peft"], ["--to", "hf", "--merge"]):
+        result = cli_in_process(["convert", str(ckpt), str(tmp_path / to[1]), *to], prog="fsdp-ckpt")
+        assert result.returncode == 0, result.stderr
+    cfg = _config(run)
+    ours = build_hf_model(cfg.model, seed=cfg.seed)
+    ours.materialize("cpu")  # the folder's weights, as DDP fills them
+    apply_lora(ours, cfg.peft, seed=cfg.seed)
+    state = load(ckpt, weights_only_model=True).state_dict
+    missing, unexpected = ours.load_state_dict(
+        {k[len("model.") :]: v for k, v in state.items()}, strict=False
+    )
+    assert not unexpected and not [m for m in missing if ".lora_" in m or "norm" in m]
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder), str(tmp_path / "peft")
+    )
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.eval()(ids)
+        for model in (peft_model, merged):
+            got = model.eval()(ids).logits
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), type(model).__name__
+        assert (AutoModelForCausalLM.from_pretrained(folder)(ids).logits - expected).abs().max() > 1e-3
