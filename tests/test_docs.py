@@ -274,6 +274,8 @@ TRAINED_BY = {
     "+callbacks.": "tests/test_callbacks_loggers_epochs.py (EarlyStopping, ModelCheckpoint, LR monitor)",
     "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
     "peft=lora": "tests/test_lora.py (LoRA under fsdp2, fsdp and ddp against one process)",
+    "recipe=cpu_pp": "tests/test_pipeline.py (the cpu_pp recipe against one process, resumed at pp=1 and tp=2)",
+    "pp=": "tests/test_pipeline.py (every schedule at pp=2, pp=2 x dp=2, pp=2 x tp=2 against one process)",
 }
 """What each kind of dry-run command shows in training, and where it is trained for real."""
 

@@ -228,16 +228,16 @@ class StepWork:
 # only after checking that the work is needed on every step.
 STEP_WORK: dict[str, StepWork] = {
     "fsdp2-32-true": StepWork(
-        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1824, 1824), (34448, 34402)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1812, 1812), (34402, 34402)
     ),
     "fsdp2-bf16-mixed": StepWork(
-        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1932, 1932), (35420, 35374)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1920, 1920), (35359, 35374)
     ),
     "fsdp-bf16-mixed": StepWork(
-        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (31, 15), (2128, 1824), (29898, 26716)
+        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (31, 15), (2116, 1812), (29795, 26716)
     ),
     "ddp-bf16-mixed": StepWork(
-        {"gloo:all_gather": 1, "gloo:all_reduce": 2}, (40, 40), (1750, 1750), (19520, 19474)
+        {"gloo:all_gather": 1, "gloo:all_reduce": 2}, (40, 40), (1738, 1738), (19412, 19474)
     ),
 }
 

@@ -123,7 +123,11 @@ class DistributedCheckpointing:
         mesh = self.run_mesh
         if mesh is None or not mesh.mesh_dim_names:
             return {"data_parallel": int(self.world_size)}
-        return {name: int(size) for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape)}
+        from fsdp_cli.parallel.dims import PP
+
+        sizes = zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True)
+        # The pipeline dimension is named only where there is a pipeline (as before pp existed).
+        return {name: int(size) for name, size in sizes if name != PP or size > 1}
 
     @property
     def checkpoint_io(self) -> Any:
