@@ -30,3 +30,21 @@ def apply_ac(
                 setattr(parent, name, checkpoint_wrapper(child, preserve_rng_state=False))
                 wrapped += 1
     return wrapped
+
+
+def in_place_of(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Each of ``units``, or the checkpoint wrapper that took its place: what ``fully_shard`` goes on.
+
+    FSDP's hooks must run outside the checkpointed region (torchtitan's order too). With
+    ``fully_shard`` on the block inside the wrapper, its pre-forward hook casts the block's
+    floating-point inputs to ``param_dtype`` (the Llama's float32 rope table to bf16) in forward,
+    but torch 2.11's hook skips that cast in the recompute (torch 2.13's does not), so the
+    recomputed tensors came out float32 where forward saved bf16 and checkpoint raised
+    ``CheckpointError``. On the wrapper, the cast happens once, before checkpoint saves the
+    inputs, and the recompute replays the block on those.
+    """
+    from fsdp_cli.compat.torch_internals import CheckpointWrapper
+
+    # A wrapper's one child is the module it wraps.
+    wrapper_of = {id(next(m.children())): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    return [wrapper_of.get(id(unit), unit) for unit in units]

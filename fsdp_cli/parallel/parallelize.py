@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.parallel.activation_checkpoint import apply_ac
+from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
 from fsdp_cli.parallel.names import canonical_name
@@ -138,7 +138,7 @@ def parallelize(
     apply_fsdp(
         model,
         dims.fsdp_mesh,
-        units,
+        in_place_of(model, units),
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=options.mp_policy,
         offload_policy=options.offload_policy,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.parallel.activation_checkpoint import apply_ac
+from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
 from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
@@ -82,6 +82,7 @@ def parallelize_stages(
         from fsdp_cli.parallel.compile import compile_blocks
 
         compile_blocks(model, blocks, tensor_parallel=dims.tp_enabled)
+    units = in_place_of(model, units)  # fully_shard outside the checkpoint wrappers
     stages = views(split, layout.ranges, layout.ids)
     reshard = False if layout.facts.zero_bubble else options.reshard_after_forward
     for view in stages:
