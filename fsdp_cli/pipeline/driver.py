@@ -165,7 +165,9 @@ class PipelineDriver:
         """The step's loss (unscaled), the same on every rank of the pipeline."""
         self.scale = scale
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.holds_first else ()
+        # Contiguous: torch 2.11's stage checks the strides too, and a batch's [:, :-1] has the
+        # full row's (PipeliningShapeError: expected (T, 1), actual (T + 1, 1)).
+        args = (inputs.contiguous(),) if self.holds_first else ()
         target = targets if self.holds_last else None
         if train:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
