@@ -40,6 +40,11 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
         ),
         (["pp=2", "pipeline.microbatches=3"], "pipeline.microbatches=3", ["8 sequences", "1, 2, 4, 8"]),
         (["pp=2", "pipeline.microbatches=1"], "pipeline.microbatches=1", ["at least pp=2"]),
+        (
+            ["pp=2", "pipeline.schedule=DualPipeV", "pipeline.microbatches=2"],
+            "pipeline.microbatches=2",
+            ["DualPipeV needs a micro-batch per stage", "at least pp x stages_per_rank = 4"],
+        ),
         (["devices=4", "pp=4", "pipeline.schedule=Interleaved1F1B"], "pp=4", ["4 blocks", "8 stages"]),
         (["pp=2", "pipeline.cut=explicit", "pipeline.cuts=[3,1]"], "pipeline.cuts", ["1 cut points"]),
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),

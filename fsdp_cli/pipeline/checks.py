@@ -84,6 +84,14 @@ def _check_microbatches(
             allowed=", ".join(map(str, divisors)),
             hint="change pipeline.microbatches, or data.micro_batch_size / data.global_batch_size",
         )
+    if facts.microbatch_per_stage and micro < n_stages:
+        raise ConfigError(
+            "pipeline.microbatches",
+            micro,
+            f"{facts.name} needs a micro-batch per stage: at least pp x stages_per_rank = {n_stages}",
+            allowed=f"{n_stages} or more",
+            hint=f"pipeline.microbatches={n_stages}",
+        )
     if not facts.holds_all_microbatches and micro < pp:
         raise ConfigError(
             "pipeline.microbatches",
