@@ -79,7 +79,9 @@ def _trainable(params: list[nn.Parameter]) -> dict[str, Any]:
     }
 
 
-def _unit_precision(model: nn.Module, stored: torch.dtype, trained: torch.dtype) -> tuple[str, str]:
+def _unit_precision(
+    model: nn.Module, stored: torch.dtype, trained: torch.dtype | None = None
+) -> tuple[str, str]:
     """(compute, reduce) dtypes from the FSDP units of the live model: the policy ``fully_shard``
     recorded on each FSDP2 unit, FSDP1's ``mixed_precision`` on each wrapped unit; whoever set it
     (this package's strategies, or the user's own ``configure_model``). Units that disagree are
@@ -89,6 +91,7 @@ def _unit_precision(model: nn.Module, stored: torch.dtype, trained: torch.dtype)
 
     from fsdp_cli.compat.torch_internals import fsdp2_mp_policies
 
+    trained = trained or stored
     compute: set[str] = set()
     reduce: set[str] = set()
     for unit in model.modules():
