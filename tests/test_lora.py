@@ -131,22 +131,28 @@ def test_fsdp1_puts_trainable_leaves_in_units_of_their_own() -> None:
     assert "layers.0.attention.wq.base_layer" not in units and "layers.0.attention_norm" not in units
 
 
-def _bf16_true_lora(adapter_dtype: AdapterDtype = AdapterDtype.float32) -> torch.nn.Module:
-    """The tiny LoRA Llama as a bf16-true run builds it: under the plugin's bf16 default dtype,
-    then converted by the plugin (what every strategy's setup does)."""
+def _bf16_true_lora(
+    adapter_dtype: AdapterDtype = AdapterDtype.float32, *, built_in_bf16: bool = True
+) -> torch.nn.Module:
+    """The tiny LoRA Llama as a bf16-true run builds it: under the plugin's bf16 default dtype
+    (or in fp32, as a Hugging Face model is), then converted by the plugin (what every strategy's
+    setup does)."""
+    from contextlib import nullcontext
+
     from fsdp_cli.builders.precision import AdapterHalfPrecision
 
     plugin = AdapterHalfPrecision("bf16-true")
     options = AdapterOptions(
         name=AdapterMethod.lora, r=4, alpha=8.0, trainable=["norms"], adapter_dtype=adapter_dtype
     )
-    with plugin.module_init_context():
+    with plugin.module_init_context() if built_in_bf16 else nullcontext():
         model = lora_llama(options)
     return plugin.convert_module(model)
 
 
-def test_bf16_true_stores_and_updates_the_adapters_in_fp32_over_a_bf16_base() -> None:
-    model = _bf16_true_lora()
+@pytest.mark.parametrize("built_in_bf16", [True, False], ids=["built-bf16", "built-fp32-like-hf"])
+def test_bf16_true_stores_and_updates_the_adapters_in_fp32_over_a_bf16_base(built_in_bf16: bool) -> None:
+    model = _bf16_true_lora(built_in_bf16=built_in_bf16)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trained = [p for p in model.parameters() if p.requires_grad]
     assert {p.dtype for p in trained} == {torch.float32}

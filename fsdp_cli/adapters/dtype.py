@@ -22,8 +22,6 @@ from torch import nn
 
 from fsdp_cli.compat.torch_internals import apply_to_tensors
 
-NARROW = (torch.bfloat16, torch.float16)
-
 
 def trainable_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Leaf modules with parameters, all of which train."""
@@ -37,26 +35,27 @@ def trainable_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def widen(model: nn.Module) -> None:
     """Store the trainable leaves in fp32 where they were created 16-bit (under ``bf16-true``
-    Lightning builds the model with a bf16 default dtype); modules outside LoRA layers compute
-    in fp32 and return the dtype they had."""
+    Lightning builds the model with a bf16 default dtype; a Hugging Face model is built in fp32
+    and only its base is converted later). Leaves outside LoRA layers compute in fp32 and hand
+    back the dtype their input had, whichever that turns out to be."""
     for name, module in trainable_leaves(model):
-        narrow = {p.dtype for p in module.parameters(recurse=False)} & set(NARROW)
-        if not narrow:
-            continue
         module.to(torch.float32)
         if ".lora_A." not in f"{name}." and ".lora_B." not in f"{name}.":
-            _compute_in_fp32(module, narrow.pop())
+            _compute_in_fp32(module)
 
 
-def _compute_in_fp32(module: nn.Module, base: torch.dtype) -> None:
-    """The module's floating inputs cast to fp32, its output back to the base's dtype, so that
-    the 16-bit layers around it see what they would without it."""
+def _compute_in_fp32(module: nn.Module) -> None:
+    """The module's floating inputs cast to fp32, its output back to its input's dtype, so that
+    the 16-bit layers around it see what they would without it (no-ops when all is fp32)."""
+    given: list[torch.dtype] = []  # a stack: a forward recomputed inside another stays paired
 
     def cast_in(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        given.append(dtypes[0] if dtypes else torch.float32)
         return tuple(_cast(a, torch.float32) for a in args)
 
     def cast_out(_: nn.Module, __: Any, output: Any) -> Any:
-        return _cast(output, base)
+        return _cast(output, given.pop())
 
     module.register_forward_pre_hook(cast_in)
     module.register_forward_hook(cast_out)
