@@ -22,6 +22,8 @@ from torch import nn
 
 from fsdp_cli.compat.torch_internals import apply_to_tensors
 
+NARROW = (torch.bfloat16, torch.float16)
+
 
 def trainable_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Leaf modules with parameters, all of which train."""
@@ -39,20 +41,23 @@ def widen(model: nn.Module) -> None:
     and only its base is converted later). Leaves outside LoRA layers compute in fp32 and hand
     back the dtype their input had, whichever that turns out to be."""
     for name, module in trainable_leaves(model):
-        module.to(torch.float32)
+        if any(p.dtype in NARROW for p in module.parameters(recurse=False)):
+            module.to(torch.float32)  # (64-true's float64 stays)
         if ".lora_A." not in f"{name}." and ".lora_B." not in f"{name}.":
-            _compute_in_fp32(module)
+            _compute_in_own_dtype(module)
 
 
-def _compute_in_fp32(module: nn.Module) -> None:
-    """The module's floating inputs cast to fp32, its output back to its input's dtype, so that
-    the 16-bit layers around it see what they would without it (no-ops when all is fp32)."""
+def _compute_in_own_dtype(module: nn.Module) -> None:
+    """The module's floating inputs cast to its own dtype (fp32 here; as peft casts an adapter's
+    input), its output back to its input's dtype, so that the 16-bit layers around it see what
+    they would without it (no-ops where the whole model has one dtype)."""
     given: list[torch.dtype] = []  # a stack: a forward recomputed inside another stays paired
 
-    def cast_in(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def cast_in(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        given.append(dtypes[0] if dtypes else torch.float32)
-        return tuple(_cast(a, torch.float32) for a in args)
+        own = next(module.parameters()).dtype
+        given.append(dtypes[0] if dtypes else own)
+        return tuple(_cast(a, own) for a in args)
 
     def cast_out(_: nn.Module, __: Any, output: Any) -> Any:
         return _cast(output, given.pop())
