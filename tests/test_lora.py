@@ -207,6 +207,24 @@ def test_the_plan_of_fp32_adapters_over_a_bf16_base_equals_the_rehearsal(strateg
     assert held["float32"].params - held["same"].params == held["same"].grads
 
 
+def test_fsdp1_units_of_a_bf16_true_lora_run_compute_and_reduce_in_their_own_dtype() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_cli.plan.fake_rank import built_rank
+    from fsdp_cli.plan.fake_world import FakeWorld, fake_process_group
+
+    run = run_of(composed("strategy=fsdp", "devices=2", "peft=lora", "peft.r=4", "precision=bf16-true"))
+    world = FakeWorld(num_nodes=1, per_node=2, rank=0)
+    with fake_process_group(world), built_rank(run, world) as built:
+        units = [m for m in built.strategy.model.modules() if isinstance(m, FSDP)]
+        # (Lightning's bf16-true policy would gather and reduce the fp32 adapters in bf16.)
+        policies = {(u.mixed_precision.param_dtype, u.mixed_precision.reduce_dtype) for u in units}
+        dtypes = {n: p.dtype for n, p in built.module.named_parameters()}
+    assert len(units) > 2 and policies == {(None, None)}, policies
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+
+
 # --------------------------------------------------------------------------- real runs
 
 LORA_RUN = [
