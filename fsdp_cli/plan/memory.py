@@ -324,7 +324,7 @@ def _fsdp2_pipeline_rank(
 
     def memory(coordinate: tuple[int, int]) -> RankMemory:
         if coordinate not in cache:
-            mem = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate, dtypes)
+            mem = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate)
             cache[coordinate] = dataclasses.replace(mem, buffers=buffers, stages=stages)
         return cache[coordinate]
 
@@ -351,7 +351,6 @@ def _fsdp2_rank(
     shard: int,
     tp: int,
     coordinate: tuple[int, int],
-    dtypes: Dtypes,
 ) -> RankMemory:
     shard_rank, tp_rank = coordinate
     mem = RankMemory(0)
