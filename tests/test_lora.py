@@ -12,7 +12,7 @@ import torch
 from conftest import FAST, assert_ok, cli_in_process, composed, losses, read_summary, run_cli, run_of
 
 from fsdp_cli.adapters.lora import apply_lora
-from fsdp_cli.adapters.options import AdapterMethod, AdapterOptions
+from fsdp_cli.adapters.options import AdapterDtype, AdapterMethod, AdapterOptions
 from fsdp_cli.adapters.targets import adapter_layers
 from fsdp_cli.config.schema import LlamaConfig
 from fsdp_cli.models.llama import Llama
@@ -131,6 +131,100 @@ def test_fsdp1_puts_trainable_leaves_in_units_of_their_own() -> None:
     assert "layers.0.attention.wq.base_layer" not in units and "layers.0.attention_norm" not in units
 
 
+def _bf16_true_lora(
+    adapter_dtype: AdapterDtype = AdapterDtype.float32, *, built_in_bf16: bool = True
+) -> torch.nn.Module:
+    """The tiny LoRA Llama as a bf16-true run builds it: under the plugin's bf16 default dtype
+    (or in fp32, as a Hugging Face model is), then converted by the plugin (what every strategy's
+    setup does)."""
+    from contextlib import nullcontext
+
+    from fsdp_cli.builders.precision import AdapterHalfPrecision
+
+    plugin = AdapterHalfPrecision("bf16-true")
+    options = AdapterOptions(
+        name=AdapterMethod.lora, r=4, alpha=8.0, trainable=["norms"], adapter_dtype=adapter_dtype
+    )
+    with plugin.module_init_context() if built_in_bf16 else nullcontext():
+        model = lora_llama(options)
+    return plugin.convert_module(model)
+
+
+@pytest.mark.parametrize("built_in_bf16", [True, False], ids=["built-bf16", "built-fp32-like-hf"])
+def test_bf16_true_stores_and_updates_the_adapters_in_fp32_over_a_bf16_base(built_in_bf16: bool) -> None:
+    model = _bf16_true_lora(built_in_bf16=built_in_bf16)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in trained} == {torch.float32}
+    assert {v.dtype for v in frozen.values()} == {torch.bfloat16}
+    assert any("norm" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trained, lr=1e-2)
+    ids = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    seen = []
+    for _ in range(8):
+        logits = model(ids[:, :-1])
+        assert logits.dtype == torch.bfloat16  # the head (frozen) computes in the base's dtype
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        assert {p.grad.dtype for p in trained} == {torch.float32}
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(loss.item())
+    moments = {v.dtype for state in optimizer.state.values() for k, v in state.items() if k != "step"}
+    assert moments == {torch.float32}
+    assert all(torch.isfinite(torch.tensor(seen))) and seen == sorted(seen, reverse=True), seen
+    assert seen[-1] < seen[0] - 0.1, seen
+    for name, value in frozen.items():
+        assert torch.equal(model.get_parameter(name), value), name
+
+
+def test_adapter_dtype_same_keeps_the_adapters_in_the_bases_dtype() -> None:
+    model = _bf16_true_lora(AdapterDtype.same)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
+def test_the_plan_of_fp32_adapters_over_a_bf16_base_equals_the_rehearsal(strategy: str) -> None:
+    from fsdp_cli.plan.check import model_spec
+    from fsdp_cli.plan.memory import plan_memory
+    from fsdp_cli.plan.rehearsal import rehearse
+
+    held = {}
+    for adapter_dtype in ("float32", "same"):
+        args = [f"strategy={strategy}", "devices=2", "peft=lora", "peft.r=4", "precision=bf16-true"]
+        run = run_of(composed(*args, "peft.trainable=[norms]", f"peft.adapter_dtype={adapter_dtype}"))
+        plan = plan_memory(run, model_spec(run)).ranks[0]
+        rehearsed = rehearse(run, 0, step=False).held_bytes
+        assert (plan.params, plan.grads, plan.optimizer) == (
+            rehearsed.params,
+            rehearsed.grads,
+            rehearsed.optimizer,
+        ), adapter_dtype
+        held[adapter_dtype] = rehearsed
+    # fp32 adapters: their parameters, gradients and moments take twice the bytes of bf16 ones.
+    assert held["float32"].grads == 2 * held["same"].grads
+    assert held["float32"].optimizer - 4 * 200 <= 2 * held["same"].optimizer
+    assert held["float32"].params - held["same"].params == held["same"].grads
+
+
+def test_fsdp1_units_of_a_bf16_true_lora_run_compute_and_reduce_in_their_own_dtype() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_cli.plan.fake_rank import built_rank
+    from fsdp_cli.plan.fake_world import FakeWorld, fake_process_group
+
+    run = run_of(composed("strategy=fsdp", "devices=2", "peft=lora", "peft.r=4", "precision=bf16-true"))
+    world = FakeWorld(num_nodes=1, per_node=2, rank=0)
+    with fake_process_group(world), built_rank(run, world) as built:
+        units = [m for m in built.strategy.model.modules() if isinstance(m, FSDP)]
+        # (Lightning's bf16-true policy would gather and reduce the fp32 adapters in bf16.)
+        policies = {(u.mixed_precision.param_dtype, u.mixed_precision.reduce_dtype) for u in units}
+        dtypes = {n: p.dtype for n, p in built.module.named_parameters()}
+    assert len(units) > 2 and policies == {(None, None)}, policies
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+
+
 # --------------------------------------------------------------------------- real runs
 
 LORA_RUN = [
@@ -222,6 +316,31 @@ def test_frozen_weights_are_bitwise_unchanged_in_the_saved_checkpoint(lora_runs:
     # Without peft.save_base the checkpoint holds the adapters alone.
     only = load(_ckpt(lora_runs["ddp"], 8), weights_only_model=True).state_dict
     assert only and all(".lora_" in k for k in only), sorted(only)[:4]
+
+
+@pytest.mark.distributed
+def test_a_bf16_true_run_trains_fp32_adapters_over_a_bf16_base_left_bitwise_unchanged(tmp_path: Path) -> None:
+    from fsdp_cli.checkpoint.convert import load
+
+    run_dir = tmp_path / "bf16"
+    args = [a for a in LORA_RUN if not a.startswith("precision=")]
+    result = run_cli(
+        ["strategy=fsdp2", "devices=2", *args, "precision=bf16-true", "peft.save_base=true"], run_dir
+    )
+    setup = assert_ok(result, run_dir)["setup"]
+    assert (setup["trainable"]["dtype"], setup["trainable"]["frozen_dtype"]) == (["float32"], ["bfloat16"])
+    assert "| stored float32, frozen bfloat16" in result.stdout + result.stderr
+    assert setup["dtypes"]["reduce"] == "float32" and setup["dtypes"]["optimizer_state"] == ["float32"]
+    assert len(losses(run_dir)) == 8 and all(torch.isfinite(torch.tensor(losses(run_dir))))
+    cfg = _config(run_dir)
+    start = Llama(cfg.model, seed=cfg.seed).to(torch.bfloat16).state_dict()
+    saved = load(_ckpt(run_dir, 8), weights_only_model=True).state_dict
+    adapters = {k: v for k, v in saved.items() if ".lora_" in k}
+    assert adapters and {v.dtype for v in adapters.values()} == {torch.float32}
+    base = {k[len("model.") :].replace(".base_layer.", "."): v for k, v in saved.items() if ".lora_" not in k}
+    assert set(base) == set(start)
+    for name, value in base.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, start[name]), name
 
 
 @pytest.mark.distributed

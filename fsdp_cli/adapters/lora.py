@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_cli.adapters.options import AdapterOptions
+from fsdp_cli.adapters.dtype import widen
+from fsdp_cli.adapters.options import AdapterDtype, AdapterOptions
 from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
 from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.names import canonical_name
@@ -55,6 +56,8 @@ def apply_lora(model: nn.Module, options: AdapterOptions, *, seed: int) -> list[
     inject_adapter_in_model(lora_config(options, layers), model, low_cpu_mem_usage=on_meta)
     for name in trainable_modules(model, options):
         model.get_submodule(_module_path(model, name)).requires_grad_(True)
+    if options.adapter_dtype is AdapterDtype.float32:
+        widen(model)  # before the init below: adapters drawn and stored in fp32 over a 16-bit base
     if on_meta:
         chain_init(model, seed)
     else:

@@ -28,6 +28,15 @@ class LoraBias(Enum):
     """Only the biases of the layers adapters wrap."""
 
 
+class AdapterDtype(Enum):
+    """What the trained parameters are stored in when the precision stores the base in 16 bits."""
+
+    float32 = "float32"
+    """fp32 adapters (and ``peft.trainable`` modules) over a bf16/fp16 base (``bf16-true``, ``16-true``)."""
+    same = "same"
+    """The precision's own dtype for everything: bf16 adapters under ``bf16-true``."""
+
+
 ALIASES = ("all", "attention", "mlp")
 """Short names for ``peft.targets``: every linear layer of the blocks, or their attention or MLP part."""
 
@@ -54,6 +63,11 @@ class AdapterOptions:
     trainable: list[str] = field(default_factory=list)
     """Modules that train in full beside the adapters: names as the model spells them (matched as
     ``targets`` are), or ``norms`` (every normalisation layer) and ``head`` (the output layer)."""
+    adapter_dtype: AdapterDtype = AdapterDtype.float32
+    """float32 or same: under a precision that stores parameters in 16 bits (``bf16-true``,
+    ``16-true``), the trained modules (``lora_A``/``lora_B``, ``peft.trainable``'s) are stored,
+    updated and given optimizer state in fp32 (float32, the default) while the frozen base stays
+    16-bit; or in the base's dtype (same). Other precisions store everything in fp32 anyway."""
     save_base: bool = False
     """Sharded checkpoints also hold the frozen base weights (default: the trainable parameters
     only, megabytes for an 8B model; the base is rebuilt from the model's own weights on resume)."""

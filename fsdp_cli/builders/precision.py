@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, Precision
+from torch import nn
 
+from fsdp_cli.adapters.dtype import convert_all_but_trainable_leaves
 from fsdp_cli.precision import ResolvedPrecision
 
 
@@ -41,9 +43,38 @@ class ShardedMixedPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
 
 
-def precision_plugin(precision: ResolvedPrecision, *, policy_casts: bool) -> Precision | None:
+class _KeepsTrainableLeaves:
+    """A ``*-true`` plugin whose conversion leaves the fp32 adapters as they are."""
+
+    _desired_input_dtype: torch.dtype
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return convert_all_but_trainable_leaves(module, self._desired_input_dtype)
+
+
+class AdapterHalfPrecision(_KeepsTrainableLeaves, HalfPrecision):
+    """``bf16-true`` / ``16-true`` over a 16-bit base with fp32 adapters (fsdp2, ddp)."""
+
+
+class AdapterFSDPPrecision(_KeepsTrainableLeaves, FSDPPrecision):
+    """The same for FSDP1 (Lightning's FSDPStrategy takes FSDPPrecision plugins only)."""
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """None: each flat parameter computes and reduces in the dtype it is stored in (the base's
+        units bf16, the adapters' own units fp32). Lightning's bf16-true policy would cast the
+        adapters to bf16 for compute and reduce their gradients in bf16."""
+        return None
+
+
+def precision_plugin(
+    precision: ResolvedPrecision, *, policy_casts: bool, fp32_adapters: bool = False, fsdp1: bool = False
+) -> Precision | None:
     """The plugin to hand the Trainer when the strategy's FSDP policy does the casting of a
-    ``*-mixed`` precision; None lets Lightning choose from the name."""
+    ``*-mixed`` precision, or when fp32 adapters must survive a ``*-true`` conversion to 16 bits;
+    None lets Lightning choose from the name."""
     if policy_casts and precision.spec.mixed:
         return ShardedMixedPrecision(precision.name)
+    if fp32_adapters and precision.spec.fixes_param_dtype and precision.param != "float64":
+        return (AdapterFSDPPrecision if fsdp1 else AdapterHalfPrecision)(precision.name)
     return None

@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
+from fsdp_cli.adapters.options import AdapterDtype
 from fsdp_cli.builders.precision import precision_plugin
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig, TrainerConfig
@@ -54,7 +55,13 @@ def precision_arguments(run: ResolvedRun) -> dict[str, Any]:
     """The Trainer's ``precision=`` (Lightning picks the plugin), or ``plugins=`` a plugin that
     only names it where the strategy's FSDP policy does the casting. (A rehearsal builds its
     Trainer with the same.)"""
-    plugin = precision_plugin(run.precision, policy_casts=run.entry.policy_casts)
+    peft = run.cfg.peft
+    plugin = precision_plugin(
+        run.precision,
+        policy_casts=run.entry.policy_casts,
+        fp32_adapters=peft.enabled and peft.adapter_dtype is AdapterDtype.float32,
+        fsdp1=run.entry.name == "fsdp",
+    )
     return {"plugins": [plugin]} if plugin is not None else {"precision": run.precision.name}
 
 

@@ -32,11 +32,13 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
     module = trainer.lightning_module
     params = list(module.parameters())
     stored = params[0].dtype if params else torch.float32
-    compute, reduce = _unit_precision(strategy.model or module, stored)
+    # What gradients (and so reductions and moments) are in: fp32 adapters over a bf16 base differ.
+    trained = next((p.dtype for p in params if p.requires_grad), stored)
+    compute, reduce = _unit_precision(strategy.model or module, stored, trained)
     autocast = _autocast_dtype(trainer)
     if autocast is not None:
         compute = _name(autocast)
-    optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(stored)}
+    optim_dtypes = _optimizer_state_dtypes(trainer) or {_name(trained)}
     report = getattr(strategy, "parallelize_report", None)
     info = {
         "mesh": _mesh(strategy),
@@ -77,15 +79,19 @@ def _trainable(params: list[nn.Parameter]) -> dict[str, Any]:
     }
 
 
-def _unit_precision(model: nn.Module, stored: torch.dtype) -> tuple[str, str]:
+def _unit_precision(
+    model: nn.Module, stored: torch.dtype, trained: torch.dtype | None = None
+) -> tuple[str, str]:
     """(compute, reduce) dtypes from the FSDP units of the live model: the policy ``fully_shard``
     recorded on each FSDP2 unit, FSDP1's ``mixed_precision`` on each wrapped unit; whoever set it
     (this package's strategies, or the user's own ``configure_model``). Units that disagree are
-    listed (``bfloat16/float32``); without a policy, the dtype the parameters are stored in."""
+    listed (``bfloat16/float32``); without a policy, the dtype the parameters are stored in (for the
+    reduction: the dtype the trained ones are stored in, fp32 adapters over a bf16 base)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     from fsdp_cli.compat.torch_internals import fsdp2_mp_policies
 
+    trained = trained or stored
     compute: set[str] = set()
     reduce: set[str] = set()
     for unit in model.modules():
@@ -98,9 +104,8 @@ def _unit_precision(model: nn.Module, stored: torch.dtype) -> tuple[str, str]:
         for policy in policies:
             param = policy.param_dtype or stored
             compute.add(_name(param))
-            reduce.add(_name(policy.reduce_dtype or param))
-    default = _name(stored)
-    return "/".join(sorted(compute)) or default, "/".join(sorted(reduce)) or default
+            reduce.add(_name(policy.reduce_dtype or policy.param_dtype or trained))
+    return "/".join(sorted(compute)) or _name(stored), "/".join(sorted(reduce)) or _name(trained)
 
 
 def _compiled_modules(module: nn.Module) -> int:

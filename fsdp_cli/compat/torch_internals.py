@@ -1,7 +1,8 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
 FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
-compiled in place, DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
+compiled in place, a function applied to every parameter and buffer of a module (``_apply``,
+the path ``Module.to`` takes), DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
 tensor an asynchronous functional collective returns before it is waited on, the plain
 tensors inside a wrapper tensor subclass (torchao's float8 weights), the mixed-precision
 policy ``fully_shard`` recorded on a module, the private classes a DCP ``.metadata`` pickle
@@ -41,6 +42,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_python_dispatch, "TorchDispatchMode"),
     (Module(), "_non_persistent_buffers_set"),
     (Module(), "_compiled_call_impl"),
+    (Module, "_apply"),
     (_fake_tensor, "FakeTensorMode"),
     (_fake_tensor, "DataDependentOutputException"),
     (_fake_tensor, "DynamicOutputShapeException"),
@@ -103,6 +105,13 @@ def global_offset(tensor: Any) -> tuple[int, ...]:
         tensor.shape, tensor.device_mesh, tensor.placements
     )
     return tuple(offset)
+
+
+def apply_to_tensors(module: Module, fn: Any) -> Module:
+    """``module`` with ``fn(tensor)`` put in place of each parameter and buffer, as ``module.to``
+    does (``Module._apply``: FSDP2 reshards around it), but with a function that can tell the
+    tensors apart (``.to`` casts them all)."""
+    return module._apply(fn)
 
 
 def fsdp1_sharding_strategy(name: str) -> Any:

@@ -26,13 +26,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fsdp_cli.adapters.options import AdapterDtype
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, tp_local_shape
 from fsdp_cli.pipeline.sizes import PipelineSizes
-from fsdp_cli.plan.model import Activations, ModelSpec
+from fsdp_cli.plan.model import FP32, Activations, ModelSpec
 
 FIT_FRACTION = 0.95
 """A plan fits when its largest rank needs at most this share of the device memory."""
@@ -111,6 +112,17 @@ def dtypes_of(run: ResolvedRun) -> Dtypes:
     """Bytes per element of stored parameters, compute (activations, all-gathers) and reduction:
     the precision in effect, explicit mixed-precision policy included."""
     return Dtypes(*run.precision.bytes())
+
+
+def stored_bytes(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Callable[[ParamShape], int]:
+    """Bytes per element each parameter is stored in (its gradient and Adam moments alike): the
+    precision's, except fp32 for the trained modules over a 16-bit base (``peft.adapter_dtype``,
+    :mod:`fsdp_cli.adapters.dtype`): parameters that train in a module with nothing frozen."""
+    peft = run.cfg.peft
+    if not peft.enabled or peft.adapter_dtype is not AdapterDtype.float32 or dtypes.param >= FP32:
+        return lambda p: dtypes.param
+    frozen_modules = {p.module for p in spec.params if not p.trainable}
+    return lambda p: FP32 if p.trainable and p.module not in frozen_modules else dtypes.param
 
 
 @dataclass
@@ -306,12 +318,13 @@ def _fsdp2_pipeline_rank(
     gathered = [_gather_buffers(u, dtypes, keep_all=keep_all, keep_root=True) for u in units]
     buffers = sum(gathered) if keep_all else max(gathered)
     # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
-    shapes = Counter((p.shape, p.tp_dim, p.trainable) for p in params)
+    stored = stored_bytes(run, spec, dtypes)
+    shapes = Counter((p.shape, p.tp_dim, p.trainable, stored(p)) for p in params)
     cache: dict[tuple[int, int], RankMemory] = {}
 
     def memory(coordinate: tuple[int, int]) -> RankMemory:
         if coordinate not in cache:
-            mem = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate, dtypes)
+            mem = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate)
             cache[coordinate] = dataclasses.replace(mem, buffers=buffers, stages=stages)
         return cache[coordinate]
 
@@ -334,23 +347,22 @@ def _fsdp2_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
 
 
 def _fsdp2_rank(
-    shapes: Counter[tuple[tuple[int, ...], int | None, bool]],
+    shapes: Counter[tuple[tuple[int, ...], int | None, bool, int]],
     shard: int,
     tp: int,
     coordinate: tuple[int, int],
-    dtypes: Dtypes,
 ) -> RankMemory:
     shard_rank, tp_rank = coordinate
     mem = RankMemory(0)
-    for (shape, tp_dim, trainable), count in shapes.items():
+    for (shape, tp_dim, trainable, stored), count in shapes.items():
         local = tp_local_shape(ParamShape("", shape, tp_dim), tp, tp_rank)
         rest = math.prod(local[1:])
         rows = chunk_sizes(local[0], shard) if local[0] else [0] * shard
-        mem.params += count * rows[0] * rest * dtypes.param  # every rank allocates the longest chunk
+        mem.params += count * rows[0] * rest * stored  # every rank allocates the longest chunk
         if not trainable:  # frozen (LoRA's base): no gradient, no optimizer state
             continue
-        mem.grads += count * rows[0] * rest * dtypes.param
-        mem.optimizer += count * (2 * rows[shard_rank] * rest * dtypes.param + ADAM_STEP_BYTES)
+        mem.grads += count * rows[0] * rest * stored
+        mem.optimizer += count * (2 * rows[shard_rank] * rest * stored + ADAM_STEP_BYTES)
     return mem
 
 
@@ -371,12 +383,14 @@ def _fsdp1_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
     sharding, layout = strategy.sharding_strategy, run.layout
     sharded = sharding is not ShardingStrategy.NO_SHARD
     group = layout.shard
-    aligned = 16 // dtypes.compute
     units: dict[str, list[tuple[int, int, bool]]] = {}  # unit -> (offset, numel, trains) per parameter
     totals: dict[str, int] = {}
-    unit_of = _fsdp1_unit_of(spec)
+    unit_bytes: dict[str, int] = {}  # a flat parameter holds one dtype: fp32 adapters are units apart
+    unit_of, stored = _fsdp1_unit_of(spec), stored_bytes(run, spec, dtypes)
     for p in spec.params:
         unit = unit_of(p)
+        unit_bytes.setdefault(unit, stored(p))
+        aligned = 16 // (dtypes.compute if unit_bytes[unit] == dtypes.param else unit_bytes[unit])
         total = totals.get(unit, 0)
         total += (aligned - total % aligned) % aligned
         units.setdefault(unit, []).append((total, p.numel, p.trainable))
@@ -389,13 +403,14 @@ def _fsdp1_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
         for unit, params in units.items():
             size = totals[unit] // group if sharded else totals[unit]
             start = r * size if sharded else 0
-            mem.params += size * dtypes.param
+            width = unit_bytes[unit]
+            mem.params += size * width
             # One gradient for the whole flat parameter as soon as any of its parameters trains.
-            mem.grads += size * dtypes.param if any(trains for *_, trains in params) else 0
+            mem.grads += size * width if any(trains for *_, trains in params) else 0
             for offset, numel, trains in params:
                 local = max(0, min(offset + numel, start + size) - max(offset, start))
                 if local and trains:
-                    mem.optimizer += 2 * local * dtypes.param + ADAM_STEP_BYTES
+                    mem.optimizer += 2 * local * width + ADAM_STEP_BYTES
         keep_all = sharding in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
         mem.buffers = _gather_buffers(totals, dtypes, keep_all=keep_all) if sharded else 0
         ranks.append(mem)
@@ -425,15 +440,16 @@ def _fsdp1_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
 
 def _ddp_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
     numel = sum(p.numel for p in spec.params)
+    stored = stored_bytes(run, spec, dtypes)
     trained = [p for p in spec.params if p.trainable]
-    trained_numel = sum(p.numel for p in trained)
+    trained_bytes = sum(p.numel * stored(p) for p in trained)
     ranks = []
     for rank in range(run.layout.world_size):
         mem = RankMemory(
             rank,
-            params=numel * dtypes.param,
-            grads=trained_numel * dtypes.param,
-            optimizer=2 * trained_numel * dtypes.param + ADAM_STEP_BYTES * len(trained),
+            params=sum(p.numel * stored(p) for p in spec.params),
+            grads=trained_bytes,
+            optimizer=2 * trained_bytes + ADAM_STEP_BYTES * len(trained),
         )
         # Autocast keeps a low-precision copy of every weight from forward to backward.
         mem.buffers = numel * dtypes.compute if run.precision.spec.mixed else 0
