@@ -50,6 +50,11 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
         (["pp=2", "model.tie_embeddings=true"], "model.tie_embeddings=True", ["first stage", "false"]),
         (["pp=2", "checkpoint=full"], "checkpoint.format=full", ["sharded", "fsdp-ckpt convert"]),
+        (
+            ["pp=2", "model=custom", "model._target_=tests.assets.own_loaders.BoringModel"],
+            "pp=2",
+            ["BoringModel", "lacks pipeline_inputs, pipeline_loss"],
+        ),
     ],
 )
 def test_an_impossible_pipeline_layout_is_one_line_before_launch(
