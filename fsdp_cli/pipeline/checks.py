@@ -28,20 +28,24 @@ def check_pipeline(
             allowed="pp=1 with this strategy; pp > 1 with strategy=fsdp2",
             hint="strategy=fsdp2",
         )
-    facts = _facts(options.schedule)
-    per_rank = _stages_per_rank(options, facts)
+    facts = schedule_of(options.schedule)
+    per_rank = stages_per_rank_of(options, facts)
     n_stages = pp * per_rank
     if n_blocks is not None:
-        problem = cut_problem(n_blocks, n_stages, options.cut, options.cuts)
-        if problem is not None:
-            key = "pipeline.cuts" if "cut" in problem else "pp"
-            raise ConfigError(
-                key, options.cuts if key != "pp" else pp, problem, hint="fewer stages or a deeper model"
-            )
-    _check_microbatches(pp, options, facts, n_stages, forward_batch)
+        check_cut(pp, options, n_blocks, n_stages)
+    check_microbatches(pp, options, facts, n_stages, forward_batch)
 
 
-def _facts(name: str) -> ScheduleFacts:
+def check_cut(pp: int, options: PipelineOptions, n_blocks: int, n_stages: int) -> None:
+    """The blocks go round the stages: at least one each, at the explicit cut points if given."""
+    problem = cut_problem(n_blocks, n_stages, options.cut, options.cuts)
+    if problem is not None:
+        key, value = ("pipeline.cuts", options.cuts) if "cut" in problem else ("pp", pp)
+        raise ConfigError(key, value, problem, hint="fewer stages or a deeper model")
+
+
+def schedule_of(name: str) -> ScheduleFacts:
+    """The facts of the schedule torch ships under ``name``; ConfigError for one it does not."""
     facts = schedule_facts(name)
     if facts is None:
         raise ConfigError(
@@ -54,7 +58,8 @@ def _facts(name: str) -> ScheduleFacts:
     return facts
 
 
-def _stages_per_rank(options: PipelineOptions, facts: ScheduleFacts) -> int:
+def stages_per_rank_of(options: PipelineOptions, facts: ScheduleFacts) -> int:
+    """Stages each rank holds: the option, or the schedule's own; ConfigError where it cannot."""
     per_rank = options.stages_per_rank or facts.default_stages_per_rank()
     if facts.v_shape and per_rank != 2:
         allowed = "2"
@@ -71,9 +76,10 @@ def _stages_per_rank(options: PipelineOptions, facts: ScheduleFacts) -> int:
     )
 
 
-def _check_microbatches(
+def check_microbatches(
     pp: int, options: PipelineOptions, facts: ScheduleFacts, n_stages: int, batch: int
 ) -> None:
+    """Micro-batches divide a rank's batch, fill the pipeline, and (DualPipeV) give every stage one."""
     micro = options.microbatches or n_stages
     if batch % micro != 0:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
@@ -89,7 +95,7 @@ def _check_microbatches(
             "pipeline.microbatches",
             micro,
             f"{facts.name} needs a micro-batch per stage: at least pp x stages_per_rank = {n_stages}",
-            allowed=f"{n_stages} or more",
+            allowed=f">= {n_stages}",
             hint=f"pipeline.microbatches={n_stages}",
         )
     if not facts.holds_all_microbatches and micro < pp:
