@@ -108,15 +108,7 @@ def parallelize(
     blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
 
     if dims.tp_enabled:
-        plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
-        if plan is None:
-            raise ConfigError(
-                "tp",
-                dims.tp,
-                f"{type(model).__name__} has no tensor-parallel plan",
-                allowed="tp=1 for this model",
-                hint="define model.tp_plan(sequence_parallel), or pass strategy.parallelize_fn",
-            )
+        plan = tp_plan_of(model, dims, options, instead="pass strategy.parallelize_fn")
         apply_tp(model, dims.tp_mesh, plan)
         report.tp_modules = len(plan)
 
@@ -165,3 +157,18 @@ def call_parallelize_fn(
     if "device_mesh" in params or takes_all:
         return fn(model, device_mesh=device_mesh, **kwargs)
     return fn(model, device_mesh, **kwargs)
+
+
+def tp_plan_of(model: nn.Module, dims: ParallelDims, options: Any, *, instead: str) -> dict[str, Any]:
+    """The tensor-parallel plan given in the options, else the model's own; one line naming what
+    to do ``instead`` when there is neither."""
+    plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
+    if plan is None:
+        raise ConfigError(
+            "tp",
+            dims.tp,
+            f"{type(model).__name__} has no tensor-parallel plan",
+            allowed="tp=1 for this model",
+            hint=f"define model.tp_plan(sequence_parallel), or {instead}",
+        )
+    return plan

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
+from fsdp_cli.parallel.parallelize import tp_plan_of
 from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
 from fsdp_cli.pipeline.cuts import stage_blocks
 from fsdp_cli.pipeline.options import PipelineOptions
@@ -66,7 +66,7 @@ def parallelize_stages(
 
     model = split.model
     # The plan of the whole model (it may name every part; a stage applies what it still holds).
-    plan = _tp_plan(model, dims, options) if dims.tp_enabled else {}
+    plan = tp_plan_of(model, dims, options, instead="use tp=1") if dims.tp_enabled else {}
     prune(split, layout.ranges, layout.ids)
     units = wrap_units(model, options.wrap)
     block_classes = repeated_block_classes(model)
@@ -96,21 +96,6 @@ def parallelize_stages(
             offload_policy=options.offload_policy,
         )
     return stages
-
-
-def _tp_plan(model: nn.Module, dims: ParallelDims, options: Any) -> dict[str, Any]:
-    from fsdp_cli.parallel.tensor_parallel import model_tp_plan
-
-    plan = options.tp_shard_plan or model_tp_plan(model, sequence_parallel=options.sequence_parallel)
-    if plan is None:
-        raise ConfigError(
-            "tp",
-            dims.tp,
-            f"{type(model).__name__} has no tensor-parallel plan",
-            allowed="tp=1 for this model",
-            hint="define model.tp_plan(sequence_parallel), or use tp=1",
-        )
-    return plan
 
 
 def _present(model: nn.Module, name: str) -> bool:
