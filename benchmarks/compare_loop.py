@@ -112,7 +112,10 @@ def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: t
     }
 
 
-def run_hand_loop(cell: Cell, args: argparse.Namespace, out: Path, precision: str) -> dict:
+def run_hand_loop(
+    cell: Cell, args: argparse.Namespace, out: Path, precision: str, script: str = "hand_loop.py"
+) -> dict:
+    """``script``: ``hand_loop.py`` (plain PyTorch) or ``lightning_loop.py`` (plain Lightning)."""
     size = SIZES[cell.size]
     env = dict(os.environ)
     # fsdp-train's launcher gives each CPU rank its share of the cores; so does this side.
@@ -124,7 +127,7 @@ def run_hand_loop(cell: Cell, args: argparse.Namespace, out: Path, precision: st
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={args.devices}",
-        str(HERE / "hand_loop.py"),
+        str(HERE / script),
         str(out),
         f"model={'llama' if cell.model == 'builtin' else 'gpt'}",
         f"strategy={cell.strategy}",
@@ -150,6 +153,17 @@ def run_hand_loop(cell: Cell, args: argparse.Namespace, out: Path, precision: st
     return json.loads(out.read_text())
 
 
+def run_lightning_loop(cell: Cell, args: argparse.Namespace, stem: Path, precision: str) -> dict:
+    """``--lightning``: the cell written as a plain LightningModule and Trainer
+    (``lightning_loop.py``); nothing for ``fsdp`` (Lightning's FSDPStrategy refuses CPUs) or without the flag."""
+    import torch
+
+    if not args.lightning or (cell.strategy == "fsdp" and not torch.cuda.is_available()):
+        return {}
+    measured = run_hand_loop(cell, args, stem.with_suffix(".lightning.json"), precision, "lightning_loop.py")
+    return {"lightning_s": measured["step_time_s"]}
+
+
 def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str, list[dict]]:
     pairs: dict[str, list[dict]] = {c.name: [] for c in cells}
     for repeat in range(args.repeats):
@@ -166,7 +180,9 @@ def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str,
                 precision = pairs[cell.name][0]["precision"]
                 hand = run_hand_loop(cell, args, stem.with_suffix(".json"), precision)
                 ours = run_fsdp_train(cell, args, stem)
+            lightning = run_lightning_loop(cell, args, stem, ours["precision"])
             pair = {
+                **lightning,
                 "fsdp_train_s": ours["step_time_s"],
                 "hand_s": hand["step_time_s"],
                 "ratio": ours["step_time_s"] / hand["step_time_s"],
@@ -178,16 +194,19 @@ def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str,
             print(
                 f"[{repeat + 1}/{args.repeats}] {cell.name:28s} fsdp-train {pair['fsdp_train_s'] * 1e3:8.2f} ms  "
                 f"hand {pair['hand_s'] * 1e3:8.2f} ms  ratio {pair['ratio']:.3f}  "
-                f"(load {pair['load_avg']:.1f}, {time.time() - started:.0f} s)",
+                + (f"lightning {pair['lightning_s'] * 1e3:8.2f} ms  " if "lightning_s" in pair else "")
+                + f"(load {pair['load_avg']:.1f}, {time.time() - started:.0f} s)",
                 flush=True,
             )
     return pairs
 
 
 def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
+    lightning = any("lightning_s" in p for runs in pairs.values() for p in runs)
     lines = [
-        "| model | size | strategy | log every | fsdp-train ms/step | hand-written ms/step | ratio (median) | spread |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | size | strategy | log every | fsdp-train ms/step | hand-written ms/step | ratio (median) | spread |"
+        + (" plain Lightning ms/step | fsdp-train / Lightning (median) |" if lightning else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if lightning else ""),
     ]
     for cell in cells:
         runs = pairs[cell.name]
@@ -197,8 +216,18 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
             f"{statistics.median(p['fsdp_train_s'] for p in runs) * 1e3:.2f} | "
             f"{statistics.median(p['hand_s'] for p in runs) * 1e3:.2f} | "
             f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |"
+            + (lightning_cells(runs) if lightning else "")
         )
     return "\n".join(lines)
+
+
+def lightning_cells(runs: list[dict]) -> str:
+    """The plain-Lightning columns of a row (``-`` where that side did not run)."""
+    runs = [p for p in runs if "lightning_s" in p]
+    if not runs:
+        return " - | - |"
+    own = statistics.median(p["fsdp_train_s"] / p["lightning_s"] for p in runs)
+    return f" {statistics.median(p['lightning_s'] for p in runs) * 1e3:.2f} | {own:.3f} |"
 
 
 def commit() -> str:
@@ -243,6 +272,12 @@ def main() -> None:
         action="store_true",
         help="the overhead-bound FSDP2 cells only (both models, logging every step), 2 repeats of "
         f"{QUICK_STEPS} steps: about two minutes, for a developer to run before stopping",
+    )
+    parser.add_argument(
+        "--lightning",
+        action="store_true",
+        help="also run each cell as a plain LightningModule and Trainer (lightning_loop.py): "
+        "separates Lightning's own per-step cost from fsdp-train's (not fsdp on CPUs: Lightning's FSDPStrategy needs GPUs)",
     )
     parser.add_argument("--record", type=Path, default=None, help="write the table into this markdown file")
     args = parser.parse_args()
