@@ -34,26 +34,35 @@ def migrate(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
         new = LEGACY_PRECISION[precision]
         notices.append(f"note: precision={precision} is the old name of precision={new}; running {new}")
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, name=new))
-    strategy = cfg.strategy
-    if isinstance(strategy, DDPFullyShardedConfig):
-        cfg, strategy = _from_fairscale(cfg, strategy, notices)
-    elif isinstance(strategy, FSDPNativeConfig):
-        notices.append(
-            "note: strategy=fsdp_native is Lightning 1.x's name for native FSDP; running strategy=fsdp"
-        )
-        strategy = _as_fsdp(strategy)
-    if isinstance(strategy, FSDPConfig) and strategy.activation_checkpointing:
-        notices.append(
-            "warning: strategy.activation_checkpointing is deprecated; use "
-            f"strategy.activation_checkpointing_policy={list(strategy.activation_checkpointing)}"
-        )
-        merged = list(
-            dict.fromkeys([*strategy.activation_checkpointing_policy, *strategy.activation_checkpointing])
-        )
-        strategy = dataclasses.replace(
-            strategy, activation_checkpointing_policy=merged, activation_checkpointing=None
-        )
-    return dataclasses.replace(cfg, strategy=strategy), notices
+    return cfg.strategy.migrate(cfg, notices), notices
+
+
+def checkpointing_policy_of_old_keyword(
+    cfg: TrainConfig, strategy: FSDPConfig, notices: list[str]
+) -> TrainConfig:
+    """FSDP1's deprecated ``activation_checkpointing`` merged into ``activation_checkpointing_policy``."""
+    if not strategy.activation_checkpointing:
+        return cfg
+    notices.append(
+        "warning: strategy.activation_checkpointing is deprecated; use "
+        f"strategy.activation_checkpointing_policy={list(strategy.activation_checkpointing)}"
+    )
+    merged = list(
+        dict.fromkeys([*strategy.activation_checkpointing_policy, *strategy.activation_checkpointing])
+    )
+    strategy = dataclasses.replace(
+        strategy, activation_checkpointing_policy=merged, activation_checkpointing=None
+    )
+    return dataclasses.replace(cfg, strategy=strategy)
+
+
+def from_lightning_1(cfg: TrainConfig, old: FSDPNativeConfig, notices: list[str]) -> TrainConfig:
+    """``strategy=fsdp_native`` runs as ``strategy=fsdp`` (then FSDP1's own old keyword)."""
+    notices.append(
+        "note: strategy=fsdp_native is Lightning 1.x's name for native FSDP; running strategy=fsdp"
+    )
+    new = _as_fsdp(old)
+    return new.migrate(dataclasses.replace(cfg, strategy=new), notices)
 
 
 def _as_fsdp(strategy: FSDPConfig) -> FSDPConfig:
@@ -62,9 +71,9 @@ def _as_fsdp(strategy: FSDPConfig) -> FSDPConfig:
     return FSDPConfig(**{**fields, "name": "fsdp"})
 
 
-def _from_fairscale(
-    cfg: TrainConfig, old: DDPFullyShardedConfig, notices: list[str]
-) -> tuple[TrainConfig, FSDPConfig]:
+def from_fairscale(cfg: TrainConfig, old: DDPFullyShardedConfig, notices: list[str]) -> TrainConfig:
+    """``strategy=ddp_fully_sharded`` runs as ``strategy=fsdp``, fairscale's keywords translated
+    (then FSDP1's own old keyword)."""
     notices.append(
         "note: strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP: strategy=fsdp"
     )
@@ -93,4 +102,4 @@ def _from_fairscale(
         notices.append(
             f"note: strategy.{', strategy.'.join(ignored)} have no native-FSDP equivalent and are ignored"
         )
-    return cfg, new
+    return new.migrate(dataclasses.replace(cfg, strategy=new), notices)

@@ -188,6 +188,21 @@ class StrategyAnswers:
         """The format it saves in, given ``checkpoint.format``."""
         return configured
 
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        """``cfg`` with this strategy in today's names and keywords, a notice for each change
+        (:mod:`fsdp_cli.config.migrate`); a current schema has nothing to change."""
+        return cfg
+
+    def search_base(self) -> FSDP2Config:
+        """The FSDP2 settings ``fsdp-plan --search`` starts its candidates from: the run's own
+        under fsdp2, FSDP2's defaults otherwise."""
+        return FSDP2Config()
+
+    def fake_step_refusal(self) -> str | None:
+        """Why a fake step (torch's memory tracker on fake tensors, :mod:`fsdp_cli.plan.fake_step`)
+        cannot measure this strategy; None where it can. (Not DDP's default: DDP overrides it.)"""
+        return None
+
 
 @dataclass
 class DDPConfig(StrategyAnswers):
@@ -212,6 +227,9 @@ class DDPConfig(StrategyAnswers):
     """Broadcast rank 0's buffers before every forward (DDP's default; keeps BatchNorm statistics
     in step). null: off for the built-in models, whose only buffers are derived (RoPE tables),
     on for the others."""
+
+    def fake_step_refusal(self) -> str:
+        return f"strategy={self.name}: DistributedDataParallel reads its parameters when built: no fake step"
 
 
 @dataclass
@@ -272,6 +290,9 @@ class FSDP2Config(ParallelizeSettings, StrategyAnswers):
     def offloads(self) -> bool:
         return self.cpu_offload
 
+    def search_base(self) -> FSDP2Config:
+        return self
+
 
 @dataclass
 class FSDPConfig(StrategyAnswers):
@@ -330,12 +351,30 @@ class FSDPConfig(StrategyAnswers):
     def offloads(self) -> bool:
         return self.cpu_offload
 
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        from fsdp_cli.config.migrate import checkpointing_policy_of_old_keyword
+
+        return checkpointing_policy_of_old_keyword(cfg, self, notices)
+
+    def fake_step_refusal(self) -> str | None:
+        if not self.use_orig_params:
+            return None
+        return (
+            "torch's MemTracker cannot follow FSDP1's use_orig_params views "
+            "(strategy.use_orig_params=false is measured): no fake step"
+        )
+
 
 @dataclass
 class FSDPNativeConfig(FSDPConfig):
     """``strategy=fsdp_native``: Lightning 1.x's name for native FSDP; runs as ``strategy=fsdp``."""
 
     name: str = "fsdp_native"
+
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        from fsdp_cli.config.migrate import from_lightning_1
+
+        return from_lightning_1(cfg, self, notices)
 
 
 @dataclass
@@ -360,6 +399,11 @@ class DDPFullyShardedConfig(FSDPConfig):
     """-> ``wrap=size`` with this threshold (fairscale's default auto-wrap policy)."""
     state_dict_to_cpu: bool | None = None
     """Native full checkpoints are always gathered to CPU; accepted and ignored."""
+
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        from fsdp_cli.config.migrate import from_fairscale
+
+        return from_fairscale(cfg, self, notices)
 
 
 @dataclass
