@@ -11,7 +11,7 @@ This module must stay importable without torch or lightning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -352,9 +352,22 @@ class FSDPConfig(StrategyAnswers):
         return self.cpu_offload
 
     def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
-        from fsdp_cli.config.migrate import checkpointing_policy_of_old_keyword
+        """The deprecated ``activation_checkpointing`` merged into ``activation_checkpointing_policy``."""
+        if not self.activation_checkpointing:
+            return cfg
+        notices.append(
+            "warning: strategy.activation_checkpointing is deprecated; use "
+            f"strategy.activation_checkpointing_policy={list(self.activation_checkpointing)}"
+        )
+        merged = list(dict.fromkeys([*self.activation_checkpointing_policy, *self.activation_checkpointing]))
+        current = replace(self, activation_checkpointing_policy=merged, activation_checkpointing=None)
+        return replace(cfg, strategy=current)
 
-        return checkpointing_policy_of_old_keyword(cfg, self, notices)
+    def as_fsdp(self) -> FSDPConfig:
+        """The plain ``strategy=fsdp`` schema with the fields an FSDPConfig has (an old name's
+        schema, migrated)."""
+        values = {f.name: getattr(self, f.name) for f in fields(FSDPConfig)}
+        return FSDPConfig(**{**values, "name": "fsdp"})
 
     def fake_step_refusal(self) -> str | None:
         if not self.use_orig_params:
@@ -372,9 +385,11 @@ class FSDPNativeConfig(FSDPConfig):
     name: str = "fsdp_native"
 
     def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
-        from fsdp_cli.config.migrate import from_lightning_1
-
-        return from_lightning_1(cfg, self, notices)
+        notices.append(
+            "note: strategy=fsdp_native is Lightning 1.x's name for native FSDP; running strategy=fsdp"
+        )
+        new = self.as_fsdp()
+        return new.migrate(replace(cfg, strategy=new), notices)
 
 
 @dataclass
@@ -401,9 +416,36 @@ class DDPFullyShardedConfig(FSDPConfig):
     """Native full checkpoints are always gathered to CPU; accepted and ignored."""
 
     def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
-        from fsdp_cli.config.migrate import from_fairscale
-
-        return from_fairscale(cfg, self, notices)
+        """Runs as ``strategy=fsdp``, fairscale's keywords translated as their docstrings say."""
+        notices.append(
+            "note: strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP: strategy=fsdp"
+        )
+        new = self.as_fsdp()
+        if self.reshard_after_forward is not None:
+            sharding = (
+                ShardingStrategy.FULL_SHARD if self.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+            )
+            new = replace(new, sharding_strategy=sharding)
+        mp = new.mixed_precision
+        if self.compute_dtype is not None:
+            mp = replace(mp, param_dtype=self.compute_dtype)
+        if self.fp32_reduce_scatter:
+            mp = replace(mp, reduce_dtype=DType.float32)
+        new = replace(new, mixed_precision=mp)
+        if self.move_grads_to_cpu:
+            new = replace(new, cpu_offload=True)
+        if self.min_num_params is not None:
+            cfg = replace(cfg, wrap=WrapConfig(policy=WrapPolicy.size, min_num_params=self.min_num_params))
+        ignored = [
+            k
+            for k in ("flatten_parameters", "bucket_cap_mb", "state_dict_to_cpu")
+            if getattr(self, k) is not None
+        ]
+        if ignored:
+            notices.append(
+                f"note: strategy.{', strategy.'.join(ignored)} have no native-FSDP equivalent and are ignored"
+            )
+        return new.migrate(replace(cfg, strategy=new), notices)
 
 
 @dataclass
