@@ -76,6 +76,7 @@ def test_no_module_switches_on_the_strategy_config_class() -> None:
         (["strategy=fsdp", "strategy.use_orig_params=false"], None),
         (["strategy=fsdp2"], None),
     ],
+    ids=["ddp", "fsdp1", "fsdp1-no-orig-params", "fsdp2"],
 )
 def test_which_strategies_a_fake_step_cannot_measure(overrides: list[str], refused: str | None) -> None:
     """The rehearsal's fake step asks the strategy's schema (``fake_step_refusal``), and says why
