@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fsdp_cli.errors import ConfigError
+
 FLOAT32, BFLOAT16, FLOAT16, FLOAT64 = "float32", "bfloat16", "float16", "float64"
 DTYPE_BYTES = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2, FLOAT64: 8}
 AUTO = "auto"
@@ -89,6 +91,25 @@ def precision_spec(name: str) -> PrecisionSpec:
     if spec is None:
         raise UnknownPrecision(name)
     return spec
+
+
+def check_precision_name(name: str, *, on_cpu: bool) -> None:
+    """A name this table knows, and one these processes can train in (float16 needs a GPU)."""
+    try:
+        spec = precision_spec(name)
+    except UnknownPrecision:
+        raise ConfigError(
+            "precision", name, "unknown precision", allowed=", ".join([*PRECISIONS, AUTO])
+        ) from None
+    if spec.gpu_only and on_cpu:
+        usable = [p.name for p in PRECISIONS.values() if not p.gpu_only]
+        raise ConfigError(
+            "precision",
+            name,
+            "float16 needs a GPU",
+            allowed=", ".join(usable) + " on CPU",
+            hint="use precision=bf16-mixed",
+        )
 
 
 def auto_precision(on_gpu: bool) -> str:

@@ -4,6 +4,8 @@ Lightning strategy's setting follows ours (its ``save_checkpoint`` reads it)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fsdp_cli.checkpoint_format import CheckpointFormat
@@ -44,3 +46,16 @@ def test_lightning_setting_follows_ours() -> None:
     strategy = FSDP1Strategy()
     strategy.checkpoint_format = "full"
     assert strategy.checkpoint_format is FULL and lightning_writes_sharded(strategy) is False
+
+
+def test_what_is_on_disk_is_named_by_the_same_enum(tmp_path: Path) -> None:
+    """The on-disk check answers in :class:`CheckpointFormat` too (not the strings ``"sharded"`` /
+    ``"full"``), so the format a run saves in and the format a path holds compare by identity."""
+    from fsdp_cli.checkpoint.format import DCP_METADATA, checkpoint_format
+
+    folder, file = tmp_path / "step_00000001", tmp_path / "step_00000001.pt"
+    folder.mkdir()
+    (folder / DCP_METADATA).write_bytes(b"")
+    file.write_bytes(b"")
+    assert (checkpoint_format(folder), checkpoint_format(file)) == (SHARDED, FULL)
+    assert checkpoint_format(folder) is SHARDED and checkpoint_format(file) is FULL

@@ -388,7 +388,7 @@ def test_agent_and_forkserver_end_without_tearing_down_their_interpreters(tmp_pa
 FORKED_RANK_START = """
 import logging, signal
 from fsdp_cli.launch.environment import AGENT_LOGGER
-from fsdp_cli.worker import rank
+from fsdp_cli.worker import process
 
 def torch_agents_handler(signum, frame):  # what torch's agent installs before it forks ranks
     raise RuntimeError(signum)
@@ -396,7 +396,7 @@ def torch_agents_handler(signum, frame):  # what torch's agent installs before i
 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
     signal.signal(signum, torch_agents_handler)
 logging.getLogger(AGENT_LOGGER).setLevel(logging.CRITICAL)
-rank._leave_the_process_it_was_forked_from()
+process.leave_the_process_it_was_forked_from()
 print([signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)] == [signal.SIG_DFL] * 3)
 print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 print(logging.getLogger(AGENT_LOGGER).level == logging.NOTSET)

@@ -13,7 +13,7 @@ from fsdp_cli.data.synthetic import SyntheticTokens
 from fsdp_cli.data.text import ByteWindows, read_corpus
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.llama import Llama, TransformerBlock
-from fsdp_cli.parallel.wrap import repeated_block_class, resolve_classes, wrap_units
+from fsdp_cli.parallel.wrap import find_classes, repeated_block_class, wrap_units
 
 
 def _take(sampler: StepBatchSampler, n: int) -> list[list[int]]:
@@ -63,7 +63,7 @@ def test_wrap_policy_finds_blocks_and_rejects_unknown_names() -> None:
     model = Llama(composed().model, seed=0)
     assert repeated_block_class(model) is TransformerBlock
     assert len(wrap_units(model, WrapConfig())) == model.cfg.n_layers
-    assert resolve_classes(model, ["fsdp_cli.models.llama.TransformerBlock"]) == (TransformerBlock,)
+    assert find_classes(model, ["fsdp_cli.models.llama.TransformerBlock"]) == (TransformerBlock,)
     with pytest.raises(ConfigError) as info:
         wrap_units(model, WrapConfig(policy=WrapPolicy.classes, classes=["LlamaDecoderLayer"]))
     message = info.value.one_line()

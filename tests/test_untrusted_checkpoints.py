@@ -142,12 +142,12 @@ def test_resume_in_the_ranks_refuses_a_crafted_checkpoint(tmp_path: Path, marker
     """What each rank runs for ``trainer.fit(ckpt_path=...)`` (and a Lightning user's own
     ``ckpt_path`` through our strategies): the run fails with the one line as summary.json's error."""
     from fsdp_cli.strategies.ddp import DDPStrategy
-    from fsdp_cli.worker.rank import _failed
+    from fsdp_cli.worker.summary import outcome_of
 
     path = crafted(kind, tmp_path, marker)
     with pytest.raises(UnsafeCheckpointError) as refused:
         DDPStrategy().load_checkpoint(path)
-    outcome = _failed(refused.value)
+    outcome = outcome_of(refused.value)
     assert outcome.status == "failed" and outcome.error == str(refused.value)
     assert_refused(outcome.error, path, kind, marker)
 

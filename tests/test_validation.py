@@ -386,3 +386,13 @@ def test_a_config_error_leaves_no_hydra_output_folders(tmp_path: Path) -> None:
         "metrics.jsonl",
         "train.log",
     ]
+
+
+def test_validate_runs_the_checks_and_each_lives_beside_what_it_checks() -> None:
+    """config/validate.py is the runner (the order, the ranges' line, the notes): every check it
+    runs is defined in the module of what it checks, none in the runner itself."""
+    from fsdp_cli.config import validate as runner
+
+    checks = (*runner.CHECKS, *runner.DATA_CHECKS)
+    assert [c.__name__ for c in checks if c.__module__ == runner.__name__] == []
+    assert len({c.__module__ for c in checks}) >= 5, sorted({c.__module__ for c in checks})

@@ -35,6 +35,7 @@ from fsdp_cli.checkpoint.optimizer_layout import (
     named_by_index,
     numbered,
 )
+from fsdp_cli.checkpoint_format import CheckpointFormat
 
 MODEL_PREFIX = "model."
 # Offline use is the point here; DCP's note that no process group exists is noise.
@@ -51,10 +52,10 @@ class Checkpoint:
     manifest: dict[str, Any] | None
 
 
-def check_complete(path: Path) -> str:
+def check_complete(path: Path) -> CheckpointFormat:
     """The format, after checking that nothing is missing; :class:`CheckpointFormatError` otherwise."""
     fmt = checkpoint_format(path)
-    if fmt == "sharded":
+    if fmt is CheckpointFormat.sharded:
         sharded_metadata(path)
     return fmt
 
@@ -77,7 +78,7 @@ def sharded_metadata(path: Path) -> Any:
 def load(path: Path, *, weights_only_model: bool = False) -> Checkpoint:
     """Read a full or sharded checkpoint into memory (``weights_only_model``: skip optimizer state)."""
     path = Path(path)
-    if checkpoint_format(path) == "full":
+    if checkpoint_format(path) is CheckpointFormat.full:
         data = load_full(path)
         if not isinstance(data, dict) or "state_dict" not in data:
             raise CheckpointFormatError(
@@ -131,7 +132,7 @@ def summarize(path: Path) -> Summary:
     from fsdp_cli.checkpoint.untrusted import check_sharded
 
     path = Path(path)
-    if checkpoint_format(path) == "full":
+    if checkpoint_format(path) is CheckpointFormat.full:
         ckpt = load(path)
         shapes = [(t.shape, t.dtype) for t in ckpt.state_dict.values() if hasattr(t, "dtype")]
         has_state = any(s.get("state") for s in ckpt.optimizer_states)

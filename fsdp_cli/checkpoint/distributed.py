@@ -221,7 +221,7 @@ class DistributedCheckpointing:
         sharded checkpoint in Lightning's own layout) by :meth:`_load_full`, Lightning's loading.
         A path that is no checkpoint is a ValueError that says why."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if checkpoint_format(path) == "sharded":
+        if checkpoint_format(path) is CheckpointFormat.sharded:
             from fsdp_cli.checkpoint.untrusted import check_sharded
 
             # Checked whole first (metadata through the allowlist, every non-tensor value weights

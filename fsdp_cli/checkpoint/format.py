@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.errors import RunFailure
 
 META_FILE = "meta.pt"
@@ -84,8 +85,9 @@ def unsafe_globals(source: Any) -> str:
     return ", ".join(names) if names else "an object torch's weights-only unpickler refuses"
 
 
-def checkpoint_format(path: str | Path) -> str:
-    """``sharded`` or ``full``; :class:`CheckpointFormatError` with a reason otherwise."""
+def checkpoint_format(path: str | Path) -> CheckpointFormat:
+    """The format of what is at ``path`` (a folder with DCP's metadata: sharded; a file: full);
+    :class:`CheckpointFormatError` with a reason otherwise."""
     path = Path(path)
     if not path.exists():
         raise CheckpointFormatError(f"{path}: no such file or folder")
@@ -98,8 +100,8 @@ def checkpoint_format(path: str | Path) -> str:
                 f"{path}: does not point to a valid checkpoint (a folder without {DCP_METADATA}, "
                 "not a sharded checkpoint)"
             )
-        return "sharded"
-    return "full"
+        return CheckpointFormat.sharded
+    return CheckpointFormat.full
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -139,7 +141,7 @@ def fsync_dir(path: Path) -> None:
 def read_manifest(path: str | Path) -> dict[str, Any] | None:
     """The manifest of a checkpoint, or None if it has none."""
     path = Path(path)
-    if checkpoint_format(path) == "sharded":
+    if checkpoint_format(path) is CheckpointFormat.sharded:
         file = path / MANIFEST_FILE
         return json.loads(file.read_text()) if file.is_file() else None
     data = load_full(path)

@@ -242,8 +242,9 @@ def check_checkpoint(path: Path | str) -> None:
     """Any checkpoint checked as :func:`check_sharded` or, a full file, loaded weights only
     (memory-mapped: tensors are not read)."""
     from fsdp_cli.checkpoint.format import checkpoint_format
+    from fsdp_cli.checkpoint_format import CheckpointFormat
 
-    if checkpoint_format(path) == "sharded":
+    if checkpoint_format(path) is CheckpointFormat.sharded:
         check_sharded(Path(path))
     else:
         torch_load(path, map_location="cpu", mmap=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 from fsdp_cli.checkpoint.atomic import file_record
 from fsdp_cli.checkpoint.format import MANIFEST_FILE, CheckpointFormatError, checkpoint_format
+from fsdp_cli.checkpoint_format import CheckpointFormat
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def verify_checkpoint(path: str | Path, *, deep: bool = False) -> Verified:
     path = Path(path)
     if path.suffix == SAFETENSORS_SUFFIX and path.is_file():
         return _verify_safetensors(path, deep)
-    if checkpoint_format(path) == "sharded":
+    if checkpoint_format(path) is CheckpointFormat.sharded:
         return _verify_sharded(path, deep)
     return _verify_full(path, deep)
 

@@ -120,9 +120,9 @@ def _launch(
 
 def _run_here(cfg: TrainConfig) -> int:
     """Inside torchrun/SLURM this process already is a rank: train in place."""
-    from fsdp_cli.worker.rank import run
+    from fsdp_cli.worker.rank import train_rank
 
-    return run(cfg)
+    return train_rank(cfg)
 
 
 def resolve(cfg: DictConfig, run_dir: Path) -> ResolvedRun:

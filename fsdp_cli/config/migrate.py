@@ -3,6 +3,9 @@
 * ``strategy=ddp_fully_sharded`` (lightning_fairscale) and ``strategy=fsdp_native`` (Lightning 1.x)
   run as ``strategy=fsdp`` (PyTorch's native FSDP); fairscale's keywords are translated.
 * ``strategy.activation_checkpointing`` (deprecated) becomes ``activation_checkpointing_policy``.
+
+The strategy schemas migrate themselves (``migrate`` of :class:`~fsdp_cli.config.schema.StrategyAnswers`:
+each old schema knows its keywords); this module runs them after the precision's old names.
 * ``precision=16``/``bf16``/``32``/``64`` become ``16-mixed``/``bf16-mixed``/``32-true``/``64-true``.
 
 Runs in the parent, before validation, without torch; the resolved ``config.yaml`` holds only
@@ -13,16 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_cli.config.schema import (
-    DDPFullyShardedConfig,
-    DType,
-    FSDPConfig,
-    FSDPNativeConfig,
-    ShardingStrategy,
-    TrainConfig,
-    WrapConfig,
-    WrapPolicy,
-)
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.precision import ALIASES as LEGACY_PRECISION
 
 
@@ -34,63 +28,4 @@ def migrate(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
         new = LEGACY_PRECISION[precision]
         notices.append(f"note: precision={precision} is the old name of precision={new}; running {new}")
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, name=new))
-    strategy = cfg.strategy
-    if isinstance(strategy, DDPFullyShardedConfig):
-        cfg, strategy = _from_fairscale(cfg, strategy, notices)
-    elif isinstance(strategy, FSDPNativeConfig):
-        notices.append(
-            "note: strategy=fsdp_native is Lightning 1.x's name for native FSDP; running strategy=fsdp"
-        )
-        strategy = _as_fsdp(strategy)
-    if isinstance(strategy, FSDPConfig) and strategy.activation_checkpointing:
-        notices.append(
-            "warning: strategy.activation_checkpointing is deprecated; use "
-            f"strategy.activation_checkpointing_policy={list(strategy.activation_checkpointing)}"
-        )
-        merged = list(
-            dict.fromkeys([*strategy.activation_checkpointing_policy, *strategy.activation_checkpointing])
-        )
-        strategy = dataclasses.replace(
-            strategy, activation_checkpointing_policy=merged, activation_checkpointing=None
-        )
-    return dataclasses.replace(cfg, strategy=strategy), notices
-
-
-def _as_fsdp(strategy: FSDPConfig) -> FSDPConfig:
-    """The plain FSDPConfig with the fields an FSDPConfig has."""
-    fields = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(FSDPConfig)}
-    return FSDPConfig(**{**fields, "name": "fsdp"})
-
-
-def _from_fairscale(
-    cfg: TrainConfig, old: DDPFullyShardedConfig, notices: list[str]
-) -> tuple[TrainConfig, FSDPConfig]:
-    notices.append(
-        "note: strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP: strategy=fsdp"
-    )
-    new = _as_fsdp(old)
-    if old.reshard_after_forward is not None:
-        sharding = (
-            ShardingStrategy.FULL_SHARD if old.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-        )
-        new = dataclasses.replace(new, sharding_strategy=sharding)
-    mp = new.mixed_precision
-    if old.compute_dtype is not None:
-        mp = dataclasses.replace(mp, param_dtype=old.compute_dtype)
-    if old.fp32_reduce_scatter:
-        mp = dataclasses.replace(mp, reduce_dtype=DType.float32)
-    new = dataclasses.replace(new, mixed_precision=mp)
-    if old.move_grads_to_cpu:
-        new = dataclasses.replace(new, cpu_offload=True)
-    if old.min_num_params is not None:
-        cfg = dataclasses.replace(
-            cfg, wrap=WrapConfig(policy=WrapPolicy.size, min_num_params=old.min_num_params)
-        )
-    ignored = [
-        k for k in ("flatten_parameters", "bucket_cap_mb", "state_dict_to_cpu") if getattr(old, k) is not None
-    ]
-    if ignored:
-        notices.append(
-            f"note: strategy.{', strategy.'.join(ignored)} have no native-FSDP equivalent and are ignored"
-        )
-    return cfg, new
+    return cfg.strategy.migrate(cfg, notices), notices

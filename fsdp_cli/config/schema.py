@@ -11,7 +11,7 @@ This module must stay importable without torch or lightning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -188,6 +188,21 @@ class StrategyAnswers:
         """The format it saves in, given ``checkpoint.format``."""
         return configured
 
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        """``cfg`` with this strategy in today's names and keywords, a notice for each change
+        (:mod:`fsdp_cli.config.migrate`); a current schema has nothing to change."""
+        return cfg
+
+    def search_base(self) -> FSDP2Config:
+        """The FSDP2 settings ``fsdp-plan --search`` starts its candidates from: the run's own
+        under fsdp2, FSDP2's defaults otherwise."""
+        return FSDP2Config()
+
+    def fake_step_refusal(self) -> str | None:
+        """Why a fake step (torch's memory tracker on fake tensors, :mod:`fsdp_cli.plan.fake_step`)
+        cannot measure this strategy; None where it can. (Not DDP's default: DDP overrides it.)"""
+        return None
+
 
 @dataclass
 class DDPConfig(StrategyAnswers):
@@ -212,6 +227,9 @@ class DDPConfig(StrategyAnswers):
     """Broadcast rank 0's buffers before every forward (DDP's default; keeps BatchNorm statistics
     in step). null: off for the built-in models, whose only buffers are derived (RoPE tables),
     on for the others."""
+
+    def fake_step_refusal(self) -> str:
+        return f"strategy={self.name}: DistributedDataParallel reads its parameters when built: no fake step"
 
 
 @dataclass
@@ -272,6 +290,9 @@ class FSDP2Config(ParallelizeSettings, StrategyAnswers):
     def offloads(self) -> bool:
         return self.cpu_offload
 
+    def search_base(self) -> FSDP2Config:
+        return self
+
 
 @dataclass
 class FSDPConfig(StrategyAnswers):
@@ -330,12 +351,45 @@ class FSDPConfig(StrategyAnswers):
     def offloads(self) -> bool:
         return self.cpu_offload
 
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        """The deprecated ``activation_checkpointing`` merged into ``activation_checkpointing_policy``."""
+        if not self.activation_checkpointing:
+            return cfg
+        notices.append(
+            "warning: strategy.activation_checkpointing is deprecated; use "
+            f"strategy.activation_checkpointing_policy={list(self.activation_checkpointing)}"
+        )
+        merged = list(dict.fromkeys([*self.activation_checkpointing_policy, *self.activation_checkpointing]))
+        current = replace(self, activation_checkpointing_policy=merged, activation_checkpointing=None)
+        return replace(cfg, strategy=current)
+
+    def as_fsdp(self) -> FSDPConfig:
+        """The plain ``strategy=fsdp`` schema with the fields an FSDPConfig has (an old name's
+        schema, migrated)."""
+        values = {f.name: getattr(self, f.name) for f in fields(FSDPConfig)}
+        return FSDPConfig(**{**values, "name": "fsdp"})
+
+    def fake_step_refusal(self) -> str | None:
+        if not self.use_orig_params:
+            return None
+        return (
+            "torch's MemTracker cannot follow FSDP1's use_orig_params views "
+            "(strategy.use_orig_params=false is measured): no fake step"
+        )
+
 
 @dataclass
 class FSDPNativeConfig(FSDPConfig):
     """``strategy=fsdp_native``: Lightning 1.x's name for native FSDP; runs as ``strategy=fsdp``."""
 
     name: str = "fsdp_native"
+
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        notices.append(
+            "note: strategy=fsdp_native is Lightning 1.x's name for native FSDP; running strategy=fsdp"
+        )
+        new = self.as_fsdp()
+        return new.migrate(replace(cfg, strategy=new), notices)
 
 
 @dataclass
@@ -360,6 +414,38 @@ class DDPFullyShardedConfig(FSDPConfig):
     """-> ``wrap=size`` with this threshold (fairscale's default auto-wrap policy)."""
     state_dict_to_cpu: bool | None = None
     """Native full checkpoints are always gathered to CPU; accepted and ignored."""
+
+    def migrate(self, cfg: TrainConfig, notices: list[str]) -> TrainConfig:
+        """Runs as ``strategy=fsdp``, fairscale's keywords translated as their docstrings say."""
+        notices.append(
+            "note: strategy=ddp_fully_sharded (lightning_fairscale) now runs PyTorch's native FSDP: strategy=fsdp"
+        )
+        new = self.as_fsdp()
+        if self.reshard_after_forward is not None:
+            sharding = (
+                ShardingStrategy.FULL_SHARD if self.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+            )
+            new = replace(new, sharding_strategy=sharding)
+        mp = new.mixed_precision
+        if self.compute_dtype is not None:
+            mp = replace(mp, param_dtype=self.compute_dtype)
+        if self.fp32_reduce_scatter:
+            mp = replace(mp, reduce_dtype=DType.float32)
+        new = replace(new, mixed_precision=mp)
+        if self.move_grads_to_cpu:
+            new = replace(new, cpu_offload=True)
+        if self.min_num_params is not None:
+            cfg = replace(cfg, wrap=WrapConfig(policy=WrapPolicy.size, min_num_params=self.min_num_params))
+        ignored = [
+            k
+            for k in ("flatten_parameters", "bucket_cap_mb", "state_dict_to_cpu")
+            if getattr(self, k) is not None
+        ]
+        if ignored:
+            notices.append(
+                f"note: strategy.{', strategy.'.join(ignored)} have no native-FSDP equivalent and are ignored"
+            )
+        return new.migrate(replace(cfg, strategy=new), notices)
 
 
 @dataclass

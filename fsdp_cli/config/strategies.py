@@ -70,6 +70,13 @@ def check_tensor_parallel(run: ResolvedRun) -> None:
         )
 
 
+def check_strategy(run: ResolvedRun) -> None:
+    """Tensor parallel only where the strategy has it, then the strategy's own checks (its
+    registry entry)."""
+    for check in (check_tensor_parallel, *run.entry.checks):
+        check(run)
+
+
 def _no_sharded_fp16(run: ResolvedRun) -> None:
     cfg = run.cfg
     if run.precision.spec.loss_scaling:

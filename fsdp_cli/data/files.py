@@ -7,6 +7,7 @@ the ranks read the same files through the same functions.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import sysconfig
 from pathlib import Path
@@ -125,3 +126,46 @@ def text_bytes(files: list[Path], max_bytes: int) -> int:
         if total >= max_bytes:
             return max_bytes
     return total
+
+
+def check_text_corpus(path: str | None, *, max_bytes: int, seq_len: int, validating: bool) -> None:
+    """``data=text``'s corpus exists and holds enough bytes for one training window (and, with
+    ``validating``, one held-out window): counted from file sizes in the parent, not after the
+    ranks started. (``path=None``: Python's own sources, always enough.)"""
+    if path is None:
+        return
+    files = text_files(path)
+    if not files:
+        raise ConfigError(
+            "data.path",
+            path,
+            "matches no file",
+            hint="give a file, a folder or a glob; null = Python's own sources",
+        )
+    if max_bytes < 1:
+        raise ConfigError("data.max_bytes", max_bytes, "must be at least 1")
+    total = text_bytes(files, max_bytes)
+    if total == 0:
+        raise ConfigError(
+            "data.path",
+            path,
+            f"the {len(files)} matching file(s) are all empty",
+            hint="point data.path at files that hold text",
+        )
+    train = int(total * (1 - HELD_OUT_FRACTION))
+    need = seq_len + 2  # one window of seq_len + 1 bytes, and somewhere to start it
+    short = (
+        "training"
+        if train < need
+        else ("held-out (validation)" if validating and total - train < need else None)
+    )
+    if short is not None:
+        minimum = math.ceil(need / (HELD_OUT_FRACTION if validating else 1 - HELD_OUT_FRACTION))
+        raise ConfigError(
+            "data.path",
+            path,
+            f"{total} bytes of text leave the {short} part shorter than a window of data.seq_len + 1 = "
+            f"{seq_len + 1} bytes",
+            allowed=f"at least {minimum} bytes of text (data.max_bytes={max_bytes})",
+            hint="point data.path at more text or lower data.seq_len",
+        )

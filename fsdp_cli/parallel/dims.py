@@ -67,27 +67,11 @@ class ParallelDims:
         """Check the sizes against ``world_size`` (``dp=None``: the world size / (pp x tp)); every
         error names each factor. ``world`` says where the world size comes from (``devices=4 x num_nodes=1``)."""
         origin = f" ({world})" if world else ""
-        if pp < 1 or world_size % pp != 0:
-            divisors = _divisors(world_size)
-            raise ConfigError(
-                names.pp,
-                pp,
-                f"must divide the world size {world_size}{origin}",
-                allowed=", ".join(map(str, divisors)),
-                hint=f"use {names.pp}={max(d for d in divisors if d <= max(pp, 1))} or change devices",
-            )
+        _check_divides(names.pp, pp, world_size, f"must divide the world size {world_size}{origin}")
         if pp > 1:  # the other sizes split each stage's share of the world
             origin = f" (= {world_size} / {names.pp}={pp}{', ' + world if world else ''})"
             world_size //= pp
-        if tp < 1 or world_size % tp != 0:
-            divisors = _divisors(world_size)
-            raise ConfigError(
-                names.tp,
-                tp,
-                f"must divide the world size {world_size}{origin}",
-                allowed=", ".join(map(str, divisors)),
-                hint=f"use {names.tp}={max(d for d in divisors if d <= max(tp, 1))} or change devices",
-            )
+        _check_divides(names.tp, tp, world_size, f"must divide the world size {world_size}{origin}")
         dp = world_size // tp if dp is None else dp
         if dp * tp != world_size:
             raise ConfigError(
@@ -97,14 +81,13 @@ class ParallelDims:
                 allowed=f"{names.dp}={world_size // tp} for {names.tp}={tp}",
                 hint=f"leave {names.dp}=auto to derive it from the world size",
             )
-        if replicate < 1 or dp % replicate != 0:
-            raise ConfigError(
-                names.replicate,
-                replicate,
-                f"must divide {names.dp}={dp} (HSDP: replicate x shard = dp)",
-                allowed=", ".join(map(str, _divisors(dp))),
-                hint=f"{names.replicate}=1 is plain FSDP; {names.replicate}=num_nodes shards within each node",
-            )
+        _check_divides(
+            names.replicate,
+            replicate,
+            dp,
+            f"must divide {names.dp}={dp} (HSDP: replicate x shard = dp)",
+            hint=f"{names.replicate}=1 is plain FSDP; {names.replicate}=num_nodes shards within each node",
+        )
         return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, pp=pp)
 
     def for_world(self, world_size: int) -> ParallelDims:
@@ -208,6 +191,22 @@ class ParallelDims:
         if self._data_parallel_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called on this rank")
         return self._data_parallel_mesh
+
+
+def _check_divides(key: str, size: int, whole: int, problem: str, *, hint: str | None = None) -> None:
+    """``size`` is at least 1 and divides ``whole``; else the one line naming ``key``, listing the
+    sizes that would (the hint, unless given: the nearest of them below, or a device count change)."""
+    if size >= 1 and whole % size == 0:
+        return
+    divisors = _divisors(whole)
+    nearest = max(d for d in divisors if d <= max(size, 1))
+    raise ConfigError(
+        key,
+        size,
+        problem,
+        allowed=", ".join(map(str, divisors)),
+        hint=hint or f"use {key}={nearest} or change devices",
+    )
 
 
 def _divisors(n: int) -> list[int]:

@@ -52,7 +52,7 @@ def repeated_block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(dict.fromkeys(cls for _, _, cls in outer))
 
 
-def resolve_classes(model: nn.Module, names: list[str], key: str = "wrap.classes") -> tuple[type, ...]:
+def find_classes(model: nn.Module, names: list[str], key: str = "wrap.classes") -> tuple[type, ...]:
     """Map class names to the classes found in ``model``; unknown names are a :class:`ConfigError`."""
     present = {type(m) for m in model.modules()}
     found: list[type] = []
@@ -73,7 +73,7 @@ def resolve_classes(model: nn.Module, names: list[str], key: str = "wrap.classes
 def block_classes(model: nn.Module, wrap: WrapOptions) -> tuple[type, ...]:
     """The module classes that form FSDP units under ``wrap`` (empty for ``size``/``none``)."""
     if wrap.policy is WrapPolicy.classes:
-        return resolve_classes(model, wrap.classes)
+        return find_classes(model, wrap.classes)
     if wrap.policy is WrapPolicy.block:
         return repeated_block_classes(model)
     return ()

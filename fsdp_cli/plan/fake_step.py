@@ -25,7 +25,6 @@ from typing import Any
 
 from fsdp_cli.config.model_kinds import kind_of_target
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import DDPConfig, FSDPConfig
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.plan.fake_world import FakeWorld
@@ -77,13 +76,8 @@ def _unsupported(run: ResolvedRun) -> str | None:
     if kind_of_target(cfg.model).lightning:
         # (strategy=model_parallel always lands here: it needs such a module.)
         return "a LightningModule's own training_step needs its own batches: no fake step"
-    if isinstance(strategy, FSDPConfig) and strategy.use_orig_params:
-        return (
-            "torch's MemTracker cannot follow FSDP1's use_orig_params views "
-            "(strategy.use_orig_params=false is measured): no fake step"
-        )
-    if isinstance(strategy, DDPConfig):
-        return f"strategy={run.entry.name}: DistributedDataParallel reads its parameters when built: no fake step"
+    if (refusal := strategy.fake_step_refusal()) is not None:
+        return refusal
     if run.layout.pp > 1:
         return (
             f"pp={run.layout.pp}: the schedule's sends between stages are not faked; the held bytes "

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp_cli.config.resolved import ResolvedRun
-from fsdp_cli.config.schema import DDPConfig, FSDP2Config, FSDPConfig, ShardingStrategy, TrainConfig
+from fsdp_cli.config.schema import DDPConfig, FSDPConfig, ShardingStrategy, TrainConfig
 from fsdp_cli.config.validate import checked_run, validate
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
@@ -51,7 +51,7 @@ def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
     checkpointing x reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices
     and nodes (each a config of its own layout, resolved as its own run by :func:`search`)."""
     cfg, world = run.cfg, run.layout.world_size
-    base = cfg.strategy if isinstance(cfg.strategy, FSDP2Config) else FSDP2Config()
+    base = cfg.strategy.search_base()
     out: list[tuple[str, TrainConfig]] = []
     for tp in _divisors(int(cfg.devices)):
         for pp in _divisors(world // tp):

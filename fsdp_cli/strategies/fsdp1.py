@@ -41,7 +41,7 @@ from fsdp_cli.compat.lightning_internals import (
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.options import WrapOptions
-from fsdp_cli.parallel.wrap import block_classes, resolve_classes
+from fsdp_cli.parallel.wrap import block_classes, find_classes
 from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # torch's member names
@@ -197,7 +197,7 @@ class FSDP1Strategy(GlobalNormClipping, DistributedCheckpointing, FSDPStrategy):
             if any(not p.requires_grad for p in module.parameters()):
                 self.kwargs["auto_wrap_policy"] = trainable_apart_policy(set(classes))
         if self._ac_names is not None:
-            classes = resolve_classes(module, self._ac_names, key="strategy.activation_checkpointing_policy")
+            classes = find_classes(module, self._ac_names, key="strategy.activation_checkpointing_policy")
             set_fsdp1_activation_checkpointing(self, set(classes) or None)
 
         kwargs = dict(self.kwargs)

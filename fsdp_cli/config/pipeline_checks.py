@@ -1,0 +1,70 @@
+"""``pp > 1`` checked against the rest of the run before launch: what the stages cannot take of
+the strategy, the checkpoint format and the model (here, where the run is known), then the
+layout's own checks (:mod:`fsdp_cli.pipeline.checks`, torch-free, on plain values gathered here).
+"""
+
+from __future__ import annotations
+
+from fsdp_cli.checkpoint_format import CheckpointFormat
+from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.errors import ConfigError
+
+
+def check_pipeline_layout(run: ResolvedRun) -> None:
+    """``pp`` and ``pipeline.*`` (:func:`fsdp_cli.pipeline.checks.check_pipeline`): the strategy,
+    the schedule, stages per rank, the cut (when the model's blocks are known before launch),
+    micro-batches."""
+    from fsdp_cli.pipeline.checks import check_pipeline
+
+    cfg = run.cfg
+    if cfg.pp == 1:
+        return
+    settings = cfg.strategy.parallelize_settings()
+    for key, refused in (
+        ("parallelize_fn", "a parallelize_fn of yours does not know the stages"),
+        ("sequence_parallel", "sequence-parallel activations between stages are not verified here"),
+    ):
+        if settings is not None and getattr(cfg.strategy, key, None):
+            raise ConfigError(
+                f"strategy.{key}",
+                getattr(cfg.strategy, key),
+                f"not with pp={cfg.pp}: {refused}",
+                allowed="null/false with pp > 1",
+                hint=f"drop strategy.{key}, or pp=1",
+            )
+    if run.checkpoint_format is CheckpointFormat.full:
+        raise ConfigError(
+            "checkpoint.format",
+            "full",
+            f"a full save gathers one stage's weights per pipeline; with pp={cfg.pp} saves are sharded",
+            allowed="sharded with pp > 1",
+            hint="checkpoint=sharded, then fsdp-ckpt convert STEP OUT.pt --to full for one file",
+        )
+    if getattr(cfg.model, "tie_embeddings", False):
+        raise ConfigError(
+            "model.tie_embeddings",
+            True,
+            f"the embedding sits on the first stage and the head on the last, pp={cfg.pp}",
+            allowed="false with pp > 1",
+            hint="model.tie_embeddings=false, or pp=1",
+        )
+    attention = getattr(cfg.model, "attn_implementation", "sdpa")
+    if attention != "sdpa":
+        raise ConfigError(
+            "model.attn_implementation",
+            attention,
+            f"pipeline stages run the decoder layers without a mask (causal under sdpa), pp={cfg.pp}",
+            allowed="sdpa with pp > 1",
+            hint="model.attn_implementation=sdpa, or pp=1",
+        )
+    points = run.model_kind.stage_split_points(cfg.model)
+    data = cfg.data
+    per_rank = data.global_batch_size // run.layout.dp if getattr(data, "global_batch_size", None) else 1
+    forward_batch = getattr(data, "micro_batch_size", None) or per_rank
+    check_pipeline(
+        cfg.pp,
+        cfg.pipeline,
+        strategy=run.entry.name,
+        n_blocks=len(points) if points is not None else None,
+        forward_batch=forward_batch,
+    )

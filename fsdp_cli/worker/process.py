@@ -1,0 +1,81 @@
+"""The process a rank runs in, before and around training: its output redirected to its log, the
+monitor started before the slow imports, and a rank forked from the agent (or its forkserver)
+made into a process of its own.
+
+What the rank trains is :mod:`fsdp_cli.worker.fit`; its life, in order, is :mod:`fsdp_cli.worker.rank`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from fsdp_cli.config.schema import TrainConfig
+from fsdp_cli.launch.environment import (
+    AGENT_LOGGER,
+    PRELOAD_MODULE,
+    WATCHDOG_ENV,
+    agent_pid,
+    die_with_parent,
+    die_with_process,
+)
+from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
+from fsdp_cli.worker.monitor import RankMonitor
+
+
+def start_monitor(cfg: TrainConfig, rank: int) -> RankMonitor:
+    """Stack dumps and the heartbeat, before the slow imports (a hang at start-up is dumped too)."""
+    if os.environ.get(WATCHDOG_ENV) == "launcher":
+        # Started by our agent: never outlive it (a killed agent cannot stop its ranks).
+        import signal
+
+        die_with_parent(signal.SIGKILL)
+    launcher = cfg.launcher
+    return RankMonitor(
+        cfg.run_dir,
+        rank,
+        int(os.environ.get("LOCAL_RANK", "0") or 0),
+        hang_timeout_s=launcher.hang_timeout_s,
+        startup_timeout_s=launcher.startup_timeout_s,
+    )
+
+
+def redirect_output(path: Path) -> None:
+    """This process's stdout and stderr appended to ``path`` (the other ranks' logs)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def leave_the_process_it_was_forked_from() -> None:
+    """A forked rank starts as a copy of the agent (``launcher.start_method=fork``) or of its
+    forkserver. Like a rank torch starts itself, it gets a session of its own (its data-loader
+    workers join it, and the launcher stops a rank by its group), it dies with the agent, and it
+    starts with Python's own signal handling and logging levels, not the agent's (torch's agent
+    turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception of its own, and ours silences
+    torch's elastic logs). It cannot use CUDA if it was initialized before the fork."""
+    import logging
+    import signal
+
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    # A forkserver lives as long as any rank does: the agent is what a rank must not outlive (as
+    # a rank torch starts itself dies with it, see start_monitor).
+    die_with_process(agent_pid(), signal.SIGKILL)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.getLogger(AGENT_LOGGER).setLevel(logging.NOTSET)
+    if getattr(sys.modules.get(PRELOAD_MODULE), "CUDA_INITIALIZED", False):
+        print(
+            "fsdp-train: error: CUDA was initialized while torch and Lightning were imported for the"
+            " ranks to be forked, so forked ranks cannot use it; hint: launcher.start_method=subprocess",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_CONFIG_ERROR)
