@@ -80,7 +80,12 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             ``pipeline_split()``; see docs/strategies.md, Pipeline parallel) and the strategy runs each step through
             a ``torch.distributed.pipelining`` schedule.
         pipeline: a :class:`~fsdp_cli.pipeline.options.PipelineOptions` (schedule, micro-batches,
-            stages per rank, where the model is cut).
+            stages per rank, where the model is cut), kept as ``pipeline_options``; the schedule
+            and stages per rank are checked here (one ``ConfigError`` line). The attribute
+            ``pipeline`` is the running schedule's driver (None before ``setup`` and at pp = 1).
+            A plain model cut by its block list has its forward traced on meta first
+            (:mod:`fsdp_cli.pipeline.cut_check`), on the LightningModule's ``example_input_array``
+            when that is a tensor, else a row of token ids.
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
