@@ -26,6 +26,7 @@ from fsdp_cli.config.callback_classes import check_callback_classes, check_model
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
+from fsdp_cli.config.pipeline_cut import pipeline_cut_check
 from fsdp_cli.config.resolved import Layout, ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, checked_run, validate
@@ -80,27 +81,6 @@ def adapter_targets_check(run: ResolvedRun) -> None:
         )
     adapter_layers(model, run.cfg.peft)
     trainable_modules(model, run.cfg.peft)
-
-
-def pipeline_cut_check(run: ResolvedRun) -> None:
-    """``pp > 1`` with a plain ``nn.Module`` (``model=custom``): its meta build is cut by its block
-    list, and its forward traced on meta (:func:`fsdp_cli.pipeline.cut_check.check_sequential_cut`)
-    to be the chain of parts the stages run; the block count checked against the stages. A
-    LightningModule builds its layers in its own ``configure_model``: its rank checks it."""
-    cfg = run.cfg
-    if cfg.pp == 1 or not run.model_kind.target_decides:
-        return
-    model = run.model_kind.meta_model(run)
-    if model is None:
-        return
-    from fsdp_cli.pipeline.checks import check_cut, schedule_of, stages_per_rank_of
-    from fsdp_cli.pipeline.cut_check import check_sequential_cut, token_example
-    from fsdp_cli.pipeline.stages import block_count, split_of
-
-    split = split_of(model)
-    n_stages = cfg.pp * stages_per_rank_of(cfg.pipeline, schedule_of(cfg.pipeline.schedule))
-    check_cut(cfg.pp, cfg.pipeline, block_count(split), n_stages)
-    check_sequential_cut(split, token_example(getattr(cfg.data, "seq_len", None) or 2))
 
 
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (

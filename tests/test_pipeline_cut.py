@@ -116,7 +116,7 @@ def test_a_bad_cut_is_one_line_before_launch(tmp_path: Path) -> None:
 def test_the_pre_launch_check_builds_the_module_on_meta(
     target: str, extra: list[str], words: str | None
 ) -> None:
-    from fsdp_cli.resolve import pipeline_cut_check
+    from fsdp_cli.config.pipeline_cut import pipeline_cut_check
 
     run = run_of(composed(*CUSTOM, f"model._target_={target}", *extra))
     if words is None:
