@@ -53,15 +53,21 @@ def test_a_forward_that_is_not_the_chain_of_its_parts_is_refused(cls: type, word
 
 @pytest.mark.parametrize(
     "make",
-    [cut.Chain, TinyLM, TinyLMWithOutput, lambda: TinyLM(vocab_size=64, hidden=16, layers=4)],
-    ids=["chain", "TinyLM", "logits_object", "PipelinedLM_model"],
+    [
+        cut.Chain,
+        TinyLM,
+        TinyLMWithOutput,
+        lambda: TinyLM(vocab_size=64, hidden=16, layers=4),
+        cut.CountsCalls,
+    ],
+    ids=["chain", "TinyLM", "logits_object", "PipelinedLM_model", "counts_calls"],
 )
-def test_a_forward_that_is_the_chain_passes_and_real_weights_stay_real(make: object) -> None:
+def test_a_forward_that_is_the_chain_passes_and_real_weights_stay_as_they_are(make: object) -> None:
     model = make()
-    before = {n: p.clone() for n, p in model.named_parameters()}
+    before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
     check_sequential_cut(split_of(model), token_example(8))
-    after = dict(model.named_parameters())
-    assert all(not p.is_meta and p.equal(before[n]) for n, p in after.items())
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert all(not t.is_meta and t.equal(before[n]) for n, t in after.items())
 
 
 def test_the_pipeline_sweeps_plain_module_passes() -> None:

@@ -144,3 +144,15 @@ class BranchesOnValues(Chain):
         if bool(input_ids.max() > 0):
             input_ids = input_ids - 1
         return super().forward(input_ids)
+
+
+class CountsCalls(Chain):
+    """The chain, counting its calls in a buffer: the check's traced call must not count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(input_ids)
