@@ -22,6 +22,7 @@ REFUSED = [
     (cut.OutOfOrder, "blocks.3 runs where the cut runs blocks.0 (out of order)"),
     (cut.RunsABlockTwice, "blocks.0 runs 2 times in one forward"),
     (cut.OneBlockTwice, "blocks.0 and blocks.2 are one module"),
+    (cut.TiedHead, "head.weight is embed.weight (tied weights)"),
     (cut.LongResidual, "blocks.3's input is not blocks.2's output"),
     (cut.TwoTensors, "blocks.0 is called with (Tensor, Tensor)"),
     (cut.ScalesBetweenBlocks, "blocks.1's input is not blocks.0's output"),

@@ -8,6 +8,7 @@ forward once on meta tensors (no memory, no arithmetic; the module's parameters 
 swapped for meta stand-ins by ``functional_call``, so a module built for real is left as it is),
 with a forward hook on every part, and refuses one line per deviation it sees:
 
+* two parts that are one module or share a parameter (a head tied to the embedding);
 * a part that never runs, runs twice (a block reused: weight sharing) or out of order;
 * a part called with more than the one tensor (a residual carried from block 0 to block 3, a mask,
   keyword arguments), or on a tensor that is not the previous part's output, or on it modified in
@@ -92,13 +93,18 @@ def part_names(split: PipelineSplit) -> list[str]:
 
 
 def shared_part(model: nn.Module, parts: list[str]) -> str | None:
-    """Two parts that are one module would sit on two stages with two copies of its weights."""
-    seen: dict[int, str] = {}
+    """Two parts that are one module, or hold one parameter (a head tied to the embedding), would
+    sit on two stages with two copies of those weights, trained apart."""
+    modules: dict[int, str] = {}
+    params: dict[int, str] = {}
     for name in parts:
         module = model.get_submodule(name)
-        if id(module) in seen:
-            return f"{seen[id(module)]} and {name} are one module (shared weights)"
-        seen[id(module)] = name
+        if id(module) in modules:
+            return f"{modules[id(module)]} and {name} are one module (shared weights)"
+        modules[id(module)] = name
+        for pname, param in module.named_parameters():
+            if params.setdefault(id(param), f"{name}.{pname}") != f"{name}.{pname}":
+                return f"{name}.{pname} is {params[id(param)]} (tied weights)"
     return None
 
 

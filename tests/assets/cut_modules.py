@@ -156,3 +156,12 @@ class CountsCalls(Chain):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return super().forward(input_ids)
+
+
+class TiedHead(Chain):
+    """The head's weight is the embedding's: the first and last stage would train two copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
