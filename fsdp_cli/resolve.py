@@ -26,6 +26,7 @@ from fsdp_cli.config.callback_classes import check_callback_classes, check_model
 from fsdp_cli.config.convert import to_train_config
 from fsdp_cli.config.migrate import migrate
 from fsdp_cli.config.model_folder import resolve_model_folder
+from fsdp_cli.config.pipeline_cut import pipeline_cut_check
 from fsdp_cli.config.resolved import Layout, ResolvedRun
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.config.validate import advisories, checked_run, validate
@@ -84,6 +85,7 @@ def adapter_targets_check(run: ResolvedRun) -> None:
 
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
     adapter_targets_check,
+    pipeline_cut_check,
     memory_plan_check,
     check_callback_classes,
     check_batch_source,

@@ -127,6 +127,8 @@ def test_library_interface_on_two_ranks(tmp_path: Path) -> None:
         "reshard_after_forward=False: blocks are unsharded after forward",
         "sequence_parallel=True: each block's output holds half of the sequence",
         "sequence_parallel=False: each block's output holds all of the sequence",
+        "pp=2 from Python: per-step losses equal pp=1",
+        "pp=2 from Python: a sharded save resumes the same losses",
     ):
         assert f"CHECK {name} ok" in checks, (name, checks)
 

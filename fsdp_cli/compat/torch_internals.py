@@ -7,13 +7,15 @@ tensor an asynchronous functional collective returns before it is waited on, the
 tensors inside a wrapper tensor subclass (torchao's float8 weights), the mixed-precision
 policy ``fully_shard`` recorded on a module, the private classes a DCP ``.metadata`` pickle
 names (for the restricted unpickler of :mod:`fsdp_cli.checkpoint.untrusted`), and what a rehearsal
-(:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers."""
+(:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers; a tensor's
+in-place version counter (the pipeline cut check: work done in place between a model's parts)."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+import torch as _torch
 from torch import serialization as _serialization
 from torch._subclasses import fake_tensor as _fake_tensor
 from torch.distributed import Backend
@@ -56,6 +58,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_dcp_filesystem, "_StorageInfo"),
     (_dcp_metadata, "_MEM_FORMAT_ENCODING"),
     (_serialization, "_get_layout"),
+    (_torch.empty(0), "_version"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -203,3 +206,8 @@ def storage_bytes(tensors: Any) -> int:
             storage = inner.untyped_storage()
             seen[StorageWeakRef(storage).cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def inplace_version(tensor: Any) -> int:
+    """How many in-place operations ``tensor`` has seen (autograd's version counter)."""
+    return int(tensor._version)  # (checked at import: ENTRIES)

@@ -39,6 +39,7 @@ from fsdp_cli.parallel.parallelize import (
     call_parallelize_fn,
     parallelize,
 )
+from fsdp_cli.pipeline.checks import check_cut, schedule_of, stages_per_rank_of
 from fsdp_cli.pipeline.options import PipelineOptions
 from fsdp_cli.strategies.clipping import GlobalNormClipping
 
@@ -79,7 +80,12 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             ``pipeline_split()``; see docs/strategies.md, Pipeline parallel) and the strategy runs each step through
             a ``torch.distributed.pipelining`` schedule.
         pipeline: a :class:`~fsdp_cli.pipeline.options.PipelineOptions` (schedule, micro-batches,
-            stages per rank, where the model is cut).
+            stages per rank, where the model is cut), kept as ``pipeline_options``; the schedule
+            and stages per rank are checked here (one ``ConfigError`` line). The attribute
+            ``pipeline`` is the running schedule's driver (None before ``setup`` and at pp = 1).
+            A plain model cut by its block list has its forward traced on meta first
+            (:mod:`fsdp_cli.pipeline.cut_check`), on the LightningModule's ``example_input_array``
+            when that is a tensor, else a row of token ids.
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
@@ -126,6 +132,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_options = pipeline or PipelineOptions()
+        if pipeline_parallel_size > 1:  # a schedule torch lacks: one line now, not at setup
+            stages_per_rank_of(self.pipeline_options, schedule_of(self.pipeline_options.schedule))
         self.pipeline: Any = None  # the PipelineDriver, once the stages exist (pp > 1)
         self._pipeline_stages: list[nn.Module] | None = None
         self._pipeline_grads: list[tuple[Any, Any]] = []
@@ -218,6 +226,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
     def _parallelize_stages(self, target: nn.Module) -> None:
         """Cut the model to this rank's pipeline stages and parallelize each over the rest of the
         mesh (:mod:`fsdp_cli.pipeline.driver`); the schedule is made once they are materialised."""
+        from fsdp_cli.pipeline.cut_check import check_sequential_cut
         from fsdp_cli.pipeline.driver import layout_of, parallelize_stages
         from fsdp_cli.pipeline.stages import block_count, split_of
 
@@ -234,9 +243,15 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             )
         own = getattr(module, "pipeline_split", None)
         split = own() if callable(own) else split_of(target)
-        layout = layout_of(
-            self.pipeline_options, self.dims, self.dims.pp_mesh.get_local_rank(), block_count(split)
+        check_sequential_cut(split, pipeline_example(module))
+        options, n_blocks = self.pipeline_options, block_count(split)
+        check_cut(
+            self.dims.pp,
+            options,
+            n_blocks,
+            self.dims.pp * stages_per_rank_of(options, schedule_of(options.schedule)),
         )
+        layout = layout_of(options, self.dims, self.dims.pp_mesh.get_local_rank(), n_blocks)
         self._pipeline_layout = layout
         self._pipeline_stages = parallelize_stages(split, layout, self.dims, self.options)
 
@@ -519,6 +534,15 @@ def is_parallelized(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return bool(fsdp2_modules(module)) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def pipeline_example(module: Any) -> Any:
+    """What a plain model's forward is traced on before it is cut (pp > 1): the LightningModule's
+    ``example_input_array`` when it is a tensor (Lightning's own attribute), else one row of token ids."""
+    from fsdp_cli.pipeline.cut_check import token_example
+
+    example = getattr(module, "example_input_array", None)
+    return example if isinstance(example, torch.Tensor) else token_example()
 
 
 def refuse_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
