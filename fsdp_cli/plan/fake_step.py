@@ -96,6 +96,20 @@ def _unsupported(run: ResolvedRun) -> str | None:
         )
     if isinstance(strategy, DDPConfig):
         return f"strategy={run.entry.name}: DistributedDataParallel reads its parameters when built: no fake step"
+    return _unsupported_schedule(run)
+
+
+def _unsupported_schedule(run: ResolvedRun) -> str | None:
+    from fsdp_cli.pipeline.schedules import schedule_facts
+
+    facts = schedule_facts(run.cfg.pipeline.schedule) if run.layout.pp > 1 else None
+    if facts is not None and facts.zero_bubble:
+        # torch 2.13: its module tracker's gradient hooks raise inside the input pass's autograd.grad
+        # ("A leaf node was passed to _will_engine_execute_node ..."); the schedule itself runs.
+        return (
+            f"pipeline.schedule={facts.name}: torch's memory tracker cannot follow a backward split into "
+            "input and weight passes: no fake step"
+        )
     return None
 
 
