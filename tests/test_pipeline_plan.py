@@ -363,3 +363,23 @@ def test_a_zero_bubble_schedule_says_why_it_has_no_fake_step() -> None:
     }
     plan = plan_for(run)
     assert plan is not None and disagreements(result, plan) == []
+
+
+def test_a_pp_fake_step_extended_from_2_and_3_blocks_per_stage_equals_the_whole_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """8 blocks at pp=2 (4 per stage): the fake step measured with 2 and 3 blocks per stage and
+    extended to 4 equals the step of the whole stages, phase by phase (equal to the byte here)."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan import fake_step
+    from fsdp_cli.plan.rehearsal import rehearse
+
+    run = resolved([*TINY_PP, "model.n_layers=8", "pipeline.microbatches=4"], 4)
+    extended = rehearse(run, 0, step=True).step
+    monkeypatch.setattr(fake_step, "PIPELINE_STABLE_DEPTH", 100)  # measure all 4 blocks per stage
+    whole = rehearse(run, 0, step=True).step
+    assert extended is not None and whole is not None
+    assert (extended["measured_blocks"], whole["measured_blocks"]) == ([2, 3], [4])
+    for phase in fake_step.PHASES:
+        assert extended["phases"][phase] == pytest.approx(whole["phases"][phase], rel=0.01), phase
+    assert extended["held_forwards"] == whole["held_forwards"] == 2
