@@ -4,6 +4,7 @@ formula; the sizes a pipeline layout must have, one line each."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -213,18 +214,70 @@ def test_a_gpipe_plan_that_does_not_fit_is_told_to_hold_fewer_forwards() -> None
     assert hint(run, plan).startswith("pipeline.schedule=1F1B or Interleaved1F1B")
 
 
-def test_a_pp_rank_is_rehearsed_at_512_ranks_without_a_fake_step() -> None:
+def test_a_pp_rank_is_rehearsed_at_512_ranks() -> None:
     """The last rank of the 70B pipeline recipe, built on a fake process group of 512: it holds
-    the bytes its stage's plan says; the fake step says why it is not run (no faked sends)."""
+    the bytes its stage's plan says. Without the fake step (--no-step): its 32 micro-batches
+    through two stages take minutes on fake tensors; the tiny layouts below step."""
     result = cli_in_process(
-        ["recipe=llama_70b_pp", "--gpus", "8", "--rehearse", "--rank", "511", "--json"], prog="fsdp-plan"
+        ["recipe=llama_70b_pp", "--gpus", "8", "--rehearse", "--no-step", "--rank", "511", "--json"],
+        prog="fsdp-plan",
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["rehearsal"]["world_size"] == 512
+    assert report["rehearsal"]["world_size"] == 512 and report["rehearsal"]["disagreements"] == []
     for kind in ("params", "grads", "optimizer"):
         assert report["rehearsal"]["held_bytes"][kind] == report["ranks"][511][kind], kind
-    assert report["rehearsal"]["step"]["skipped"].startswith("pp=4: the schedule's sends")
+
+
+TINY_PP = ["model=tiny", "strategy=fsdp2", "pp=2", "data.global_batch_size=16", "data.seq_len=64"]
+"""pp=2 x dp=2 on 4 ranks, 4 blocks; 8 sequences per rank in 4 micro-batches of 2."""
+
+
+@functools.cache
+def tiny_pp_rehearsal(schedule: str, rank: int) -> tuple[Any, Any]:
+    """Rank ``rank`` of TINY_PP under ``schedule`` in 4 micro-batches, rehearsed with its fake
+    step (once per module: two tests read the 1F1B first rank's)."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan.rehearsal import rehearse
+
+    run = resolved([*TINY_PP, f"pipeline.schedule={schedule}", "pipeline.microbatches=4"], 4)
+    return run, rehearse(run, rank, step=True)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_pp_rank_fake_steps_through_its_schedule_and_holds_the_planned_forwards(
+    schedule: str, rank: int
+) -> None:
+    """The first and last stage's ranks run their fake step through the PipelineDriver and
+    torch's schedule on the fake process group (each stage given its shapes): the forwards the
+    schedule held at once are the plan's count for that pipeline rank, nothing disagrees, and the
+    measured peak holds activations."""
+    from fsdp_cli.plan.rehearsal import disagreements
+
+    run, result = tiny_pp_rehearsal(schedule, rank)
+    plan = plan_for(run)
+    assert plan is not None and result.step is not None
+    assert "skipped" not in result.step, result.step
+    assert result.step["held_forwards"] == plan.pipeline["held_forwards"][rank // 2]
+    assert disagreements(result, plan) == []
+    assert result.step["by_kind"]["activation"] > 0 and result.step["peak_bytes"] > 0
+
+
+def test_the_plans_held_forwards_off_by_one_is_a_disagreement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan counting one forward too many for 1F1B's first rank: the rehearsal's fake step
+    disagrees, in one line naming both counts (fsdp-plan --rehearse then exits 1)."""
+    from fsdp_cli.pipeline.schedules import ScheduleFacts
+    from fsdp_cli.plan.rehearsal import disagreements
+
+    run, result = tiny_pp_rehearsal("1F1B", 0)
+    counted = ScheduleFacts.held_activation_sets
+    monkeypatch.setattr(ScheduleFacts, "held_activation_sets", lambda *a: counted(*a) + 1)
+    plan = plan_for(run)
+    assert plan is not None
+    assert disagreements(result, plan) == [
+        "rank 0 forwards held (pipeline rank 0, 1F1B): rehearsed 2, planned 3"
+    ]
 
 
 def test_a_plain_module_is_cut_by_its_block_list() -> None:
@@ -289,3 +342,44 @@ def test_held_forwards_are_those_of_torchs_own_schedule(
         assert all(a >= b for a, b in zip(ours, torch_held, strict=True)) and max(ours) == max(torch_held)
     else:
         assert ours == torch_held
+
+
+def test_a_zero_bubble_schedule_says_why_it_has_no_fake_step() -> None:
+    """ZBVZeroBubble splits backward into input and weight passes, which torch's memory tracker
+    cannot follow: the fake step is skipped with that one line, the held bytes still rehearsed."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan.rehearsal import disagreements, rehearse
+
+    overrides = [
+        "pipeline.schedule=ZBVZeroBubble",
+        "pipeline.microbatches=4",
+        "strategy.reshard_after_forward=false",
+    ]
+    run = resolved([*TINY_PP, *overrides], 4)
+    result = rehearse(run, 0, step=True)
+    assert result.step == {
+        "skipped": "pipeline.schedule=ZBVZeroBubble: torch's memory tracker cannot follow a backward split "
+        "into input and weight passes: no fake step"
+    }
+    plan = plan_for(run)
+    assert plan is not None and disagreements(result, plan) == []
+
+
+def test_a_pp_fake_step_extended_from_2_and_3_blocks_per_stage_equals_the_whole_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """8 blocks at pp=2 (4 per stage): the fake step measured with 2 and 3 blocks per stage and
+    extended to 4 equals the step of the whole stages, phase by phase (equal to the byte here)."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan import fake_step
+    from fsdp_cli.plan.rehearsal import rehearse
+
+    run = resolved([*TINY_PP, "model.n_layers=8", "pipeline.microbatches=4"], 4)
+    extended = rehearse(run, 0, step=True).step
+    monkeypatch.setattr(fake_step, "PIPELINE_STABLE_DEPTH", 100)  # measure all 4 blocks per stage
+    whole = rehearse(run, 0, step=True).step
+    assert extended is not None and whole is not None
+    assert (extended["measured_blocks"], whole["measured_blocks"]) == ([2, 3], [4])
+    for phase in fake_step.PHASES:
+        assert extended["phases"][phase] == pytest.approx(whole["phases"][phase], rel=0.01), phase
+    assert extended["held_forwards"] == whole["held_forwards"] == 2

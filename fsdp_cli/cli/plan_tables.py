@@ -165,9 +165,13 @@ def step_line(step: dict[str, Any] | None, planned: Any) -> str:
     beside = f"; the plan's estimate {planned.total / scale:,.2f} {name}" if planned is not None else ""
     largest = sorted(step["by_kind"].items(), key=lambda kv: -kv[1])
     kinds = ", ".join(f"{k} {v / scale:,.2f}" for k, v in largest if v >= scale / 200)
+    held = ""
+    if "held_forwards" in step:  # pp > 1: blocks are per stage
+        how = how.replace("blocks", "blocks per stage")
+        held = f"\n  forwards held by the schedule: {step['held_forwards']}"
     return (
         f"fake step: peak {step['peak_bytes'] / scale:,.2f} {name} in the {step['phase']} ({how}){beside}\n"
-        f"  at the peak ({name}): {kinds}"
+        f"  at the peak ({name}): {kinds}{held}"
     )
 
 

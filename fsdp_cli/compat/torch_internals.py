@@ -7,8 +7,9 @@ tensor an asynchronous functional collective returns before it is waited on, the
 tensors inside a wrapper tensor subclass (torchao's float8 weights), the mixed-precision
 policy ``fully_shard`` recorded on a module, the private classes a DCP ``.metadata`` pickle
 names (for the restricted unpickler of :mod:`fsdp_cli.checkpoint.untrusted`), and what a rehearsal
-(:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, and torch's memory trackers; a tensor's
-in-place version counter (the pipeline cut check: work done in place between a model's parts)."""
+(:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, torch's memory trackers, and a pipeline
+schedule's warm-up vote settled without peers; a tensor's in-place version counter (the pipeline
+cut check: work done in place between a model's parts)."""
 
 from __future__ import annotations
 
@@ -211,3 +212,34 @@ def storage_bytes(tensors: Any) -> int:
 def inplace_version(tensor: Any) -> int:
     """How many in-place operations ``tensor`` has seen (autograd's version counter)."""
     return int(tensor._version)  # (checked at import: ENTRIES)
+
+
+def settle_pipeline_warmup(schedule: Any) -> None:
+    """Give ``schedule`` the outcome of its warm-up vote without holding it.
+
+    torch 2.13's schedules start with a vote over the pipeline's ranks (each stage sends whether
+    it was given its input and output shapes; the product comes back and is read with
+    ``.item()``): static metadata where every stage was given them, else an exchange of shapes.
+    On a fake process group nothing a peer "sent" arrives, so a rehearsal whose stages were all
+    given their shapes (as every rank's are, by the same code) sets the static outcome itself.
+    Older torch has no vote: nothing to do."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining import _utils as _pp_utils
+
+    inference_mode = require(_pp_utils, "InferenceMode", "torch")
+
+    def warmup(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if inference_mode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} was not given its shapes")
+            stage._inference_mode = inference_mode.STATIC
+
+    schedule._warmup_p2p = warmup
+
+
+def pipeline_stages(schedule: Any) -> list[Any]:
+    """The ``PipelineStage`` objects a schedule drives (torch keeps them private: one for the
+    single-stage schedules, a list for the others)."""
+    many = getattr(schedule, "_stages", None)
+    return list(many) if many is not None else [require(schedule, "_stage", "torch")]

@@ -106,6 +106,14 @@ def _present(model: nn.Module, name: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """A stage's example input and output (shapes, dtypes and strides are what torch reads)."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+
+
 class PipelineDriver:
     """Runs one step (train: forward and backward; eval: forward only) of the schedule over this
     rank's stages; every rank of the pipeline gets the step's loss (the last stage's micro-batch
@@ -118,7 +126,11 @@ class PipelineDriver:
         dims: ParallelDims,
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        shapes: dict[int, StageShapes] | None = None,
     ) -> None:
+        """``shapes``: each stage's example input and output, by stage id, where they are known
+        before the first step (the rehearsal's, :mod:`fsdp_cli.plan.fake_step`); None: torch
+        infers them at the first step, exchanging them with the neighbouring stages."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -126,8 +138,17 @@ class PipelineDriver:
         self.layout, self.group, self.device = layout, group, device
         self.scale = 1.0  # 1 / gradient accumulation, set per step
         self.loss_fn = loss_fn
+        given = shapes or {}
         piped = [
-            PipelineStage(view, stage_index=s, num_stages=layout.n_stages, device=device, group=group)
+            PipelineStage(
+                view,
+                stage_index=s,
+                num_stages=layout.n_stages,
+                device=device,
+                group=group,
+                input_args=given[s].input if s in given else None,
+                output_args=given[s].output if s in given else None,
+            )
             for view, s in zip(stages, layout.ids, strict=True)
         ]
         schedule_class = get_schedule_class(layout.facts.name)

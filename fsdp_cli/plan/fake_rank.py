@@ -12,7 +12,7 @@ user's ``configure_model``); tensors are then "allocated" as fake ones. A rehear
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +42,17 @@ class BuiltRank:
 
 
 @contextmanager
-def built_rank(run: ResolvedRun, world: FakeWorld, *, blocks: int | None = None) -> Iterator[BuiltRank]:
+def built_rank(
+    run: ResolvedRun,
+    world: FakeWorld,
+    *,
+    blocks: int | None = None,
+    before_parallelize: Callable[[BuiltRank], None] | None = None,
+) -> Iterator[BuiltRank]:
     """Rank ``world.rank`` of ``run`` set up as ``Trainer.fit`` sets up a rank, inside a fake
-    process group; ``blocks``: keep only the first N repeated blocks (the fake step's builds)."""
+    process group; ``blocks``: keep only the first N repeated blocks (the fake step's builds);
+    ``before_parallelize``: called with the whole model on the meta device, before the strategy
+    shards it (or, under pipeline parallel, cuts it to this rank's stages)."""
     import torch
     from lightning.pytorch.trainer.states import TrainerFn
 
@@ -73,6 +81,8 @@ def built_rank(run: ResolvedRun, world: FakeWorld, *, blocks: int | None = None)
         built.blocks = block_count(built.target)
         if blocks is not None:
             keep_first_blocks(built.target, blocks)
+        if before_parallelize is not None:
+            before_parallelize(built)
         if isinstance(strategy, FSDP2Strategy):
             strategy.parallelize()  # on the meta model, as FSDP2Strategy.setup does first
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -172,6 +182,8 @@ def refused(run: ResolvedRun, world: FakeWorld, err: BaseException, what: str) -
     text = (str(err).strip().splitlines() or [""])[0]
     layout = run.layout
     named = f"{run.entry.name} dp={layout.dp} tp={layout.tp}"
+    if layout.pp > 1:
+        named += f" pp={layout.pp}"
     if layout.replicate > 1 and layout.shard > 1:  # hybrid: replicas of shard groups
         named += f" replicate={layout.replicate}"
     return ConfigError(

@@ -32,6 +32,9 @@ from fsdp_cli.plan.fake_world import FakeWorld
 PHASES = ("forward/backward", "optimizer step")
 STABLE_DEPTH = 4
 """Blocks after which each extra block adds the same bytes (the first and last ones differ)."""
+PIPELINE_STABLE_DEPTH = 2
+"""The same, per stage under pp: each stage is an FSDP root of its own blocks, and its step runs
+every micro-batch through each stage, so fewer blocks per stage keep it short."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class PhasePeaks:
 
     blocks: int
     phases: dict[str, dict[str, int]]
+    held_forwards: int | None = None
+    """Under pp > 1: the most forwards this rank's stages held at once (:mod:`fsdp_cli.plan.fake_pipeline`)."""
 
 
 def measure_step(run: ResolvedRun, world: FakeWorld, depth: int) -> dict[str, Any]:
@@ -51,7 +56,11 @@ def measure_step(run: ResolvedRun, world: FakeWorld, depth: int) -> dict[str, An
         return {"skipped": reason}
     from fsdp_cli.compat.torch_internals import NOT_FAKEABLE
 
-    depths = measured_depths(run, depth)
+    if run.layout.pp > 1:  # blocks per stage: the largest of this rank's stages
+        from fsdp_cli.plan.fake_pipeline import stage_depth
+
+        depth = stage_depth(run, world, depth)
+    depths = measured_depths(run, depth, PIPELINE_STABLE_DEPTH if run.layout.pp > 1 else STABLE_DEPTH)
     try:
         measured = [_measure(run, world, blocks) for blocks in depths]
     except NOT_FAKEABLE as err:
@@ -60,7 +69,7 @@ def measure_step(run: ResolvedRun, world: FakeWorld, depth: int) -> dict[str, An
         return {"skipped": f"torch's memory tracker failed on this model ({_first_line(err.__cause__)})"}
     phases = {phase: extend([m.phases[phase] for m in measured], depths, depth) for phase in PHASES}
     phase = max(PHASES, key=lambda p: phases[p]["total"])
-    return {
+    result = {
         "peak_bytes": phases[phase]["total"],
         "phase": phase,
         "by_kind": {k: v for k, v in phases[phase].items() if k != "total" and v},
@@ -68,6 +77,9 @@ def measure_step(run: ResolvedRun, world: FakeWorld, depth: int) -> dict[str, An
         "blocks": depth,
         "measured_blocks": depths,
     }
+    if measured[-1].held_forwards is not None:  # blocks per stage, and what the schedule held
+        result["held_forwards"] = measured[-1].held_forwards
+    return result
 
 
 def _unsupported(run: ResolvedRun) -> str | None:
@@ -78,22 +90,31 @@ def _unsupported(run: ResolvedRun) -> str | None:
         return "a LightningModule's own training_step needs its own batches: no fake step"
     if (refusal := strategy.fake_step_refusal()) is not None:
         return refusal
-    if run.layout.pp > 1:
+    return _unsupported_schedule(run)
+
+
+def _unsupported_schedule(run: ResolvedRun) -> str | None:
+    from fsdp_cli.pipeline.schedules import schedule_facts
+
+    facts = schedule_facts(run.cfg.pipeline.schedule) if run.layout.pp > 1 else None
+    if facts is not None and facts.zero_bubble:
+        # torch 2.13: its module tracker's gradient hooks raise inside the input pass's autograd.grad
+        # ("A leaf node was passed to _will_engine_execute_node ..."); the schedule itself runs.
         return (
-            f"pp={run.layout.pp}: the schedule's sends between stages are not faked; the held bytes "
-            "above are the rank's own stages, the activations are the plan's"
+            f"pipeline.schedule={facts.name}: torch's memory tracker cannot follow a backward split into "
+            "input and weight passes: no fake step"
         )
     return None
 
 
-def measured_depths(run: ResolvedRun, depth: int) -> list[int]:
+def measured_depths(run: ResolvedRun, depth: int, stable: int = STABLE_DEPTH) -> list[int]:
     """Two depths past the first and last blocks' special cases, a checkpointing period apart (or
     the whole model when it is no deeper)."""
     settings = run.cfg.strategy.parallelize_settings()
     period = 1
     if settings is not None and settings.activation_checkpointing is ActivationCheckpointing.selective:
         period = settings.ac_every_n_blocks
-    first = period * math.ceil(STABLE_DEPTH / period)
+    first = period * math.ceil(stable / period)
     return [depth] if depth <= first + period else [first, first + period]
 
 
@@ -115,7 +136,13 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
     from fsdp_cli.plan.fake_rank import built_rank, refused
 
     data = run.cfg.data
-    with built_rank(run, world, blocks=blocks) as built:
+    build, kept, probe = run, blocks, None
+    if run.layout.pp > 1:  # ``blocks`` per stage
+        from fsdp_cli.plan.fake_pipeline import HiddenProbe, make_driver, shortened
+
+        build, kept = shortened(run, blocks)
+        probe = HiddenProbe(build, world, kept)
+    with built_rank(build, world, blocks=kept, before_parallelize=probe) as built:
         optimizer = built.strategy.optimizers[0]
         if run.layout.on_gpu:
             _foreach_like_cuda(optimizer)
@@ -123,6 +150,7 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
         from fsdp_cli.compat.torch_internals import NOT_FAKEABLE
 
         try:
+            held = make_driver(built, probe) if probe is not None else None
             _forward_backward(built, batch)  # untracked: creates the optimizer state, warms caches
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -132,6 +160,8 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
             raise refused(run, world, err, "cannot train") from err
         try:
             tracker = _tracker(built.target, optimizer)
+            if held is not None:
+                held.now, held.most, held.tracker = 0, 0, tracker  # the measured step's
             with tracker:
                 _forward_backward(built, batch)
             forward_backward = _peak(tracker)
@@ -144,15 +174,21 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
             raise
         except Exception as err:
             raise _TrackerFailed(str(err)) from err
-    return PhasePeaks(blocks, {PHASES[0]: forward_backward, PHASES[1]: step})
+    phases = {PHASES[0]: forward_backward, PHASES[1]: step}
+    return PhasePeaks(blocks, phases, held.most if held is not None else None)
 
 
 def _forward_backward(built: Any, batch: Any) -> None:
     # What Lightning's automatic optimization runs for one micro-batch: the strategy's training_step
     # (the precision plugin's context, forward redirection through the FSDP root), then backward.
+    # Under pp the schedule runs backward inside the step; the strategy's backward then puts the
+    # gradients back where Lightning's optimizer step finds them.
     out = built.strategy.training_step(batch, 0)
     loss = out["loss"] if isinstance(out, dict) else out
-    loss.backward()
+    if getattr(built.strategy, "pipeline", None) is not None:
+        built.strategy.backward(loss, None)
+    else:
+        loss.backward()
 
 
 def _foreach_like_cuda(optimizer: Any) -> None:

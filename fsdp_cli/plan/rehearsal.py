@@ -202,7 +202,24 @@ def disagreements(rehearsal: Rehearsal, plan: MemoryPlan) -> list[str]:
                 f"rank {rehearsal.rank} {kind}: rehearsed {held:,} bytes, planned {expected:,} "
                 f"({(held - expected) / max(expected, 1):+.1%})"
             )
-    return lines
+    return lines + _held_forwards_disagreement(rehearsal, plan)
+
+
+def _held_forwards_disagreement(rehearsal: Rehearsal, plan: MemoryPlan) -> list[str]:
+    """Under pp: the forwards the schedule held on this rank in the fake step (each one a
+    micro-batch's activations through one stage) against the plan's count, the factor its
+    activation bytes are multiplied by (the same tolerance: a count, so any difference)."""
+    held = (rehearsal.step or {}).get("held_forwards")
+    if held is None or plan.pipeline is None:
+        return []
+    pp_rank = rehearsal.rank // (rehearsal.world_size // plan.layout["pp"])
+    expected = plan.pipeline["held_forwards"][pp_rank]
+    if abs(held - expected) <= TOLERANCE * max(held, expected, 1):
+        return []
+    return [
+        f"rank {rehearsal.rank} forwards held (pipeline rank {pp_rank}, {plan.pipeline['schedule']}): "
+        f"rehearsed {held}, planned {expected}"
+    ]
 
 
 @contextmanager

@@ -263,14 +263,33 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             return None
         return self.dims.pp_mesh.get_group()
 
-    def _make_pipeline(self) -> None:
+    def _make_pipeline(self, shapes: dict[int, Any] | None = None) -> None:
         from fsdp_cli.pipeline.driver import PipelineDriver
 
         assert self.dims is not None and self._pipeline_stages is not None
         module = self.lightning_module
         self.pipeline = PipelineDriver(
-            self._pipeline_stages, self._pipeline_layout, self.dims, self.root_device, module.pipeline_loss
+            self._pipeline_stages,
+            self._pipeline_layout,
+            self.dims,
+            self.root_device,
+            module.pipeline_loss,
+            shapes=shapes,
         )
+
+    @property
+    def stage_views(self) -> dict[int, nn.Module]:
+        """This rank's pipeline stages by stage id (none without pipeline parallel)."""
+        if self._pipeline_stages is None:
+            return {}
+        return dict(zip(self._pipeline_layout.ids, self._pipeline_stages, strict=True))
+
+    def make_pipeline(self, shapes: dict[int, Any]) -> None:
+        """The schedule over this rank's stages, each given its example input and output
+        (:class:`~fsdp_cli.pipeline.driver.StageShapes`) instead of learning them from its
+        neighbours at the first step: what a rehearsal on a fake process group needs
+        (:mod:`fsdp_cli.plan.fake_pipeline`); ``setup`` makes it without."""
+        self._make_pipeline(shapes)
 
     def parallelize_target(self) -> nn.Module:
         """The module that is parallelized: the LightningModule's ``model`` attribute when it holds
