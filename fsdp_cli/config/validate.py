@@ -564,14 +564,6 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
                 allowed="null/false with pp > 1",
                 hint=f"drop strategy.{key}, or pp=1",
             )
-    if run.checkpoint_format is CheckpointFormat.full:
-        raise ConfigError(
-            "checkpoint.format",
-            "full",
-            f"a full save gathers one stage's weights per pipeline; with pp={cfg.pp} saves are sharded",
-            allowed="sharded with pp > 1",
-            hint="checkpoint=sharded, then fsdp-ckpt convert STEP OUT.pt --to full for one file",
-        )
     if getattr(cfg.model, "tie_embeddings", False):
         raise ConfigError(
             "model.tie_embeddings",
