@@ -226,6 +226,33 @@ def test_a_full_save_under_pp_is_a_pp1_full_file_and_resumes(cpu_pp: Path, tmp_p
         assert read_summary(tmp_path / name)["setup"]["dtypes"] == MIXED_DTYPES, name
 
 
+@pytest.mark.distributed
+def test_a_full_save_of_an_hf_model_under_pp_exports_to_hf(tmp_path: Path) -> None:
+    """model=hf (a tiny LlamaForCausalLM, fresh weights) at pp=2 saving one file: it verifies,
+    and fsdp-ckpt convert --to hf writes a folder from_pretrained reads back with every tensor
+    of the file, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    folder = hf_folder(tmp_path)
+    args = [
+        "recipe=cpu_pp",
+        "model=hf",
+        f"model.path={folder}",
+        "model.pretrained=false",
+        "trainer.max_steps=2",
+    ]
+    result = run_cli([*args, "checkpoint=full", "checkpoint.every_n_steps=2"], tmp_path / "run", env=CPU)
+    assert result.returncode == 0, result
+    saved = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    assert fsdp_ckpt("verify", str(saved)) == 0
+    assert fsdp_ckpt("convert", str(saved), str(tmp_path / "out"), "--to", "hf") == 0
+    trained = load(saved, weights_only_model=True).state_dict
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
+    assert reloaded.keys() == {k.removeprefix("model.hf.") for k in trained}
+    for key, value in reloaded.items():
+        assert torch.equal(value, trained[f"model.hf.{key}"]), key
+
+
 def assert_a_pp1_full_file(piped: Path, single: Path) -> None:
     """``piped`` is laid out as the pp=1 full file ``single``: the same tensors (names, order,
     shapes, dtypes), the optimizer state numbered the same way over the same parameter names."""
