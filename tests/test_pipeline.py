@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import cli_in_process, losses, read_metrics, run, run_cli
+import torch
+from conftest import cli_in_process, losses, read_metrics, read_summary, run, run_cli
 from harness import REPO
 
 from fsdp_cli.checkpoint.convert import load
+from fsdp_cli.checkpoint.format import MANIFEST_KEY, load_full, read_manifest
+from fsdp_cli.checkpoint.optimizer_layout import PARAMETER_NAMES_KEY
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
 
@@ -49,7 +53,6 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
         (["pp=2", "pipeline.cut=explicit", "pipeline.cuts=[3,1]"], "pipeline.cuts", ["1 cut points"]),
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
         (["pp=2", "model.tie_embeddings=true"], "model.tie_embeddings=True", ["first stage", "false"]),
-        (["pp=2", "checkpoint=full"], "checkpoint.format=full", ["sharded", "fsdp-ckpt convert"]),
         (
             ["pp=2", "model=custom", "model._target_=tests.assets.own_loaders.BoringModel"],
             "pp=2",
@@ -131,28 +134,50 @@ def test_every_schedule_equals_one_process(nproc: int, layout: list[str], tmp_pa
 COMMON = ["recipe=cpu_pp", "trainer.max_steps=8", "trainer.log_every_n_steps=1"]
 SAVES = ["checkpoint.every_n_steps=4"]
 ACCUMULATE = ["data.micro_batch_size=4", "pipeline.microbatches=2"]
+FULL = ["checkpoint=full", *SAVES]
+BF16 = ["precision=bf16-mixed"]
+MIXED_DTYPES = {
+    "param": "float32",
+    "compute": "bfloat16",
+    "reduce": "float32",
+    "optimizer_state": ["float32"],
+}
+"""fp32 master weights and moments, bf16 compute, gradients reduced in fp32 (as test_precision)."""
+BF16_TOLERANCE = 0.02
+"""Relative, per step: test_precision's bound for bf16-mixed against fp32 (bf16 keeps 8
+significant bits; fp32 master weights keep the rounding from compounding), stated for 20 steps
+there and applied here to 4: two bf16-mixed layouts differ only in where their roundings fall."""
+
+
+@pytest.fixture(scope="module")
+def cpu_pp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """recipe=cpu_pp's 8 steps, run once for the tests below: ``pp2`` at pp=2 (1F1B, two batches of
+    4 per optimizer step, each in 2 micro-batches, sharded saves every 4 steps written in the
+    background), ``one`` in one process (no accumulation, full saves every 4 steps)."""
+    root = tmp_path_factory.mktemp("cpu_pp")
+    piped = run_cli([*COMMON, *SAVES, *ACCUMULATE, "checkpoint.async_save=true"], root / "pp2", env=CPU)
+    single = run_cli([*COMMON, *FULL, "pp=1", "devices=1"], root / "one", env=CPU)
+    assert piped.returncode == 0 and single.returncode == 0, (piped, single)
+    return root
 
 
 @pytest.mark.distributed
-def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(tmp_path: Path) -> None:
-    """fsdp-train recipe=cpu_pp (pp=2, 1F1B, accumulating 2 batches per step) against one process
-    (no accumulation) over 8 steps; its sharded
-    step-4 save resumed at pp=1 and at tp=2 repeats the uninterrupted run's last 4 losses; the
-    save converts to one file (the whole model's weights and optimizer) that verifies."""
-    # Two batches of 4 per optimizer step (gradient accumulation), each in 2 micro-batches.
-    piped = run_cli([*COMMON, *SAVES, *ACCUMULATE], tmp_path / "pp2", env=CPU)
-    single = run_cli(
-        [*COMMON, "checkpoint.every_n_steps=null", "pp=1", "devices=1"], tmp_path / "one", env=CPU
-    )
-    assert piped.returncode == 0 and single.returncode == 0, (piped, single)
-    straight = losses(tmp_path / "pp2")
+def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(cpu_pp: Path, tmp_path: Path) -> None:
+    """fsdp-train recipe=cpu_pp (pp=2, accumulating) against one process (no accumulation) over 8
+    steps; its step-4 save, written in the background (async_save), is complete (every file's size
+    and CRC as listed) and resumed at tp=2 repeats the uninterrupted run's last 4 losses; the save
+    converts to one file (the whole model's weights and optimizer) that verifies."""
+    straight = losses(cpu_pp / "pp2")
     assert len(straight) == 8
-    assert straight == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    save = tmp_path / "pp2" / "checkpoints" / "step_00000004"
-    for name, layout in (("to_pp1", ["pp=1", "devices=1"]), ("to_tp2", ["pp=1", "tp=2"])):
-        resumed = run_cli([*COMMON, *SAVES, *ACCUMULATE, *layout, f"resume={save}"], tmp_path / name, env=CPU)
-        assert resumed.returncode == 0, resumed
-        assert losses(tmp_path / name) == pytest.approx(straight[4:], rel=1e-5), name
+    assert straight == pytest.approx(losses(cpu_pp / "one"), rel=1e-5)
+    save = cpu_pp / "pp2" / "checkpoints" / "step_00000004"
+    assert read_manifest(save)["config"]["checkpoint"]["async_save"] is True
+    assert fsdp_ckpt("verify", str(save)) == 0
+    resumed = run_cli(
+        [*COMMON, *SAVES, *ACCUMULATE, "pp=1", "tp=2", f"resume={save}"], tmp_path / "tp2", env=CPU
+    )
+    assert resumed.returncode == 0, resumed
+    assert losses(tmp_path / "tp2") == pytest.approx(straight[4:], rel=1e-5)
     converted = tmp_path / "full.pt"
     assert fsdp_ckpt("convert", str(save), str(converted), "--to", "full") == 0
     assert fsdp_ckpt("verify", str(converted)) == 0
@@ -160,6 +185,105 @@ def test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts(tmp_path
     names = {n for n in whole.state_dict if n.startswith("model.")}
     assert {"model.tok_embeddings.weight", "model.output.weight", "model.layers.3.ffn_norm.weight"} <= names
     assert len(whole.optimizer_states[0]["state"]) == len(whole.state_dict)
+
+
+@pytest.mark.distributed
+def test_a_full_save_under_pp_is_a_pp1_full_file_and_resumes(cpu_pp: Path, tmp_path: Path) -> None:
+    """checkpoint=full at pp=2: one file holding the whole model under the names, shapes, dtypes
+    and optimizer numbering of a pp=1 full save, with the values the same run's sharded save
+    holds (bit for bit). It verifies, resumes exactly at pp=1, and resumes at pp=2 and pp=1 under
+    bf16-mixed, whose two layouts agree within bf16's rounding and report bf16 compute."""
+    straight = losses(cpu_pp / "pp2")
+    result = run_cli([*COMMON, *ACCUMULATE, *FULL, "trainer.max_steps=4"], tmp_path / "full", env=CPU)
+    assert result.returncode == 0, result
+    assert losses(tmp_path / "full") == straight[:4]  # the same run, saving one file
+    saved = tmp_path / "full" / "checkpoints" / "step_00000004.pt"
+    assert fsdp_ckpt("verify", str(saved)) == 0
+    assert_a_pp1_full_file(saved, cpu_pp / "one" / "checkpoints" / "step_00000004.pt")
+    sharded = tmp_path / "from_sharded.pt"
+    assert (
+        fsdp_ckpt(
+            "convert", str(cpu_pp / "pp2" / "checkpoints" / "step_00000004"), str(sharded), "--to", "full"
+        )
+        == 0
+    )
+    assert_same_values(load(saved), load(sharded))
+
+    resumed = {
+        "pp1": ["pp=1", "devices=1"],
+        "pp2_bf16": BF16,
+        "pp1_bf16": ["pp=1", "devices=1", *BF16],
+    }
+    for name, layout in resumed.items():
+        run = run_cli([*COMMON, *ACCUMULATE, *layout, f"resume={saved}"], tmp_path / name, env=CPU)
+        assert run.returncode == 0, (name, run)
+    assert losses(tmp_path / "pp1") == pytest.approx(straight[4:], rel=1e-5)
+    mixed = {name: losses(tmp_path / name) for name in ("pp2_bf16", "pp1_bf16")}
+    assert mixed["pp2_bf16"] == pytest.approx(mixed["pp1_bf16"], rel=BF16_TOLERANCE)
+    assert mixed["pp2_bf16"] == pytest.approx(straight[4:], rel=BF16_TOLERANCE)
+    assert mixed["pp2_bf16"] != pytest.approx(straight[4:], rel=1e-6)  # bf16 really ran
+    for name in mixed:
+        assert read_summary(tmp_path / name)["setup"]["dtypes"] == MIXED_DTYPES, name
+
+
+@pytest.mark.distributed
+def test_a_full_save_of_an_hf_model_under_pp_exports_to_hf(tmp_path: Path) -> None:
+    """model=hf (a tiny LlamaForCausalLM, fresh weights) at pp=2 saving one file: it verifies,
+    and fsdp-ckpt convert --to hf writes a folder from_pretrained reads back with every tensor
+    of the file, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    folder = hf_folder(tmp_path)
+    args = [
+        "recipe=cpu_pp",
+        "model=hf",
+        f"model.path={folder}",
+        "model.pretrained=false",
+        "trainer.max_steps=2",
+    ]
+    result = run_cli([*args, "checkpoint=full", "checkpoint.every_n_steps=2"], tmp_path / "run", env=CPU)
+    assert result.returncode == 0, result
+    saved = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    assert fsdp_ckpt("verify", str(saved)) == 0
+    assert fsdp_ckpt("convert", str(saved), str(tmp_path / "out"), "--to", "hf") == 0
+    trained = load(saved, weights_only_model=True).state_dict
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
+    assert reloaded.keys() == {k.removeprefix("model.hf.") for k in trained}
+    for key, value in reloaded.items():
+        assert torch.equal(value, trained[f"model.hf.{key}"]), key
+
+
+def assert_a_pp1_full_file(piped: Path, single: Path) -> None:
+    """``piped`` is laid out as the pp=1 full file ``single``: the same tensors (names, order,
+    shapes, dtypes), the optimizer state numbered the same way over the same parameter names."""
+    files = {"piped": load_full(piped), "single": load_full(single)}
+    layout = {k: [(n, tuple(t.shape), t.dtype) for n, t in f["state_dict"].items()] for k, f in files.items()}
+    assert layout["piped"] == layout["single"]
+    names = {k: f[MANIFEST_KEY][PARAMETER_NAMES_KEY] for k, f in files.items()}
+    assert names["piped"] == names["single"]
+    optim = {k: f["optimizer_states"][0] for k, f in files.items()}
+    assert optim["piped"]["param_groups"] == optim["single"]["param_groups"]
+    assert (
+        sorted(optim["piped"]["state"])
+        == sorted(optim["single"]["state"])
+        == list(range(len(names["piped"])))
+    )
+
+
+def assert_same_values(piped: Any, reference: Any) -> None:
+    """The same weights and optimizer state, bit for bit, by name."""
+    assert piped.state_dict.keys() == reference.state_dict.keys()
+    for name, tensor in piped.state_dict.items():
+        assert torch.equal(tensor, reference.state_dict[name]), name
+    (mine,), (theirs,) = piped.optimizer_states, reference.optimizer_states
+    assert mine["state"].keys() == theirs["state"].keys()
+    for name, moments in mine["state"].items():
+        assert moments.keys() == theirs["state"][name].keys(), name
+        for key, value in moments.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs["state"][name][key])), (
+                name,
+                key,
+            )
 
 
 def fsdp_ckpt(*args: str) -> int:

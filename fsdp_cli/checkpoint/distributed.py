@@ -170,11 +170,14 @@ class DistributedCheckpointing:
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Sharded: the state keyed by parameter name. Full (rank 0; empty elsewhere): whole
         tensors in torch's standard layout, parameters numbered in the module's order."""
-        optimizer = _unwrap(optimizer)
-        state = self._gather_if_full(get_optimizer_state_dict(self.model, optimizer))
+        state = self._gather_if_full(self._local_optimizer_state(optimizer))
         if self.checkpoint_format is not CheckpointFormat.full or not state:
             return state
         return numbered(state, self._parameter_names())
+
+    def _local_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state as this rank holds it (DTensors), keyed by parameter name."""
+        return get_optimizer_state_dict(self.model, _unwrap(optimizer))
 
     def _parameter_names(self) -> list[str]:
         module = self.lightning_module

@@ -5,7 +5,6 @@ layout's own checks (:mod:`fsdp_cli.pipeline.checks`, torch-free, on plain value
 
 from __future__ import annotations
 
-from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.errors import ConfigError
 
@@ -32,14 +31,6 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
                 allowed="null/false with pp > 1",
                 hint=f"drop strategy.{key}, or pp=1",
             )
-    if run.checkpoint_format is CheckpointFormat.full:
-        raise ConfigError(
-            "checkpoint.format",
-            "full",
-            f"a full save gathers one stage's weights per pipeline; with pp={cfg.pp} saves are sharded",
-            allowed="sharded with pp > 1",
-            hint="checkpoint=sharded, then fsdp-ckpt convert STEP OUT.pt --to full for one file",
-        )
     if getattr(cfg.model, "tie_embeddings", False):
         raise ConfigError(
             "model.tie_embeddings",

@@ -29,10 +29,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from fsdp_cli.checkpoint.distributed import DistributedCheckpointing, check_optimizer_count
+from fsdp_cli.checkpoint.optimizer_layout import numbered
+from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.compat.lightning_internals import optimizers_to_device, set_device_mesh, setup_distributed
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import LIBRARY_NAMES, ParallelDims
 from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
+from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.parallelize import (
     ParallelizeOptions,
     ParallelizeReport,
@@ -137,6 +140,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.pipeline: Any = None  # the PipelineDriver, once the stages exist (pp > 1)
         self._pipeline_stages: list[nn.Module] | None = None
         self._pipeline_grads: list[tuple[Any, Any]] = []
+        self._whole_model_names: list[str] | None = None  # (pp > 1: the names before the cut)
         self.given_dims = dims
         self.dims: ParallelDims | None = None
         self.parallelize_report: ParallelizeReport | None = None
@@ -253,6 +257,10 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         )
         layout = layout_of(options, self.dims, self.dims.pp_mesh.get_local_rank(), n_blocks)
         self._pipeline_layout = layout
+        # The whole model's parameter names in its order, read before the cut: a full save under
+        # pp numbers the optimizer state by them, as a pp=1 full save numbers it, and a full file
+        # is read back by them.
+        self._whole_model_names = [canonical_name(n) for n, _ in module.named_parameters()]
         self._pipeline_stages = parallelize_stages(split, layout, self.dims, self.options)
 
     @property
@@ -517,10 +525,80 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self._pending_optimizer_states is not None:  # saving before the first step: restore first
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
-        state = DistributedCheckpointing.optimizer_state(self, optimizer)
-        if self.pipeline is not None and state.get("param_groups"):
+        if self.pipeline is None:
+            return DistributedCheckpointing.optimizer_state(self, optimizer)
+        state = self._local_optimizer_state(optimizer)
+        if state.get("param_groups"):
             state["param_groups"] = self._whole_model_param_groups(state["param_groups"])
-        return state
+        if self.checkpoint_format is not CheckpointFormat.full:
+            return state
+        # Every stage's moments on rank 0, numbered over the whole model as at pp=1.
+        whole = {"state": self._gather_if_full(state["state"]), "param_groups": state["param_groups"]}
+        return numbered(whole, self._parameter_names()) if self.is_global_zero else {}
+
+    # ------------------------------------------------------------------ full files under pp
+
+    def _parameter_names(self) -> list[str]:
+        """Under pp the whole model's (this rank's module holds only its stages' parameters)."""
+        if self._whole_model_names is not None:
+            return list(self._whole_model_names)
+        return super()._parameter_names()
+
+    def _gather_if_full(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Under pp, every stage's tensors on rank 0, stage by stage
+        (:func:`fsdp_cli.checkpoint.pipeline_full.gather_stages` says why so)."""
+        if self._pipeline_stages is None or self.checkpoint_format is not CheckpointFormat.full:
+            return super()._gather_if_full(state)
+        from fsdp_cli.checkpoint.pipeline_full import gather_stages
+
+        return gather_stages(
+            state, group=self.pipeline_group, writer=self._stage_writer(), device=self.root_device
+        )
+
+    def _stage_writer(self) -> bool:
+        """This rank keeps its stages' tensors for a full save: it is at data and tensor-parallel
+        position 0, in global rank 0's pipeline group."""
+        from fsdp_cli.parallel.dims import PP
+
+        mesh = self.run_mesh
+        return all(c == 0 for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True) if n != PP)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Under pp, a full file's entries for this rank's stages; ``strict``: as at pp=1, every
+        entry of the file must be held by some stage (and every tensor of a stage be in the file)."""
+        if self._pipeline_stages is None or "state_dict" not in checkpoint:
+            return super().load_model_state_dict(checkpoint, strict)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from fsdp_cli.checkpoint.pipeline_full import unexpected_keys
+
+        saved = checkpoint["state_dict"]
+        own = set(get_model_state_dict(self.model))
+        unexpected = unexpected_keys(saved, own, self.pipeline_group)
+        if strict and unexpected:
+            # torch's words for the same mismatch in load_state_dict
+            raise RuntimeError(
+                f"Error(s) in loading state_dict: Unexpected key(s) in state_dict: {', '.join(unexpected)}"
+            )
+        return super().load_model_state_dict(
+            {"state_dict": {k: v for k, v in saved.items() if k in own}}, strict
+        )
+
+    def _restore_optimizer_states(self, states: list[dict[str, Any]]) -> None:
+        """Under pp, each state (a full file's, over the whole model) cut to this rank's stages."""
+        if self._whole_model_names is not None:
+            from fsdp_cli.checkpoint.pipeline_full import stage_optimizer_state
+
+            check_optimizer_count(len(self.optimizers), len(states))
+            states = [
+                stage_optimizer_state(
+                    state,
+                    self._whole_model_names,
+                    [g["params"] for g in self._local_optimizer_state(optimizer)["param_groups"]],
+                )
+                for optimizer, state in zip(self.optimizers, states)
+            ]
+        super()._restore_optimizer_states(states)
 
     def _whole_model_param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each group's parameter names over every stage, in stage order (this rank's list names
