@@ -40,6 +40,13 @@ class Activations:
     """Outside the blocks: embedding, final norm, LM head, loss."""
     tp_shards_blocks: bool = True
     """Tensor parallel splits the blocks' inner activations (Megatron-style plans do)."""
+    block_whole: list[int] | None = None
+    """Of each block's bytes, those on the residual stream (the norms' inputs and outputs): whole
+    on every tensor-parallel rank without sequence parallel, split along the sequence with it.
+    None: all of them (nothing known to be split)."""
+    block_gathered: list[int] | None = None
+    """Of ``block_whole``, the bytes whole on every rank even with sequence parallel: the
+    all-gathered inputs of attention and the MLP, which their first linear layers save."""
 
 
 @dataclass
@@ -105,13 +112,18 @@ def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:
     # Attention: the fused kernel keeps rotated q, k and v repeated to all heads, its output and
     # the per-head log-sum-exp; the heads are merged into a copy for wo. MLP: w1 and w3 outputs,
     # SiLU output and the product w2 reads.
+    # The two norms are on the residual stream (whole on every tensor-parallel rank without
+    # sequence parallel); with it, their outputs are all-gathered again for wq/wk/wv and w1/w3.
     attention = 4 * act * d + FP32 * cfg.n_heads + act * d
-    per_token = 2 * _rms_norm(d, act) + attention + 4 * act * f
+    whole = 2 * _rms_norm(d, act)
+    per_token = whole + attention + 4 * act * f
     other = 8 + _rms_norm(d, act) + FP32 * v  # token ids, final norm, log-softmax output
     return Activations(
         blocks=[per_token * seq] * cfg.n_layers,
         block_inputs=[act * d * seq] * cfg.n_layers,
         other=other * seq,
+        block_whole=[whole * seq] * cfg.n_layers,
+        block_gathered=[2 * act * d * seq] * cfg.n_layers,
     )
 
 
