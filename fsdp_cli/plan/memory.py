@@ -268,7 +268,7 @@ def _tp_block_bytes(acts: Activations, tp: int, sequence_parallel: bool) -> list
     if not acts.tp_shards_blocks or tp == 1:
         return [float(b) for b in acts.blocks]
     whole = acts.block_whole if acts.block_whole is not None else acts.blocks
-    gathered = acts.block_gathered or [0] * len(whole)
+    gathered = acts.block_gathered if acts.block_gathered is not None else whole  # unknown: whole
     if sequence_parallel:
         return [(b - g) / tp + g for b, g in zip(acts.blocks, gathered, strict=True)]
     return [(b - w) / tp + w for b, w in zip(acts.blocks, whole, strict=True)]
