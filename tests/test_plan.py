@@ -40,7 +40,7 @@ def test_plan_equals_the_bytes_each_rank_holds(layout_run: Any, name: str) -> No
 def test_llama_description_equals_a_meta_build() -> None:
     """The torch-free description of the built-in model (names, shapes, tensor-parallel dims,
     units) equals one read off a meta-device build; its activation formula is within 5% of the
-    saved-tensor probe (in fp32 and bf16)."""
+    saved-tensor probe (in fp32 and bf16), in all and on the residual stream."""
     import torch
 
     from fsdp_cli.models.llama import Llama
@@ -61,7 +61,11 @@ def test_llama_description_equals_a_meta_build() -> None:
         for act in (4, 2):
             probed, formula = built.activations(64, act), llama_activations(cfg, 64, act)
             assert formula.block_inputs == probed.block_inputs
-            for a, b in [*zip(formula.blocks, probed.blocks), (formula.other, probed.other)]:
+            # (and the bytes on the residual stream, whole on every tensor-parallel rank without
+            # sequence parallel, the same from the saved tensors' shapes)
+            assert formula.block_whole is not None and probed.block_whole is not None
+            pairs = [*zip(formula.blocks, probed.blocks), *zip(formula.block_whole, probed.block_whole)]
+            for a, b in [*pairs, (formula.other, probed.other)]:
                 assert abs(a - b) <= 0.05 * b, (act, formula, probed)
 
 

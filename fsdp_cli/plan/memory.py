@@ -247,8 +247,7 @@ def _activation_parts(
 ) -> tuple[float, float]:
     """One sequence's saved activations on one rank, and the transient of one block in backward
     (its recomputation under checkpointing, its activation gradients otherwise)."""
-    inner = 1 / tp if acts.tp_shards_blocks else 1.0
-    blocks = [b * inner for b in acts.blocks]
+    blocks = _tp_block_bytes(acts, tp, sequence_parallel)
     inputs = [i / tp if sequence_parallel else i for i in acts.block_inputs]
     if mode == "full":
         checkpointed = set(range(len(blocks)))
@@ -259,6 +258,20 @@ def _activation_parts(
     kept = sum(inputs[i] if i in checkpointed else blocks[i] for i in range(len(blocks)))
     transient = max(blocks, default=0)
     return kept + acts.other, transient
+
+
+def _tp_block_bytes(acts: Activations, tp: int, sequence_parallel: bool) -> list[float]:
+    """Each block's saved bytes on one tensor-parallel rank. Only the heads' and the MLP's inner
+    activations are split by tp; the residual stream (the norms) is whole on every rank without
+    sequence parallel, and with it all but the all-gathered inputs of attention and the MLP are
+    split along the sequence (Megatron's sbh(10 + 24/t) without SP against sbh(34/t) with it)."""
+    if not acts.tp_shards_blocks or tp == 1:
+        return [float(b) for b in acts.blocks]
+    whole = acts.block_whole if acts.block_whole is not None else acts.blocks
+    gathered = acts.block_gathered if acts.block_gathered is not None else whole  # unknown: whole
+    if sequence_parallel:
+        return [(b - g) / tp + g for b, g in zip(acts.blocks, gathered, strict=True)]
+    return [(b - w) / tp + w for b, w in zip(acts.blocks, whole, strict=True)]
 
 
 # --------------------------------------------------------------------------- strategies

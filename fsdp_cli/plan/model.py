@@ -16,6 +16,7 @@ value, output and the log-sum-exp saved), not as the T x T matrices of the math 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,13 @@ class Activations:
     """Outside the blocks: embedding, final norm, LM head, loss."""
     tp_shards_blocks: bool = True
     """Tensor parallel splits the blocks' inner activations (Megatron-style plans do)."""
+    block_whole: list[int] | None = None
+    """Of each block's bytes, those on the residual stream (the norms' inputs and outputs): whole
+    on every tensor-parallel rank without sequence parallel, split along the sequence with it.
+    None: all of them (nothing known to be split)."""
+    block_gathered: list[int] | None = None
+    """Of ``block_whole``, the bytes whole on every rank even with sequence parallel: the
+    all-gathered inputs of attention and the MLP, which their first linear layers save."""
 
 
 @dataclass
@@ -105,13 +113,18 @@ def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:
     # Attention: the fused kernel keeps rotated q, k and v repeated to all heads, its output and
     # the per-head log-sum-exp; the heads are merged into a copy for wo. MLP: w1 and w3 outputs,
     # SiLU output and the product w2 reads.
+    # The two norms are on the residual stream (whole on every tensor-parallel rank without
+    # sequence parallel); with it, their outputs are all-gathered again for wq/wk/wv and w1/w3.
     attention = 4 * act * d + FP32 * cfg.n_heads + act * d
-    per_token = 2 * _rms_norm(d, act) + attention + 4 * act * f
+    whole = 2 * _rms_norm(d, act)
+    per_token = whole + attention + 4 * act * f
     other = 8 + _rms_norm(d, act) + FP32 * v  # token ids, final norm, log-softmax output
     return Activations(
         blocks=[per_token * seq] * cfg.n_layers,
         block_inputs=[act * d * seq] * cfg.n_layers,
         other=other * seq,
+        block_whole=[whole * seq] * cfg.n_layers,
+        block_gathered=[2 * act * d * seq] * cfg.n_layers,
     )
 
 
@@ -188,6 +201,8 @@ def probe_activations(
     seen: set[int] = set()
     sizes = {name: 0 for name in blocks}
     inputs = dict.fromkeys(blocks, 0)
+    whole = dict.fromkeys(blocks, 0)
+    shapes: dict[str, tuple[int, ...]] = {}
     current: list[str] = [""]
     totals = {"": 0}
 
@@ -199,6 +214,7 @@ def probe_activations(
             nbytes = t.untyped_storage().nbytes()
             if key:
                 sizes[key] += nbytes
+                whole[key] += nbytes if _on_residual_stream(t, shapes.get(key)) else 0
             else:
                 totals[""] += nbytes
         return t
@@ -206,7 +222,7 @@ def probe_activations(
     handles = []
     for name in blocks:
         block = modules[name]
-        handles.append(block.register_forward_pre_hook(_enter(current, name, inputs)))
+        handles.append(block.register_forward_pre_hook(_enter(current, name, inputs, shapes)))
         handles.append(block.register_forward_hook(_leave(current)))
     tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
@@ -218,17 +234,36 @@ def probe_activations(
     finally:
         for handle in handles:
             handle.remove()
+    # Which saved tensors the model's tensor-parallel plan splits is not known here: those the shape
+    # of the block's input are counted whole on every rank (the residual stream: norms, the block's
+    # input; also a merged-heads copy the plan may split: conservative), and with sequence parallel
+    # too (none is known to be split along the sequence without the plan's all-gathers).
+    kept_whole = [whole[n] for n in blocks]
     return Activations(
-        blocks=[sizes[n] for n in blocks], block_inputs=[inputs[n] for n in blocks], other=totals[""]
+        blocks=[sizes[n] for n in blocks],
+        block_inputs=[inputs[n] for n in blocks],
+        other=totals[""],
+        block_whole=kept_whole,
+        block_gathered=kept_whole,
     )
 
 
-def _enter(current: list[str], name: str, inputs: dict[str, int]) -> Callable[..., None]:
+def _on_residual_stream(t: Any, block_input: tuple[int, ...] | None) -> bool:
+    """A saved tensor with the block input's elements and width (in any dtype): the residual stream."""
+    if not block_input or t.dim() == 0:
+        return False
+    return t.shape[-1] == block_input[-1] and t.numel() == math.prod(block_input)
+
+
+def _enter(
+    current: list[str], name: str, inputs: dict[str, int], shapes: dict[str, tuple[int, ...]]
+) -> Callable[..., None]:
     def hook(module: Any, args: tuple[Any, ...]) -> None:
         current.append(name)
         first = args[0] if args else None
         if first is not None and hasattr(first, "untyped_storage"):
             inputs[name] = first.numel() * first.element_size()
+            shapes[name] = tuple(first.shape)
 
     return hook
 

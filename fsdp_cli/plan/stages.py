@@ -76,4 +76,6 @@ def stage_activations(acts: Activations, sizes: PipelineSizes, stage: int) -> Ac
         blocks=[acts.blocks[i] for i in blocks],
         block_inputs=[acts.block_inputs[i] for i in blocks],
         other=acts.other if last else 0,
+        block_whole=None if acts.block_whole is None else [acts.block_whole[i] for i in blocks],
+        block_gathered=None if acts.block_gathered is None else [acts.block_gathered[i] for i in blocks],
     )
