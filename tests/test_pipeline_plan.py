@@ -183,7 +183,8 @@ def test_search_considers_pp_and_says_why_it_skipped_a_layout() -> None:
 def test_the_70b_pipeline_recipe_fits_80gb_at_512_ranks() -> None:
     """recipe=llama_70b_pp on 64 nodes x 8 GPUs of 80 GB: pp=4 x dp=16 x tp=8, every rank within
     the usable memory; rank 0 holds stages 0 and 4 (blocks 0-9 and 40-49 and the embedding),
-    about 1/128 of their fp32 weights."""
+    about 1/128 of their fp32 weights. (It fits with every second block recomputed: without,
+    rank 0's activations alone need about 75 GiB under tp=8 without sequence parallel.)"""
     from fsdp_cli.cli.plan import resolved
 
     plan = plan_for(resolved(["recipe=llama_70b_pp"], gpus=8), 80 * 10**9)
