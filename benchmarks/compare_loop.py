@@ -4,6 +4,7 @@
     python benchmarks/compare_loop.py --record docs/benchmark.md   # ... and write the table there
     python benchmarks/compare_loop.py --models builtin --sizes small --strategies fsdp2 --log-every 1
     python benchmarks/compare_loop.py --quick                      # before stopping: 2 cells, ~2 minutes
+    python benchmarks/compare_loop.py --quick --lightning          # ... with plain Lightning as a third side
 
 The matrix: the built-in Llama (``model=tiny`` resized) and a plain ``nn.Module`` from this folder
 (``benchmarks/gpt.py`` through ``model=custom``), at an overhead-bound size (dim 64, 2 blocks,
