@@ -357,3 +357,17 @@ def gpu_count(env: dict[str, str] | None = None) -> int:
 
 
 requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU; none on this machine")
+
+
+@pytest.fixture
+def gloo_rank(tmp_path: Path) -> Any:
+    """A process group of one in-process rank on gloo (what fully_shard's mesh and the strategies'
+    collectives need in a fast-tier test), destroyed afterwards."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

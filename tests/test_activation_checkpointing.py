@@ -4,12 +4,7 @@ compute dtype before checkpoint saves them, and the recompute replays a block on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from fsdp_cli.compat.torch_internals import CheckpointWrapper
@@ -17,17 +12,6 @@ from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.llama import Llama
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
-
-
-@pytest.fixture
-def gloo_rank(tmp_path: Path) -> Iterator[None]:
-    """A process group of one in-process rank (what fully_shard's mesh needs)."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_bf16_blocks_recompute_on_the_inputs_forward_saved(gloo_rank: None) -> None:

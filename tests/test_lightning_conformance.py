@@ -17,32 +17,18 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import REPO, assert_ok, read_metrics, run, run_cli
 from torch import nn
 
 from fsdp_cli.checkpoint.io import FullCheckpointIO
 from fsdp_cli.checkpoint.optimizer_layout import module_order, named, named_by_index, numbered
 from fsdp_cli.errors import RunFailure
-
-
-@pytest.fixture
-def gloo_rank(tmp_path: Path) -> Iterator[None]:
-    """A process group of one in-process rank (what the strategies' collectives need)."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 # Our class -> the Lightning class it extends (whose name Lightning's error messages use).
 LIGHTNING_NAMES = {

@@ -8,13 +8,11 @@ manual optimization, refused before launch."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import assert_ok, cli_in_process, run_cli
 from torch import nn
 
@@ -123,16 +121,6 @@ def test_the_clipping_hook_gets_the_trainers_algorithm_as_given() -> None:
 
     assert algorithm() is None, "unset: None, as from a Trainer without the argument"
     assert algorithm("trainer.gradient_clip_algorithm=value") == GradClipAlgorithmType.VALUE
-
-
-@pytest.fixture
-def gloo_rank(tmp_path: Path) -> Iterator[None]:
-    """A process group of one in-process rank."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_clip_gradients_by_norm_totals_gradients_on_several_meshes(gloo_rank: None) -> None:

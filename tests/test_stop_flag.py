@@ -6,9 +6,6 @@ here one in-process gloo rank drives the schedule with a clock the test controls
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch.distributed as dist
 
@@ -16,13 +13,8 @@ from fsdp_cli.checkpoint.stop_flag import StopFlagExchange
 
 
 @pytest.fixture
-def gloo_group(tmp_path: Path) -> Iterator[object]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
+def gloo_group(gloo_rank: None) -> object:
+    return dist.new_group(backend="gloo")
 
 
 def drive(
