@@ -474,6 +474,7 @@ def test_callbacks_monitor_the_metrics_rows_in_process(tmp_path: Path) -> None:
     ModelCheckpoint(monitor="grad_norm") run on the metrics callback's values (without them in
     ``callback_metrics`` both raise); a name the module logs itself stays the module's."""
     import lightning as L
+    import torch
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -511,6 +512,10 @@ def test_callbacks_monitor_the_metrics_rows_in_process(tmp_path: Path) -> None:
     assert float(stop.best_score) == rows[4]["loss"]  # epoch 0's last logged loss
     assert float(best.best_model_score) == min(r["grad_norm"] for r in rows.values())
     assert float(trainer.callback_metrics["step_time_s"]) == -1.0
+    shared = {k: v for k, v in trainer.callback_metrics.items() if k in rows[8] and k != "step_time_s"}
+    assert sorted(shared) == ["grad_norm", "loss", "lr", "samples_per_s"], sorted(shared)
+    assert all(v.dtype == torch.float64 and v.shape == () for v in shared.values()), shared
+    assert {k: float(v) for k, v in shared.items()} == {k: rows[8][k] for k in shared}
 
 
 def test_the_ranks_build_entries_with_hydra_and_a_refused_value_is_one_line() -> None:

@@ -199,3 +199,50 @@ def test_the_ranks_refuse_what_the_source_did_not_tell() -> None:
         built("strategy=fsdp")
     with pytest.raises(ConfigError, match="trainer.gradient_clip_val=0.5"):
         built("strategy=fsdp2", "trainer.gradient_clip_val=0.5")
+
+
+def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp_path: Path) -> None:
+    """``trainer.profiler=none`` (the default) is Lightning's pass-through profiler without a new
+    generator context per hook call (about 70 per step); a Trainer fits with it and calls every
+    callback hook as before. ``simple`` and ``torch`` stay Lightning's own profilers."""
+    import lightning as L
+    from conftest import composed
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+    from fsdp_cli.builders.trainer import build_profiler
+
+    profiler = build_profiler(composed(), accumulation=1)
+    assert isinstance(profiler, PassThroughProfiler)
+    assert profiler.profile("[Callback]A.on_train_batch_end") is profiler.profile("run_training_batch")
+    simple = build_profiler(composed("trainer.profiler=simple", f"run_dir={tmp_path}"), accumulation=1)
+    assert type(simple) is SimpleProfiler
+
+    class Hooks(L.Callback):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.calls.append("start")
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            self.calls.append("optimizer")
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.calls.append("end")
+
+    hooks = Hooks()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        profiler=profiler,
+        callbacks=[hooks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(BoringModel())
+    assert trainer.profiler is profiler and trainer.global_step == 3
+    assert hooks.calls == ["start", "optimizer", "end"] * 3

@@ -199,9 +199,10 @@ def test_float8_trains_like_bf16_with_float8_all_gathers(precision_run: Any) -> 
 
 # --------------------------------------------------------------------------- per-step work
 
-STEP_WORK_SLACK = 0.03
+STEP_WORK_SLACK = 0.01
 """Python calls may differ from the table by this fraction (two runs of one config differ by about
-0.1%); the other counts are exact."""
+0.1%; Lightning's generator context around each hook call, about 70 per step, is 1.2-2%); the
+other counts are exact."""
 
 
 @dataclass(frozen=True)
@@ -228,16 +229,16 @@ class StepWork:
 # only after checking that the work is needed on every step.
 STEP_WORK: dict[str, StepWork] = {
     "fsdp2-32-true": StepWork(
-        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1812, 1812), (34402, 34402)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1806, 1806), (33976, 33930)
     ),
     "fsdp2-bf16-mixed": StepWork(
-        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1920, 1920), (35359, 35374)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1914, 1914), (34984, 34938)
     ),
     "fsdp-bf16-mixed": StepWork(
-        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (31, 15), (2116, 1812), (29795, 26716)
+        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (31, 15), (2110, 1806), (29415, 26233)
     ),
     "ddp-bf16-mixed": StepWork(
-        {"gloo:all_gather": 1, "gloo:all_reduce": 2}, (40, 40), (1738, 1738), (19412, 19474)
+        {"gloo:all_gather": 1, "gloo:all_reduce": 2}, (40, 40), (1732, 1732), (19037, 18991)
     ),
 }
 
@@ -245,7 +246,7 @@ STEP_WORK: dict[str, StepWork] = {
 @pytest.mark.parametrize("name", sorted(STEP_WORK))
 def test_per_step_work_is_the_tables(precision_run: Any, name: str) -> None:
     """The per-step work fsdp-train issues under each strategy, counted (not timed) on every rank:
-    the collectives, host synchronisations and aten ops exactly, the Python calls within 3%. A
+    the collectives, host synchronisations and aten ops exactly, the Python calls within 1%. A
     metrics row handed to Lightning's ``self.log`` every step (about 50 more ops and 15% more
     Python calls under FSDP2) fails here."""
     root, _ = precision_run(name)

@@ -151,15 +151,19 @@ class MetricsCallback(L.Callback):
         """The row's numbers into ``trainer.callback_metrics`` for callbacks that monitor them (not
         to the loggers again: :meth:`_write` sent them). A name the module logs itself is its own."""
         present = trainer.callback_metrics
-        shared: dict[str, torch.Tensor] = {}
-        for key, value in row.items():
-            if key == "step" or value is None or (key in present and key not in self._shared):
-                continue
-            self._shared.add(key)
-            # float64, as in metrics.jsonl: a monitored value (and a file name that shows it) is
-            # exactly the row's; a plain float would become float32.
-            shared[key] = torch.tensor(float(value), dtype=torch.float64)
-        share_callback_metrics(trainer, shared)
+        keys = [
+            key
+            for key, value in row.items()
+            if key != "step" and value is not None and (key not in present or key in self._shared)
+        ]
+        if not keys:
+            return
+        self._shared.update(keys)
+        # float64, as in metrics.jsonl: a monitored value (and a file name that shows it) is
+        # exactly the row's; a plain float would become float32. One tensor, one scalar view per
+        # key: two aten ops on every logged step instead of one per key.
+        values = torch.tensor([float(row[key]) for key in keys], dtype=torch.float64).unbind()
+        share_callback_metrics(trainer, dict(zip(keys, values)))
 
     def _throughput(self, trainer: L.Trainer, step_time: float, steps: int) -> dict[str, float]:
         if self.tokens_per_step is not None:
@@ -200,14 +204,14 @@ class MetricsCallback(L.Callback):
         # Lightning hands on_train_batch_end the loss already divided by the accumulation factor.
         loss = _loss_of(outputs)
         if loss is not None:
-            loss = loss * accumulation
+            loss = loss * accumulation if accumulation != 1 else loss  # (no op on every step for nothing)
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
             self._loss_count += 1
 
     def _take_loss(self) -> torch.Tensor | None:
         if self._loss_sum is None:
             return None
-        mean = self._loss_sum / self._loss_count
+        mean = self._loss_sum / self._loss_count if self._loss_count != 1 else self._loss_sum
         self._loss_sum, self._loss_count = None, 0
         return mean
 
