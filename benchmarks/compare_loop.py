@@ -11,11 +11,14 @@ The matrix: the built-in Llama (``model=tiny`` resized) and a plain ``nn.Module`
 seq 128, batch 8) and a compute-bound one (dim 256, 4 blocks, seq 256, batch 8), under
 ``strategy=fsdp2``, ``fsdp`` and ``ddp``, with ``trainer.log_every_n_steps=1`` and ``10``.
 
-Every cell is run as a pair, fsdp-train and the hand-written loop (which goes first alternates
-between repeats), and the pairs of all cells are interleaved (cell 1, cell 2, ..., then the next
-repeat), so load drifting on the machine hits both sides of a pair alike. A pair's ratio is
-fsdp-train's median step time over the hand loop's (steps after warm-up); a cell reports the
-median ratio over its repeats and their spread (min-max). Writes ``benchmark.json`` (every measurement) to ``--out``.
+Every cell is run as a pair, fsdp-train and the hand-written loop (plus plain Lightning with
+``--lightning``; which side goes first rotates between repeats), and the pairs of all cells are
+interleaved (cell 1, cell 2, ..., then the next repeat), so load drifting on the machine hits
+every side alike. A pair's ratio is fsdp-train's median step time over the hand loop's (steps
+after warm-up); its CPU ratio is the same for the CPU seconds per step of the ranks' processes
+(``cpu_clock.py``: what a side does per step, which other load on the machine barely moves). A
+cell reports the median ratios over its repeats and their spread (min-max). Writes
+``benchmark.json`` (every measurement) to ``--out``.
 """
 
 from __future__ import annotations
@@ -96,7 +99,13 @@ def fsdp_train_command(
 
 
 def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
-    command = fsdp_train_command(cell, args, run_dir, extra)
+    cpu_clock = run_dir.with_name(run_dir.name + ".cpu.json")
+    clock = (  # CPU seconds per step (cpu_clock.py), through the callbacks group as a user's callback
+        "+callbacks.cpu_clock._target_=benchmarks.lightning_loop.CpuClock",
+        f"+callbacks.cpu_clock.warmup={SIZES[cell.size]['warmup']}",
+        f"+callbacks.cpu_clock.out={cpu_clock}",
+    )
+    command = fsdp_train_command(cell, args, run_dir, (*extra, *clock))
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"fsdp-train failed ({cell.name}):\n{result.stderr[-3000:]}")
@@ -110,6 +119,7 @@ def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: t
         "peak_memory_bytes": max(summary["peak_memory_bytes"]),
         "precision": summary["precision"],
         "mfu": summary.get("mfu"),
+        **json.loads(cpu_clock.read_text()),
     }
 
 
@@ -162,7 +172,7 @@ def run_lightning_loop(cell: Cell, args: argparse.Namespace, stem: Path, precisi
     if not args.lightning or (cell.strategy == "fsdp" and not torch.cuda.is_available()):
         return {}
     measured = run_hand_loop(cell, args, stem.with_suffix(".lightning.json"), precision, "lightning_loop.py")
-    return {"lightning_s": measured["step_time_s"]}
+    return {"lightning_s": measured["step_time_s"], "lightning_cpu_s": measured["cpu_step_s"]}
 
 
 def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str, list[dict]]:
@@ -171,52 +181,80 @@ def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str,
         for cell in cells:
             started = time.time()
             stem = tmp / f"{cell.name.replace('/', '_')}_{repeat}"
-            # Which side goes first alternates between repeats: a machine slowing down (or
-            # speeding up) during a pair favours neither side over the whole run. (The hand loop
-            # takes the precision fsdp-train resolved, known from the first repeat.)
-            if repeat % 2 == 0:
-                ours = run_fsdp_train(cell, args, stem)
-                hand = run_hand_loop(cell, args, stem.with_suffix(".json"), ours["precision"])
-            else:
-                precision = pairs[cell.name][0]["precision"]
-                hand = run_hand_loop(cell, args, stem.with_suffix(".json"), precision)
-                ours = run_fsdp_train(cell, args, stem)
-            lightning = run_lightning_loop(cell, args, stem, ours["precision"])
-            pair = {
-                **lightning,
-                "fsdp_train_s": ours["step_time_s"],
-                "hand_s": hand["step_time_s"],
-                "ratio": ours["step_time_s"] / hand["step_time_s"],
-                "precision": ours["precision"],
-                "mfu": ours["mfu"],
-                "load_avg": os.getloadavg()[0],
-            }
+            pair = measure_sides(cell, args, stem, repeat, pairs[cell.name])
             pairs[cell.name].append(pair)
             print(
                 f"[{repeat + 1}/{args.repeats}] {cell.name:28s} fsdp-train {pair['fsdp_train_s'] * 1e3:8.2f} ms  "
-                f"hand {pair['hand_s'] * 1e3:8.2f} ms  ratio {pair['ratio']:.3f}  "
-                + (f"lightning {pair['lightning_s'] * 1e3:8.2f} ms  " if "lightning_s" in pair else "")
+                f"hand {pair['hand_s'] * 1e3:8.2f} ms  ratio {pair['ratio']:.3f}  CPU ratio {pair['cpu_ratio']:.3f}  "
+                + (
+                    f"lightning {pair['lightning_s'] * 1e3:8.2f} ms, CPU ratio to it {pair['cpu_ratio_lightning']:.3f}  "
+                    if "lightning_s" in pair
+                    else ""
+                )
                 + f"(load {pair['load_avg']:.1f}, {time.time() - started:.0f} s)",
                 flush=True,
             )
     return pairs
 
 
+def measure_sides(cell: Cell, args: argparse.Namespace, stem: Path, repeat: int, earlier: list[dict]) -> dict:
+    """One repeat of a cell: fsdp-train, the hand loop and (``--lightning``) plain Lightning, in an
+    order that rotates between repeats, so that a machine slowing down (or speeding up) during a
+    repeat favours no side over the run. The other sides take the precision fsdp-train resolved
+    (known from the first repeat, where fsdp-train goes first)."""
+    names = ["ours", "hand", "lightning"] if args.lightning else ["ours", "hand"]
+    order = names[repeat % len(names) :] + names[: repeat % len(names)]
+    done: dict[str, dict] = {}
+    for side in order:
+        precision = earlier[0]["precision"] if earlier else None
+        if side == "ours":
+            done[side] = run_fsdp_train(cell, args, stem)
+        elif side == "hand":
+            done[side] = run_hand_loop(
+                cell, args, stem.with_suffix(".json"), precision or done["ours"]["precision"]
+            )
+        else:
+            done[side] = run_lightning_loop(cell, args, stem, precision or done["ours"]["precision"])
+    ours, hand = done["ours"], done["hand"]
+    pair = {
+        **done.get("lightning", {}),
+        "fsdp_train_s": ours["step_time_s"],
+        "hand_s": hand["step_time_s"],
+        "ratio": ours["step_time_s"] / hand["step_time_s"],
+        "fsdp_train_cpu_s": ours["cpu_step_s"],
+        "hand_cpu_s": hand["cpu_step_s"],
+        "cpu_ratio": ours["cpu_step_s"] / hand["cpu_step_s"],
+        "precision": ours["precision"],
+        "mfu": ours["mfu"],
+        "load_avg": os.getloadavg()[0],
+    }
+    if "lightning_cpu_s" in pair:
+        pair["cpu_ratio_lightning"] = ours["cpu_step_s"] / pair["lightning_cpu_s"]
+    return pair
+
+
 def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
     lightning = any("lightning_s" in p for runs in pairs.values() for p in runs)
     lines = [
-        "| model | size | strategy | log every | fsdp-train ms/step | hand-written ms/step | ratio (median) | spread |"
-        + (" plain Lightning ms/step | fsdp-train / Lightning (median) |" if lightning else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|---|" if lightning else ""),
+        "| model | size | strategy | log every | fsdp-train ms/step | hand-written ms/step | ratio (median) | spread "
+        "| CPU ratio (median) | CPU spread |"
+        + (
+            " plain Lightning ms/step | fsdp-train / Lightning (median) | CPU: fsdp-train / Lightning |"
+            if lightning
+            else ""
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if lightning else ""),
     ]
     for cell in cells:
         runs = pairs[cell.name]
         ratios = [p["ratio"] for p in runs]
+        cpu = [p["cpu_ratio"] for p in runs]
         lines.append(
             f"| {cell.model} | {cell.size} | {cell.strategy} | {cell.log_every} | "
             f"{statistics.median(p['fsdp_train_s'] for p in runs) * 1e3:.2f} | "
             f"{statistics.median(p['hand_s'] for p in runs) * 1e3:.2f} | "
-            f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |"
+            f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
+            f"{statistics.median(cpu):.3f} | {min(cpu):.3f}-{max(cpu):.3f} |"
             + (lightning_cells(runs) if lightning else "")
         )
     return "\n".join(lines)
@@ -226,9 +264,10 @@ def lightning_cells(runs: list[dict]) -> str:
     """The plain-Lightning columns of a row (``-`` where that side did not run)."""
     runs = [p for p in runs if "lightning_s" in p]
     if not runs:
-        return " - | - |"
+        return " - | - | - |"
     own = statistics.median(p["fsdp_train_s"] / p["lightning_s"] for p in runs)
-    return f" {statistics.median(p['lightning_s'] for p in runs) * 1e3:.2f} | {own:.3f} |"
+    cpu = statistics.median(p["cpu_ratio_lightning"] for p in runs)
+    return f" {statistics.median(p['lightning_s'] for p in runs) * 1e3:.2f} | {own:.3f} | {cpu:.3f} |"
 
 
 def commit() -> str:

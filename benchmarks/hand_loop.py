@@ -32,6 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.gpt` from a checkout
 
+from benchmarks.cpu_clock import CpuWindow
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 
@@ -138,6 +139,7 @@ def main(out: str, opts: dict[str, str]) -> None:
     )
     times: list[float] = []
     t_last: float | None = None
+    cpu = CpuWindow(warmup)
     for step in range(1, steps + 1):
         tokens = torch.stack([data[i] for i in next(sampler)]).to(device, non_blocking=True)
         with autocast:
@@ -155,6 +157,8 @@ def main(out: str, opts: dict[str, str]) -> None:
             if t_last is not None and step > warmup:  # warmup is a multiple of log_every
                 times.append((now - t_last) / log_every)
             t_last = now
+        cpu.step_done(step)
+    measured = cpu.over_ranks()
     # The same measure fsdp-train reports: CUDA allocator peak on GPU, max RSS on CPU.
     peak = (
         torch.cuda.max_memory_allocated()
@@ -163,7 +167,14 @@ def main(out: str, opts: dict[str, str]) -> None:
     )
     if rank == 0:
         Path(out).write_text(
-            json.dumps({"step_time_s": statistics.median(times), "samples": times, "peak_memory_bytes": peak})
+            json.dumps(
+                {
+                    "step_time_s": statistics.median(times),
+                    "samples": times,
+                    "peak_memory_bytes": peak,
+                    **measured,
+                }
+            )
         )
     # Every rank done before any tears down: a gloo DDP rank leaving while its peer still
     # writes once aborted at exit ("terminate called without an active exception").

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` from a checkout
 
+from benchmarks.cpu_clock import CpuWindow
 from benchmarks.hand_loop import build_model, clip, materialize
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
@@ -82,18 +83,44 @@ class StepTimer(L.Callback):
         self.log_every, self.warmup = log_every, warmup
         self.times: list[float] = []
         self.t_last: float | None = None
+        self.cpu = CpuWindow(warmup)
+        self.measured: dict[str, Any] = {}
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
         step = trainer.global_step
-        if step % self.log_every:
-            return
-        value = outputs["loss"].detach().clone()
-        dist.all_reduce(value)
-        (value / dist.get_world_size()).item()
-        now = time.perf_counter()
-        if self.t_last is not None and step > self.warmup:
-            self.times.append((now - self.t_last) / self.log_every)
-        self.t_last = now
+        if step % self.log_every == 0:
+            value = outputs["loss"].detach().clone()
+            dist.all_reduce(value)
+            (value / dist.get_world_size()).item()
+            now = time.perf_counter()
+            if self.t_last is not None and step > self.warmup:
+                self.times.append((now - self.t_last) / self.log_every)
+            self.t_last = now
+        self.cpu.step_done(step)  # after the step's loss is read, as on the other sides
+
+    def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
+        self.measured = self.cpu.over_ranks()
+
+
+class CpuClock(L.Callback):
+    """fsdp-train's side of the CPU measure (``compare_loop.py`` adds it through the ``callbacks``
+    config group): :class:`~benchmarks.cpu_clock.CpuWindow` over optimizer steps; rank 0 writes
+    ``out`` (JSON)."""
+
+    def __init__(self, warmup: int, out: str) -> None:
+        self.window = CpuWindow(warmup)
+        self.out = Path(out)
+        self._seen = -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self._seen:  # once per optimizer step, not per micro-batch
+            self._seen = trainer.global_step
+            self.window.step_done(trainer.global_step)
+
+    def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
+        measured = self.window.over_ranks()
+        if trainer.is_global_zero:
+            self.out.write_text(json.dumps(measured))
 
 
 def main(out: str, opts: dict[str, str]) -> None:
@@ -129,6 +156,7 @@ def main(out: str, opts: dict[str, str]) -> None:
                     "step_time_s": statistics.median(timer.times),
                     "samples": timer.times,
                     "peak_memory_bytes": peak,
+                    **timer.measured,
                 }
             )
         )
