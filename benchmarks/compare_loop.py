@@ -43,6 +43,26 @@ SIZES = {
 QUICK_STEPS = 100  # --quick: 80 steps measured after the warm-up
 N_HEADS, N_KV_HEADS, VOCAB = 4, 2, 256
 MARK_BEGIN, MARK_END = "<!-- compare_loop:begin -->", "<!-- compare_loop:end -->"
+# On CPUs, glibc's malloc hands the step's large buffers back to the kernel when they are freed
+# and faults them in again at the next step: 10 to 600 page faults per step, a different number
+# in every process (it depends on the allocation history), which moved a side's step time by 20%
+# from one run to the next. With these thresholds raised the heap keeps them (3-5 faults per
+# step), on every side alike (``--default-malloc``: as the machine has it).
+CPU_MALLOC = "glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=536870912"
+
+
+def side_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment every side runs in."""
+    env = dict(os.environ)
+    if not getattr(args, "default_malloc", True) and "GLIBC_TUNABLES" not in env and not _has_cuda():
+        env["GLIBC_TUNABLES"] = CPU_MALLOC
+    return env
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -105,8 +125,17 @@ def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: t
         f"+callbacks.cpu_clock.warmup={SIZES[cell.size]['warmup']}",
         f"+callbacks.cpu_clock.out={cpu_clock}",
     )
+    parts = run_dir.with_name(run_dir.name + ".parts.json")
+    if getattr(args, "parts", False):  # the step split into model work and the rest (step_parts.py)
+        size = SIZES[cell.size]
+        clock += (
+            "+callbacks.step_parts._target_=benchmarks.lightning_loop.StepParts",
+            f"+callbacks.step_parts.start={size['warmup']}",
+            f"+callbacks.step_parts.stop={size['steps'] - 1}",
+            f"+callbacks.step_parts.out={parts}",
+        )
     command = fsdp_train_command(cell, args, run_dir, (*extra, *clock))
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=side_env(args))
     if result.returncode != 0:
         raise SystemExit(f"fsdp-train failed ({cell.name}):\n{result.stderr[-3000:]}")
     warmup = SIZES[cell.size]["warmup"]
@@ -120,6 +149,7 @@ def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: t
         "precision": summary["precision"],
         "mfu": summary.get("mfu"),
         **json.loads(cpu_clock.read_text()),
+        **({"parts": json.loads(parts.read_text())} if parts.exists() else {}),
     }
 
 
@@ -128,7 +158,7 @@ def run_hand_loop(
 ) -> dict:
     """``script``: ``hand_loop.py`` (plain PyTorch) or ``lightning_loop.py`` (plain Lightning)."""
     size = SIZES[cell.size]
-    env = dict(os.environ)
+    env = side_env(args)
     # fsdp-train's launcher gives each CPU rank its share of the cores; so does this side.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.devices)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -152,6 +182,7 @@ def run_hand_loop(
         f"warmup={size['warmup']}",
         f"log_every={cell.log_every}",
         f"precision={precision}",
+        *([f"parts={out.with_suffix('.parts.json')}"] if getattr(args, "parts", False) else []),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if result.returncode != 0 and not out.is_file():
@@ -161,7 +192,10 @@ def run_hand_loop(
             f"note: the hand-written loop exited {result.returncode} after measuring ({cell.name})",
             flush=True,
         )
-    return json.loads(out.read_text())
+    measured = json.loads(out.read_text())
+    if getattr(args, "parts", False):
+        measured["parts"] = json.loads(out.with_suffix(".parts.json").read_text())
+    return measured
 
 
 def run_lightning_loop(cell: Cell, args: argparse.Namespace, stem: Path, precision: str) -> dict:
@@ -172,7 +206,11 @@ def run_lightning_loop(cell: Cell, args: argparse.Namespace, stem: Path, precisi
     if not args.lightning or (cell.strategy == "fsdp" and not torch.cuda.is_available()):
         return {}
     measured = run_hand_loop(cell, args, stem.with_suffix(".lightning.json"), precision, "lightning_loop.py")
-    return {"lightning_s": measured["step_time_s"], "lightning_cpu_s": measured["cpu_step_s"]}
+    return {
+        "lightning_s": measured["step_time_s"],
+        "lightning_cpu_s": measured["cpu_step_s"],
+        **({"lightning_parts": measured["parts"]} if "parts" in measured else {}),
+    }
 
 
 def measure(cells: list[Cell], args: argparse.Namespace, tmp: Path) -> dict[str, list[dict]]:
@@ -230,6 +268,12 @@ def measure_sides(cell: Cell, args: argparse.Namespace, stem: Path, repeat: int,
     }
     if "lightning_cpu_s" in pair:
         pair["cpu_ratio_lightning"] = ours["cpu_step_s"] / pair["lightning_cpu_s"]
+    if "parts" in ours:
+        pair.update(fsdp_train_parts=ours["parts"], hand_parts=hand["parts"])
+        # The hand loop's step plus the difference in framework time (step_parts.py): what the
+        # ratio would be if the model's work took the same time on both sides.
+        extra = ours["parts"]["framework_ms"] - hand["parts"]["framework_ms"]
+        pair["parts_ratio"] = 1 + extra / hand["parts"]["step_ms"]
     return pair
 
 
@@ -245,6 +289,8 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
         ),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if lightning else ""),
     ]
+    if any("parts_ratio" in p for runs in pairs.values() for p in runs):
+        return parts_table(cells, pairs)
     for cell in cells:
         runs = pairs[cell.name]
         ratios = [p["ratio"] for p in runs]
@@ -256,6 +302,34 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
             f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
             f"{statistics.median(cpu):.3f} | {min(cpu):.3f}-{max(cpu):.3f} |"
             + (lightning_cells(runs) if lightning else "")
+        )
+    return "\n".join(lines)
+
+
+def parts_table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
+    """``--parts``: each side's step split into the model's work and the framework's (rank 0,
+    medians over repeats), and the ratio the framework times imply."""
+    lightning = any("lightning_parts" in p for runs in pairs.values() for p in runs)
+    lines = [
+        "| model | size | strategy | log every | wall ratio (median) | framework ms/step: fsdp-train | hand-written"
+        + (" | plain Lightning" if lightning else "")
+        + " | model work ms/step: fsdp-train | hand-written | ratio from framework time (median) | spread |",
+        "|---|---|---|---|---|---|---|" + ("---|" if lightning else "") + "---|---|---|---|",
+    ]
+    for cell in cells:
+        runs = pairs[cell.name]
+        implied = [p["parts_ratio"] for p in runs]
+
+        def median(side: str, key: str, runs: list[dict] = runs) -> str:
+            return f"{statistics.median(p[side][key] for p in runs if side in p):.2f}"
+
+        lines.append(
+            f"| {cell.model} | {cell.size} | {cell.strategy} | {cell.log_every} | "
+            f"{statistics.median(p['ratio'] for p in runs):.3f} | "
+            f"{median('fsdp_train_parts', 'framework_ms')} | {median('hand_parts', 'framework_ms')} | "
+            + (f"{median('lightning_parts', 'framework_ms')} | " if lightning else "")
+            + f"{median('fsdp_train_parts', 'model_ms')} | {median('hand_parts', 'model_ms')} | "
+            f"{statistics.median(implied):.3f} | {min(implied):.3f}-{max(implied):.3f} |"
         )
     return "\n".join(lines)
 
@@ -319,6 +393,19 @@ def main() -> None:
         help="also run each cell as a plain LightningModule and Trainer (lightning_loop.py): "
         "separates Lightning's own per-step cost from fsdp-train's (not fsdp on CPUs: Lightning's FSDPStrategy needs GPUs)",
     )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="split every side's step into the model's work and the framework's, inside each run "
+        "(step_parts.py), and report the ratio the framework times imply: what the machine's speed "
+        "changing between runs does not move",
+    )
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc thresholds as they are (by default every side runs with CPU_MALLOC "
+        "on CPUs: without it, page faults move each run's step time by up to 20%%)",
+    )
     parser.add_argument("--record", type=Path, default=None, help="write the table into this markdown file")
     args = parser.parse_args()
     if args.quick:
@@ -356,6 +443,7 @@ def main() -> None:
         precision = next(iter(pairs.values()))[0]["precision"]
         settings = (
             f"{args.devices} processes, {precision}, {args.repeats} interleaved repeats, {os.cpu_count()} cores, "
+            f"{'default malloc' if args.default_malloc or _has_cuda() else 'CPU_MALLOC'}, "
             f"load average {min(p['load_avg'] for c in pairs.values() for p in c):.1f}-"
             f"{max(p['load_avg'] for c in pairs.values() for p in c):.1f}; "
             f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {measured}"

@@ -33,6 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.gpt` from a checkout
 
 from benchmarks.cpu_clock import CpuWindow
+from benchmarks.step_parts import Phases, write_report
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 
@@ -140,19 +141,28 @@ def main(out: str, opts: dict[str, str]) -> None:
     times: list[float] = []
     t_last: float | None = None
     cpu = CpuWindow(warmup)
+    parts = Phases(warmup, steps - 1)  # step_parts.py: the same window as the Lightning sides'
     for step in range(1, steps + 1):
+        parts.step_begins(step - 1)
         tokens = torch.stack([data[i] for i in next(sampler)]).to(device, non_blocking=True)
+        parts.lap("data")
         with autocast:
             logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        parts.lap("forward_loss")
         loss.backward()
+        parts.lap("backward")
         clip(model, strategy)
+        parts.lap("clip")
         optimizer.step()
+        parts.lap("optimizer")
         optimizer.zero_grad(set_to_none=True)
+        parts.lap("zero_grad")
         if step % log_every == 0:
             value = loss.detach().clone()
             dist.all_reduce(value)
             (value / world).item()
+            parts.lap("loss_reduction")
             now = time.perf_counter()
             if t_last is not None and step > warmup:  # warmup is a multiple of log_every
                 times.append((now - t_last) / log_every)
@@ -165,6 +175,8 @@ def main(out: str, opts: dict[str, str]) -> None:
         if gpu
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
+    if rank == 0 and "parts" in opts:
+        write_report(parts, Path(opts["parts"]))
     if rank == 0:
         Path(out).write_text(
             json.dumps(

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` f
 
 from benchmarks.cpu_clock import CpuWindow
 from benchmarks.hand_loop import build_model, clip, materialize
+from benchmarks.step_parts import Phases, write_report
 from fsdp_cli.data.sampler import StepBatchSampler
 from fsdp_cli.data.synthetic import SyntheticTokens
 
@@ -79,8 +80,8 @@ class Module(L.LightningModule):
 class StepTimer(L.Callback):
     """Every ``log_every`` steps: the loss averaged over the ranks, read on the host, and the time."""
 
-    def __init__(self, log_every: int, warmup: int) -> None:
-        self.log_every, self.warmup = log_every, warmup
+    def __init__(self, log_every: int, warmup: int, phases: Phases | None = None) -> None:
+        self.log_every, self.warmup, self.phases = log_every, warmup, phases
         self.times: list[float] = []
         self.t_last: float | None = None
         self.cpu = CpuWindow(warmup)
@@ -89,9 +90,12 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
         step = trainer.global_step
         if step % self.log_every == 0:
+            began = time.perf_counter_ns()
             value = outputs["loss"].detach().clone()
             dist.all_reduce(value)
             (value / dist.get_world_size()).item()
+            if self.phases is not None:
+                self.phases.add("loss_reduction", time.perf_counter_ns() - began)
             now = time.perf_counter()
             if self.t_last is not None and step > self.warmup:
                 self.times.append((now - self.t_last) / self.log_every)
@@ -123,6 +127,54 @@ class CpuClock(L.Callback):
             self.out.write_text(json.dumps(measured))
 
 
+class StepParts(L.Callback):
+    """A Lightning side's :class:`~benchmarks.step_parts.Phases` (rank 0 writes ``out``): the
+    strategy's ``training_step`` (the wrapped model's forward and the loss), the module's
+    ``backward`` and ``optimizer_zero_grad``, clipping (fsdp-train's clipping callback, or the
+    module's ``configure_gradient_clipping``), fsdp-train's loss reduction, and the optimizer's
+    ``step`` less the closure Lightning hands it."""
+
+    def __init__(self, start: int, stop: int, out: str) -> None:
+        self.phases = Phases(start, stop)
+        self.out = Path(out)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        timed = self.phases.timed
+        # DDP's and FSDP's own work around the forward comes with it, as in the hand loop's
+        # ``model(tokens)``; so does Lightning's redirection through the wrapper (microseconds).
+        trainer.strategy.training_step = timed("forward_loss", trainer.strategy.training_step)
+        pl_module.backward = timed("backward", pl_module.backward)
+        pl_module.optimizer_zero_grad = timed("zero_grad", pl_module.optimizer_zero_grad)
+        if type(pl_module).configure_gradient_clipping is not L.LightningModule.configure_gradient_clipping:
+            pl_module.configure_gradient_clipping = timed("clip", pl_module.configure_gradient_clipping)
+        for callback in trainer.callbacks:
+            if type(callback).__name__ == "GradientClipping":  # fsdp-train's
+                callback.on_before_optimizer_step = timed("clip", callback.on_before_optimizer_step)
+        import fsdp_cli.callbacks.nonfinite as nonfinite
+
+        # fsdp-train's loss reduction on a logged step (a private name, wrapped for this measurement).
+        nonfinite._gather_rows = timed("loss_reduction", nonfinite._gather_rows)  # noqa: SLF001
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for optimizer in trainer.optimizers:  # the torch optimizers Lightning's plugins step
+            optimizer.step = self.phases.timed("optimizer_with_closure", self._closure_timed(optimizer.step))
+
+    def _closure_timed(self, step: Any) -> Any:
+        def with_timed_closure(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("closure") is not None:
+                kwargs["closure"] = self.phases.timed("closure", kwargs["closure"])
+            return step(*args, **kwargs)
+
+        return with_timed_closure
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.phases.step_begins(trainer.global_step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            write_report(self.phases, self.out)
+
+
 def main(out: str, opts: dict[str, str]) -> None:
     steps, strategy = int(opts["steps"]), opts["strategy"]
     torch.manual_seed(1234)
@@ -133,14 +185,15 @@ def main(out: str, opts: dict[str, str]) -> None:
         global_batch_size=batch, micro_batch_size=batch // world, dp_rank=rank, dp_size=world
     )
     data = DataLoader(SyntheticTokens(vocab_size=module.vocab, seq_len=seq, seed=1234), batch_sampler=sampler)
-    timer = StepTimer(int(opts["log_every"]), int(opts["warmup"]))
+    parts = StepParts(int(opts["warmup"]), steps - 1, opts["parts"]) if "parts" in opts else None
+    timer = StepTimer(int(opts["log_every"]), int(opts["warmup"]), parts.phases if parts else None)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=lightning_strategy(strategy, module.block_cls, world),
         max_steps=steps,
         gradient_clip_val=1.0,
-        callbacks=[timer],
+        callbacks=[timer] if parts is None else [timer, parts],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
