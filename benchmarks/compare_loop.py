@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -278,70 +279,67 @@ def measure_sides(cell: Cell, args: argparse.Namespace, stem: Path, repeat: int,
 
 
 def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
-    lightning = any("lightning_s" in p for runs in pairs.values() for p in runs)
-    lines = [
-        "| model | size | strategy | log every | fsdp-train ms/step | hand-written ms/step | ratio (median) | spread "
-        "| CPU ratio (median) | CPU spread |"
-        + (
-            " plain Lightning ms/step | fsdp-train / Lightning (median) | CPU: fsdp-train / Lightning |"
-            if lightning
-            else ""
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if lightning else ""),
+    """One row per cell: medians over its repeats (and the spread of the ratios); the plain-Lightning
+    and framework-time columns where those were measured."""
+    measured = [p for runs in pairs.values() for p in runs]
+    columns = [
+        ("fsdp-train ms/step", lambda runs: _median(runs, lambda p: p["fsdp_train_s"] * 1e3, "{:.2f}")),
+        ("hand-written ms/step", lambda runs: _median(runs, lambda p: p["hand_s"] * 1e3, "{:.2f}")),
+        ("ratio (median)", lambda runs: _median(runs, lambda p: p["ratio"])),
+        ("spread", lambda runs: _spread(runs, "ratio")),
+        ("CPU ratio (median)", lambda runs: _median(runs, lambda p: p["cpu_ratio"])),
+        ("CPU spread", lambda runs: _spread(runs, "cpu_ratio")),
     ]
-    if any("parts_ratio" in p for runs in pairs.values() for p in runs):
-        return parts_table(cells, pairs)
+    if any("lightning_s" in p for p in measured):
+        columns += [
+            (
+                "plain Lightning ms/step",
+                lambda runs: _median(runs, lambda p: p["lightning_s"] * 1e3, "{:.2f}"),
+            ),
+            (
+                "fsdp-train / Lightning",
+                lambda runs: _median(runs, lambda p: p["fsdp_train_s"] / p["lightning_s"]),
+            ),
+            ("CPU: fsdp-train / Lightning", lambda runs: _median(runs, lambda p: p["cpu_ratio_lightning"])),
+        ]
+    if any("parts_ratio" in p for p in measured):
+        framework = lambda side: (
+            lambda runs: _median(  # noqa: E731
+                runs, lambda p: p[side]["framework_ms"], "{:.2f}", needs=side
+            )
+        )
+        columns += [("framework ms/step: fsdp-train", framework("fsdp_train_parts"))]
+        columns += [("hand-written", framework("hand_parts"))]
+        if any("lightning_parts" in p for p in measured):
+            columns += [("plain Lightning", framework("lightning_parts"))]
+        columns += [
+            ("ratio from framework time (median)", lambda runs: _median(runs, lambda p: p["parts_ratio"])),
+            ("its spread", lambda runs: _spread(runs, "parts_ratio")),
+        ]
+    lines = [
+        "| model | size | strategy | log every | " + " | ".join(name for name, _ in columns) + " |",
+        "|---|---|---|---|" + "---|" * len(columns),
+    ]
     for cell in cells:
         runs = pairs[cell.name]
-        ratios = [p["ratio"] for p in runs]
-        cpu = [p["cpu_ratio"] for p in runs]
-        lines.append(
-            f"| {cell.model} | {cell.size} | {cell.strategy} | {cell.log_every} | "
-            f"{statistics.median(p['fsdp_train_s'] for p in runs) * 1e3:.2f} | "
-            f"{statistics.median(p['hand_s'] for p in runs) * 1e3:.2f} | "
-            f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
-            f"{statistics.median(cpu):.3f} | {min(cpu):.3f}-{max(cpu):.3f} |"
-            + (lightning_cells(runs) if lightning else "")
-        )
+        cells_text = " | ".join(value(runs) for _, value in columns)
+        lines.append(f"| {cell.model} | {cell.size} | {cell.strategy} | {cell.log_every} | {cells_text} |")
     return "\n".join(lines)
 
 
-def parts_table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
-    """``--parts``: each side's step split into the model's work and the framework's (rank 0,
-    medians over repeats), and the ratio the framework times imply."""
-    lightning = any("lightning_parts" in p for runs in pairs.values() for p in runs)
-    lines = [
-        "| model | size | strategy | log every | wall ratio (median) | framework ms/step: fsdp-train | hand-written"
-        + (" | plain Lightning" if lightning else "")
-        + " | model work ms/step: fsdp-train | hand-written | ratio from framework time (median) | spread |",
-        "|---|---|---|---|---|---|---|" + ("---|" if lightning else "") + "---|---|---|---|",
-    ]
-    for cell in cells:
-        runs = pairs[cell.name]
-        implied = [p["parts_ratio"] for p in runs]
-
-        def median(side: str, key: str, runs: list[dict] = runs) -> str:
-            return f"{statistics.median(p[side][key] for p in runs if side in p):.2f}"
-
-        lines.append(
-            f"| {cell.model} | {cell.size} | {cell.strategy} | {cell.log_every} | "
-            f"{statistics.median(p['ratio'] for p in runs):.3f} | "
-            f"{median('fsdp_train_parts', 'framework_ms')} | {median('hand_parts', 'framework_ms')} | "
-            + (f"{median('lightning_parts', 'framework_ms')} | " if lightning else "")
-            + f"{median('fsdp_train_parts', 'model_ms')} | {median('hand_parts', 'model_ms')} | "
-            f"{statistics.median(implied):.3f} | {min(implied):.3f}-{max(implied):.3f} |"
-        )
-    return "\n".join(lines)
+def _median(runs: list[dict], value: Any, form: str = "{:.3f}", needs: str | None = None) -> str:
+    """The median of ``value(pair)`` over the pairs that measured it (``-`` where none did: plain
+    Lightning does not run FSDP1 on CPUs)."""
+    values = [value(p) for p in runs if needs is None or needs in p]
+    try:
+        return form.format(statistics.median(values)) if values else "-"
+    except KeyError:
+        return "-"
 
 
-def lightning_cells(runs: list[dict]) -> str:
-    """The plain-Lightning columns of a row (``-`` where that side did not run)."""
-    runs = [p for p in runs if "lightning_s" in p]
-    if not runs:
-        return " - | - | - |"
-    own = statistics.median(p["fsdp_train_s"] / p["lightning_s"] for p in runs)
-    cpu = statistics.median(p["cpu_ratio_lightning"] for p in runs)
-    return f" {statistics.median(p['lightning_s'] for p in runs) * 1e3:.2f} | {own:.3f} | {cpu:.3f} |"
+def _spread(runs: list[dict], key: str) -> str:
+    values = [p[key] for p in runs if key in p]
+    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
 
 
 def commit() -> str:
