@@ -303,11 +303,10 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
             ("CPU: fsdp-train / Lightning", lambda runs: _median(runs, lambda p: p["cpu_ratio_lightning"])),
         ]
     if any("parts_ratio" in p for p in measured):
-        framework = lambda side: (
-            lambda runs: _median(  # noqa: E731
-                runs, lambda p: p[side]["framework_ms"], "{:.2f}", needs=side
-            )
-        )
+
+        def framework(side: str) -> Any:
+            return lambda runs: _median(runs, lambda p: p[side]["framework_ms"], "{:.2f}", needs=side)
+
         columns += [("framework ms/step: fsdp-train", framework("fsdp_train_parts"))]
         columns += [("hand-written", framework("hand_parts"))]
         if any("lightning_parts" in p for p in measured):
