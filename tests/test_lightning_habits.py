@@ -202,9 +202,12 @@ def test_the_ranks_refuse_what_the_source_did_not_tell() -> None:
 
 
 def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp_path: Path) -> None:
-    """``trainer.profiler=none`` (the default) is Lightning's pass-through profiler without a new
-    generator context per hook call (about 70 per step); a Trainer fits with it and calls every
-    callback hook as before. ``simple`` and ``torch`` stay Lightning's own profilers."""
+    """``trainer.profiler=none`` (the default) is Lightning's pass-through profiler without a
+    generator context per hook call (about 70 per step): its context yields the action's name as
+    Lightning's does; a Trainer fits with it and calls every callback hook as before. ``simple``
+    and ``torch`` stay Lightning's own profilers."""
+    import contextlib
+
     import lightning as L
     from conftest import composed
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -214,7 +217,9 @@ def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp
 
     profiler = build_profiler(composed(), accumulation=1)
     assert isinstance(profiler, PassThroughProfiler)
-    assert profiler.profile("[Callback]A.on_train_batch_end") is profiler.profile("run_training_batch")
+    with profiler.profile("[Callback]A.on_train_batch_end") as action:
+        assert action == "[Callback]A.on_train_batch_end"
+    assert type(profiler.profile("run_training_batch")) is contextlib.nullcontext
     simple = build_profiler(composed("trainer.profiler=simple", f"run_dir={tmp_path}"), accumulation=1)
     assert type(simple) is SimpleProfiler
 
