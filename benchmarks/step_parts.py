@@ -86,7 +86,14 @@ class Phases:
             parts["optimizer"] = parts.pop("optimizer_with_closure") - parts.pop("closure", 0.0)
         step = self.wall_ns / 1e6 / steps
         model = sum(parts.get(k, 0.0) for k in MODEL_WORK)
-        return {"step_ms": step, "parts_ms": parts, "model_ms": model, "framework_ms": step - model}
+        data = parts.get("data", 0.0)  # the data loader and the move to the device (framework time)
+        return {
+            "step_ms": step,
+            "parts_ms": parts,
+            "model_ms": model,
+            "framework_ms": step - model,
+            "loop_ms": step - model - data,  # the framework less the data: the loop, hooks, callbacks
+        }
 
 
 def write_report(phases: Phases, out: Path) -> None:
