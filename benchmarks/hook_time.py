@@ -29,14 +29,14 @@ Its own wrappers add about a microsecond per timed call.
 
 from __future__ import annotations
 
-import functools
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch.distributed as dist
+
+from benchmarks.step_parts import Phases
 
 STEP_HOOKS = (
     "on_train_batch_start",
@@ -52,24 +52,9 @@ SHARED_WITH_A_HAND_LOOP = ("GradientClipping.on_before_optimizer_step",)
 
 class HookTime(L.Callback):
     def __init__(self, start: int = 20, stop: int = 180, out: str | None = None) -> None:
-        self.start, self.stop, self.out = start, stop, out
-        self.ns: dict[str, int] = {}
-        self.on = False
-        self._t0 = 0.0
-        self._wall = 0.0
-
-    def _timed(self, key: str, fn: Any) -> Any:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.on:
-                return fn(*args, **kwargs)
-            began = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.ns[key] = self.ns.get(key, 0) + time.perf_counter_ns() - began
-
-        return timed
+        self.phases = Phases(start, stop)  # the window and the timed wrappers of step_parts.py
+        self.out = out
+        self._timed = self.phases.timed
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.trainer import call
@@ -90,16 +75,13 @@ class HookTime(L.Callback):
                     setattr(callback, hook, self._timed(name, getattr(callback, hook)))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.start and not self.on and not self._wall:
-            self.on, self._t0 = True, time.perf_counter()
-        elif trainer.global_step == self.stop and self.on:
-            self.on, self._wall = False, time.perf_counter() - self._t0
+        self.phases.step_begins(trainer.global_step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        steps = self.stop - self.start
-        if not self._wall:
-            raise RuntimeError(f"hook_time: the run ended before step {self.stop}")
-        per_step = {k: v / 1e3 / steps for k, v in self.ns.items()}
+        steps = self.phases.stop - self.phases.start
+        if not self.phases.wall_ns:
+            raise RuntimeError(f"hook_time: the run ended before step {self.phases.stop}")
+        per_step = {k: v / 1e3 / steps for k, v in self.phases.ns.items()}
         hooks = dict(sorted(((k, v) for k, v in per_step.items() if "." in k), key=lambda kv: -kv[1]))
         callbacks = [type(c).__name__ for c in trainer.callbacks]
         dispatch = per_step.get("dispatch", 0.0) - sum(hooks.values())
@@ -111,7 +93,7 @@ class HookTime(L.Callback):
             - loss_collective
             + dispatch * (len(callbacks) - 1) / len(callbacks)
         )
-        step = self._wall * 1e6 / steps
+        step = self.phases.wall_ns / 1e3 / steps
         report = {
             "steps": steps,
             "step_us": step,
