@@ -251,3 +251,73 @@ def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp
     trainer.fit(BoringModel())
     assert trainer.profiler is profiler and trainer.global_step == 3
     assert hooks.calls == ["start", "optimizer", "end"] * 3
+
+
+def test_the_hook_name_lightning_sets_per_hook_call_is_a_plain_attribute(tmp_path: Path) -> None:
+    """Lightning sets ``_current_fx_name`` on the module before and after every hook it calls (46
+    times a step): fsdp-train's module stores it without nn.Module's Parameter/Module/Buffer checks,
+    so a step of a plain Lightning Trainer runs none of them; what Lightning reads back (the hook's
+    name, and ``self.log`` keyed by it) is as before, and modules and parameters still register."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from fsdp_cli.models.args import OptimizerArgs
+    from fsdp_cli.models.causal_lm import CausalLMModule
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids))
+
+    class Logged(CausalLMModule):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)  # keyed by the hook Lightning named
+            return loss
+
+    module = Logged(Tiny, OptimizerArgs(), max_steps=3)
+    module.extra = nn.Linear(2, 2)  # other names: nn.Module's own registration
+    module.scale = nn.Parameter(torch.ones(()))
+    assert "extra" in module._modules and "scale" in module._parameters
+
+    checked: list[tuple[str, Any]] = []
+    original = nn.Module.__setattr__
+
+    def counted(obj: nn.Module, name: str, value: Any) -> None:
+        if obj is module and name == "_current_fx_name":
+            checked.append((name, value))
+        original(obj, name, value)
+
+    class Seen(L.Callback):
+        def __init__(self) -> None:
+            self.names: list[str | None] = []
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            self.names.append(pl_module._current_fx_name)
+
+    seen = Seen()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[seen],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    data = DataLoader(torch.randint(0, 16, (6, 9), generator=torch.Generator().manual_seed(0)), batch_size=2)
+    nn.Module.__setattr__ = counted  # type: ignore[method-assign]
+    try:
+        trainer.fit(module, data)
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+    assert trainer.global_step == 3
+    assert seen.names == ["on_train_batch_end"] * 3
+    assert module._current_fx_name is None, "restored after the last hook"
+    assert "train_loss" in trainer.callback_metrics
+    assert checked == [], f"{len(checked)} hook names went through nn.Module's checks"

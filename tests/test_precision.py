@@ -221,25 +221,24 @@ class StepWork:
 # root), FSDP2 8 times (its root, kept gathered from forward to backward as torch keeps a root by
 # default, is not gathered again: 9 gathers, and 12 / 15 more aten ops, while the root was passed
 # reshard_after_forward=True); both reduce gradients with all-reduces (no reduce-scatter on gloo); DDP
-# all-reduces its one bucket; fsdp-train adds one all-gather (the logged loss, checked finite on
-# every rank: callbacks/nonfinite.py), one all-reduce for the global gradient norm (clipping; DDP's
-# norm is local) and, in the first steps, the stop-flag exchange (checkpoint/stop_flag.py). Host
-# syncs: Adam's per-parameter step counts (FSDP1's rank 1 holds fewer non-empty shards), the norm
-# and the logged loss. A change that adds per-step work moves these numbers: update the table
+# all-reduces its one bucket; fsdp-train adds one all-reduce of the logged loss (summed over the
+# ranks, which also tells every rank whether any value was non-finite: callbacks/nonfinite.py; an
+# all-gather to name the ranks follows only then), one all-reduce for the global gradient norm
+# (clipping; DDP's norm is local) and, in the first steps, the stop-flag exchange
+# (checkpoint/stop_flag.py). Host syncs: Adam's per-parameter step counts (FSDP1's rank 1 holds
+# fewer non-empty shards), the norm and the logged loss. A change that adds per-step work moves these numbers: update the table
 # only after checking that the work is needed on every step.
 STEP_WORK: dict[str, StepWork] = {
     "fsdp2-32-true": StepWork(
-        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1806, 1806), (34066, 34020)
+        {"gloo:all_gather": 8, "gloo:all_reduce": 8}, (40, 40), (1804, 1804), (33953, 33907)
     ),
     "fsdp2-bf16-mixed": StepWork(
-        {"gloo:all_gather": 9, "gloo:all_reduce": 7}, (40, 40), (1914, 1914), (35074, 35028)
+        {"gloo:all_gather": 8, "gloo:all_reduce": 8}, (40, 40), (1912, 1912), (34997, 34951)
     ),
     "fsdp-bf16-mixed": StepWork(
-        {"gloo:all_gather": 10, "gloo:all_reduce": 7}, (31, 15), (2110, 1806), (29481, 26299)
+        {"gloo:all_gather": 9, "gloo:all_reduce": 8}, (31, 15), (2108, 1804), (29341, 26159)
     ),
-    "ddp-bf16-mixed": StepWork(
-        {"gloo:all_gather": 1, "gloo:all_reduce": 2}, (40, 40), (1732, 1732), (19103, 19057)
-    ),
+    "ddp-bf16-mixed": StepWork({"gloo:all_reduce": 3}, (40, 40), (1730, 1730), (18963, 18917)),
 }
 
 

@@ -2,10 +2,12 @@
 
 Between logging steps the guard only keeps each step's loss and gradient norm as device scalars
 (no ``.item()``, no collective, so a GPU keeps running ahead of the host). On a logging step it
-replaces the metrics callback's loss all-reduce: one ``all_gather`` of every rank's values, the
-same single collective and host sync as before, from which every rank computes the mean loss
-and whether anything since the last log was not finite: on which step first, on which ranks.
-All ranks therefore fail together, on the same step, and none is left waiting in a collective.
+is the metrics callback's loss all-reduce: one ``all_reduce`` (sum) of this rank's values since
+the last log, the single collective and host sync a hand-written loop that logs as often makes.
+Every rank reads the mean loss from it, and whether anything was not finite: a sum is finite only
+if every rank's value was. Only then (a failing run) does an ``all_gather`` of every rank's values
+follow, to name the first bad step and its ranks. All ranks therefore fail together, on the same
+step, and none is left waiting in a collective.
 A checkpoint save forces the same check first, so nothing trained on a non-finite value is
 ever saved over the last good checkpoint.
 
@@ -109,14 +111,18 @@ class NonFiniteGuard(L.Callback):
         if not values:
             return math.nan
         device = values[0].device
-        rows = _gather_rows(torch.stack([v.to(device, non_blocking=True) for v in values]))
         k = len(steps)
-        losses, norms = [row[:k] for row in rows], rows[0][k:]  # the norm is the same on every rank
-        self._raise_first_bad(step, steps, losses, norm_steps, norms)
+        # Summed over the ranks, a value is finite only if every rank's was (NaN and the
+        # infinities stay what they are in a sum of float64 values of losses and norms).
+        sums = _sum_over_ranks(torch.stack([v.to(device, non_blocking=True) for v in values]))
+        if not all(map(math.isfinite, sums)):
+            # Something was not finite: a second collective names the first bad step and its ranks.
+            rows = _gather_rows(torch.stack([v.to(device, non_blocking=True) for v in values]))
+            losses, norms = [row[:k] for row in rows], rows[0][k:]  # the norm is the same on every rank
+            self._raise_first_bad(step, steps, losses, norm_steps, norms)
         if not steps or steps[-1] != step:
             return math.nan
-        current = [row[k - 1] for row in losses]
-        return sum(current) / len(current)
+        return sums[k - 1] / _world_size()
 
     def _raise_first_bad(
         self,
@@ -160,11 +166,22 @@ class NonFiniteGuard(L.Callback):
         self.skipped = [int(s) for s in state.get("skipped", [])]
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _sum_over_ranks(values: torch.Tensor) -> list[float]:
+    """``values`` summed over every rank: one collective, one sync (the tensor is summed in place)."""
+    if _world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values.tolist()
+
+
 def _gather_rows(values: torch.Tensor) -> list[list[float]]:
     """Every rank's ``values`` (the same length everywhere), one row per rank: one collective, one sync."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = _world_size()
+    if world == 1:
         return [values.tolist()]
-    world = dist.get_world_size()
     out = values.new_empty(world * values.numel())
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, values.contiguous())

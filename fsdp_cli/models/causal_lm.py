@@ -43,6 +43,15 @@ class CausalLMModule(L.LightningModule):
         self.num_parameters: int | None = None
         self._val_sums: torch.Tensor | None = None  # labelled validation: (loss sum, supervised labels)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning names the hook it is in (a str, or None) before and after every hook it calls:
+        # 46 times a step. nn.Module's __setattr__ first checks the value against Parameter, Module
+        # and Buffer (1.3 us here); this plain attribute needs none of it (0.1 us).
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
+
     def configure_model(self) -> None:
         if self.model is None:
             self.model = self.model_factory()
