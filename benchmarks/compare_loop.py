@@ -275,6 +275,9 @@ def measure_sides(cell: Cell, args: argparse.Namespace, stem: Path, repeat: int,
         # ratio would be if the model's work took the same time on both sides.
         extra = ours["parts"]["framework_ms"] - hand["parts"]["framework_ms"]
         pair["parts_ratio"] = 1 + extra / hand["parts"]["step_ms"]
+        if "lightning_parts" in pair:  # the same for plain Lightning: the floor its loop sets
+            extra = pair["lightning_parts"]["framework_ms"] - hand["parts"]["framework_ms"]
+            pair["lightning_parts_ratio"] = 1 + extra / hand["parts"]["step_ms"]
     return pair
 
 
@@ -315,6 +318,13 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
             ("ratio from framework time (median)", lambda runs: _median(runs, lambda p: p["parts_ratio"])),
             ("its spread", lambda runs: _spread(runs, "parts_ratio")),
         ]
+        if any("lightning_parts_ratio" in p for p in measured):
+            columns += [
+                (
+                    "plain Lightning's ratio from framework time",
+                    lambda runs: _median(runs, lambda p: p["lightning_parts_ratio"], needs="lightning_parts_ratio"),
+                )
+            ]
     lines = [
         "| model | size | strategy | log every | " + " | ".join(name for name, _ in columns) + " |",
         "|---|---|---|---|" + "---|" * len(columns),
