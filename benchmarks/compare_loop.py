@@ -322,7 +322,9 @@ def table(cells: list[Cell], pairs: dict[str, list[dict]]) -> str:
             columns += [
                 (
                     "plain Lightning's ratio from framework time",
-                    lambda runs: _median(runs, lambda p: p["lightning_parts_ratio"], needs="lightning_parts_ratio"),
+                    lambda runs: _median(
+                        runs, lambda p: p["lightning_parts_ratio"], needs="lightning_parts_ratio"
+                    ),
                 )
             ]
     lines = [
