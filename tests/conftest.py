@@ -296,8 +296,8 @@ LAYOUTS = {
     "ddp": ["strategy=ddp", "devices=2", "launcher.start_method=subprocess"],
     "fsdp2": ["strategy=fsdp2", "devices=2"],
     "fsdp2_tp2": ["strategy=fsdp2", "devices=2", "tp=2"],
-    # The one shared run whose ranks are forked from the agent's forkserver (the others: from the agent).
-    "fsdp": ["strategy=fsdp", "devices=2", "checkpoint=full", "launcher.start_method=forkserver"],
+    # The one shared run whose ranks are forked from the agent itself (the others: from its forkserver).
+    "fsdp": ["strategy=fsdp", "devices=2", "checkpoint=full", "launcher.start_method=fork"],
 }
 
 

@@ -70,13 +70,13 @@ def test_run_writes_config_metrics_and_summary(layout_run: Any, name: str) -> No
 
 @pytest.mark.parametrize(
     ("name", "started"),
-    [("fsdp2", "fork"), ("fsdp2_tp2", "fork"), ("fsdp", "forkserver"), ("ddp", "subprocess")],
+    [("fsdp2", "forkserver"), ("fsdp2_tp2", "forkserver"), ("fsdp", "fork"), ("ddp", "subprocess")],
 )
 def test_ranks_are_forked_from_what_the_agent_imported_once(layout_run: Any, name: str, started: str) -> None:
-    """``launcher.start_method=fork`` (the default): every rank starts with torch and Lightning
-    already imported, forked by the agent itself; ``forkserver`` (the fsdp run): imported too,
-    forked by the agent's forkserver, and every rank still names the agent as the one that started
-    it; ``subprocess`` (the ddp run): each rank imports them itself, a child of the agent. Each
+    """``launcher.start_method=forkserver`` (the default): every rank starts with torch and
+    Lightning already imported, forked by the agent's forkserver, and every rank still names the
+    agent as the one that started it; ``fork`` (the fsdp run): imported too, forked by the agent
+    itself; ``subprocess`` (the ddp run): each rank imports them itself, a child of the agent. Each
     run's losses match one process (below and in test_fsdp1)."""
     headers = [
         json.loads(path.read_text().splitlines()[0])
