@@ -65,6 +65,7 @@ class HookTime(L.Callback):
         # private names in compat/; a benchmark that times them has to reach them).
         dispatch = call._call_callback_hooks  # noqa: SLF001
         call._call_callback_hooks = self._timed("dispatch", dispatch)  # noqa: SLF001
+        nonfinite._sum_over_ranks = self._timed("loss collective", nonfinite._sum_over_ranks)  # noqa: SLF001
         nonfinite._gather_rows = self._timed("loss collective", nonfinite._gather_rows)  # noqa: SLF001
         for callback in trainer.callbacks:
             if callback is self:

@@ -152,7 +152,9 @@ class StepParts(L.Callback):
                 callback.on_before_optimizer_step = timed("clip", callback.on_before_optimizer_step)
         import fsdp_cli.callbacks.nonfinite as nonfinite
 
-        # fsdp-train's loss reduction on a logged step (a private name, wrapped for this measurement).
+        # fsdp-train's loss reduction on a logged step: the sum over the ranks, and the gather that
+        # follows only when a value is not finite (private names, wrapped for this measurement).
+        nonfinite._sum_over_ranks = timed("loss_reduction", nonfinite._sum_over_ranks)  # noqa: SLF001
         nonfinite._gather_rows = timed("loss_reduction", nonfinite._gather_rows)  # noqa: SLF001
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
