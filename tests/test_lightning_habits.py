@@ -201,6 +201,22 @@ def test_the_ranks_refuse_what_the_source_did_not_tell() -> None:
         built("strategy=fsdp2", "trainer.gradient_clip_val=0.5")
 
 
+def bare_trainer(root: Path, **options: Any) -> Any:
+    """A plain Lightning Trainer for 3 CPU steps, nothing written but what a test asks for."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **options,
+    )
+
+
 def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp_path: Path) -> None:
     """``trainer.profiler=none`` (the default) is Lightning's pass-through profiler without a
     generator context per hook call (about 70 per step): its context yields the action's name as
@@ -237,17 +253,7 @@ def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp
             self.calls.append("end")
 
     hooks = Hooks()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        profiler=profiler,
-        callbacks=[hooks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = bare_trainer(tmp_path, profiler=profiler, callbacks=[hooks])
     trainer.fit(BoringModel())
     assert trainer.profiler is profiler and trainer.global_step == 3
     assert hooks.calls == ["start", "optimizer", "end"] * 3
@@ -300,16 +306,7 @@ def test_the_hook_name_lightning_sets_per_hook_call_is_a_plain_attribute(tmp_pat
             self.names.append(pl_module._current_fx_name)
 
     seen = Seen()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        callbacks=[seen],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = bare_trainer(tmp_path, callbacks=[seen])
     data = DataLoader(torch.randint(0, 16, (6, 9), generator=torch.Generator().manual_seed(0)), batch_size=2)
     nn.Module.__setattr__ = counted  # type: ignore[method-assign]
     try:
