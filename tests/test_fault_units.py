@@ -26,7 +26,7 @@ from fsdp_cli.checkpoint.verify import verify_checkpoint
 from fsdp_cli.launch.stacks import where_from_faulthandler, where_from_py_spy
 from fsdp_cli.launch.watchdog import HangWatchdog
 from fsdp_cli.rundir.failure import merge_failure
-from fsdp_cli.rundir.heartbeat import Heartbeat, RankBeat, read_heartbeats
+from fsdp_cli.rundir.heartbeat import Heartbeat, PhaseLimits, RankBeat, read_heartbeats
 from fsdp_cli.rundir.summary import dumps_strict
 
 # --------------------------------------------------------------------------- the agent's report
@@ -55,8 +55,7 @@ def test_first_failure_sets_collateral_errors_aside(tmp_path: Path) -> None:
     report = failure_report(failures)
     assert (report["rank"], report["signal"], report["agreed"]) == (1, "SIGKILL", False)
     assert (
-        report["error"]
-        == "rank 1 failed first: killed by SIGKILL (the kernel's out-of-memory killer sends this too)"
+        report["error"] == "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer sends this too)"
     )
     assert report["ranks"]["0"]["collateral"] is True
     # A pid the launcher killed after the death is collateral too, whatever its exit.
@@ -65,7 +64,7 @@ def test_first_failure_sets_collateral_errors_aside(tmp_path: Path) -> None:
         1: _failure(1, -signal.SIGSEGV, "", 100, tmp_path),
     }
     report = failure_report(failures, killed=frozenset({1000}))
-    assert report["error"] == "rank 1 failed first: killed by SIGSEGV (segmentation fault)"
+    assert report["error"] == "rank 1 was killed by SIGSEGV (segmentation fault)"
 
 
 def test_failure_descriptions(tmp_path: Path) -> None:
@@ -101,7 +100,7 @@ def _beat(rank: int, beats: int, phase: str = "train") -> RankBeat:
 def test_hang_watchdog_times_the_phase_ranks_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    watchdog = HangWatchdog(hang_timeout_s=10, startup_timeout_s=100)
+    watchdog = HangWatchdog(PhaseLimits(hang_s=10, startup_s=100, first_step_s=30))
     assert not watchdog.check({0: _beat(0, 5), 1: _beat(1, 5)})
     now[0] += 9
     assert not watchdog.check({0: _beat(0, 5), 1: _beat(1, 5)})
@@ -112,7 +111,17 @@ def test_hang_watchdog_times_the_phase_ranks_are_in(monkeypatch: pytest.MonkeyPa
     assert not watchdog.check({0: _beat(0, 6, "save"), 1: _beat(1, 5)})
     now[0] += 60
     assert watchdog.check({0: _beat(0, 6, "save"), 1: _beat(1, 5)})
-    off = HangWatchdog(hang_timeout_s=None, startup_timeout_s=None)
+    assert watchdog.limit == ("launcher.startup_timeout_s", 100)
+    # From the start of training to the end of the first step: a limit of its own.
+    assert not watchdog.check({0: _beat(0, 7, "first"), 1: _beat(1, 5, "first")})
+    now[0] += 29
+    assert not watchdog.check({0: _beat(0, 7, "first"), 1: _beat(1, 5, "first")})
+    now[0] += 2
+    assert watchdog.check({0: _beat(0, 7, "first"), 1: _beat(1, 5, "first")})
+    assert watchdog.limit == ("launcher.first_step_timeout_s", 30)
+    now[0] += 1  # a rank still starting up: the longest limit of the phases ranks are in
+    assert not watchdog.check({0: _beat(0, 7, "first"), 1: _beat(1, 5, "start")})
+    off = HangWatchdog(PhaseLimits(hang_s=None, startup_s=None, first_step_s=None))
     now[0] += 1e6
     assert not off.check({})
 
@@ -286,8 +295,9 @@ def test_without_a_launcher_a_rank_dumps_its_stack_and_exits_when_stuck(tmp_path
 
     script = (
         "import time\n"
+        "from fsdp_cli.rundir.heartbeat import PhaseLimits\n"
         "from fsdp_cli.worker.monitor import RankMonitor\n"
-        f"monitor = RankMonitor({str(tmp_path)!r}, 1, 1, hang_timeout_s=0.5, startup_timeout_s=0.5)\n"
+        f"monitor = RankMonitor({str(tmp_path)!r}, 1, 1, limits=PhaseLimits(0.5, 0.5, 0.5))\n"
         "monitor.beat(1, 'train')\n"
         "def stuck_in_a_collective():\n"
         "    time.sleep(30)\n"

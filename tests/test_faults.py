@@ -169,12 +169,33 @@ def test_a_dead_rank_is_named_and_its_survivors_do_not_wait(tmp_path: Path) -> N
     failure = summary["failure"]
     assert (failure["rank"], failure["signal"]) == (1, "SIGKILL"), failure
     assert summary["error"] == (
-        "rank 1 failed first: killed by SIGKILL (the kernel's out-of-memory killer sends this too)"
+        "rank 1 was killed by SIGKILL at step 3 (the kernel's out-of-memory killer sends this too)"
     )
     assert failure["ranks"]["0"]["collateral"] is True, "the survivor is not blamed"
     assert (summary["status"], summary["steps"], summary["world_size"]) == ("failed", 2, 2)
     took = ended - last_beat(run_dir, 1)
     assert took < 20, f"{took:.1f} s from the death to the end of the job"
+    assert_nothing_left_running(run_dir)
+
+
+@pytest.mark.parametrize(("start_method", "killed"), [("fork", 1), ("forkserver", 0)])
+def test_the_killed_rank_is_named_not_the_peer_that_noticed(
+    tmp_path: Path, start_method: str, killed: int
+) -> None:
+    """The other rank keeps training: its next collective fails on "Connection reset by peer"
+    within milliseconds, often inside the same poll of torch's agent, which then reports
+    whichever of the two it finds first (for forked ranks it reports one only). The report must
+    name the rank that was killed, and keep the survivor's error as collateral."""
+    run_dir = tmp_path / f"killed{killed}"
+    args = [*FAULTY, "devices=2", f"+model.faults={{{killed}:sigkill}}", "+model.at_steps=3"]
+    result = run_cli([*args, f"launcher.start_method={start_method}"], run_dir)
+    assert result.returncode == 1, result.stderr[-3000:]
+    summary = _strict(run_dir / "summary.json")
+    assert summary["error"] == (
+        f"rank {killed} was killed by SIGKILL at step 3 (the kernel's out-of-memory killer sends this too)"
+    ), summary.get("failure")
+    survivor = summary["failure"]["ranks"][str(1 - killed)]
+    assert survivor["collateral"] is True and survivor["exit_code"] != 0, summary["failure"]["ranks"]
     assert_nothing_left_running(run_dir)
 
 

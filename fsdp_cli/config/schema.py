@@ -817,8 +817,13 @@ class LauncherConfig:
     """End the job (status failed, every rank's Python stack in its log) when no rank finished a
     step or a validation batch for this many seconds; null = never."""
     startup_timeout_s: float | None = field(default=1800.0, metadata=positive())
-    """The same limit while ranks start up (imports, rendezvous, checkpoint load, compile, the
-    first step) or save a checkpoint; null = never."""
+    """The same limit while ranks start up (imports, rendezvous, build, checkpoint load) or save a
+    checkpoint; null = never."""
+    first_step_timeout_s: float | None = field(default=600.0, metadata=positive())
+    """The same limit from the start of training to the end of the first optimizer step: the first
+    batches (a DataLoader's workers starting, a first read of the data), compilation, lazy
+    initialization. A loader that never delivers a batch ends here, with every rank's stack in its
+    log; raise it for a first step that compiles a large model; null = never."""
     rdzv_timeout_s: float = field(default=600.0, metadata=positive())
     """How long the ranks wait to meet (the process group's rendezvous; across nodes, the
     launchers' too) before the run fails with a line naming the address: a peer that never

@@ -15,10 +15,17 @@ by a signal). A rank SIGKILLed at t=...9.99 and a survivor whose collective fail
 "Connection reset by peer" 5 ms later at t=...0.00 come out in the wrong order, and failures
 seen in the same poll tie. So failures a peer caused (a lost connection, the agent's own SIGTERM,
 a pid the launcher killed after a death) are set aside before ordering by time.
+
+Why every rank's exit status (:class:`RankExits`): for forked ranks torch reports one failure,
+that of the first process it finds ended in its poll. A SIGKILLed rank and the survivor that
+exits 5 ms later on "Connection reset by peer" often end within one poll (0.1 s), and torch
+then names either; the killed rank leaves no error file. The exit statuses of all of them are
+on the process objects torch's ``start_processes`` returned, which the agent keeps.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -34,7 +41,17 @@ from fsdp_cli.launch.environment import AGENT_LOGGER, AGENT_PID_ENV, PRELOAD_MOD
 from fsdp_cli.launch.launcher import FORK_FLAGS, LOG_DIR_ENV, RUN_DIR_ENV
 from fsdp_cli.rundir.failure import write_failure
 from fsdp_cli.rundir.files import LAUNCHER_LOG
-from fsdp_cli.rundir.heartbeat import ABORT_FILE, KILLED_FILE, launcher_file, read_heartbeats
+from fsdp_cli.rundir.heartbeat import (
+    ABORT_FILE,
+    KILLED_FILE,
+    PHASE_EXIT,
+    PHASE_FAILED,
+    PHASE_SAVE,
+    PHASE_START,
+    RankBeat,
+    launcher_file,
+    read_heartbeats,
+)
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_PREEMPTED
 
 if TYPE_CHECKING:
@@ -58,6 +75,38 @@ _SIGNAL_HINTS = {
     "SIGBUS": " (bus error)",
     "SIGABRT": " (abort)",
 }
+
+
+class RankExits:
+    """Every process torch's agent forks for ranks (``launcher.start_method=fork`` or
+    ``forkserver``), kept as ``torch.multiprocessing.start_processes`` returns them, so that a
+    failure report has each one's exit status: ``{local rank: (pid, exit code)}`` of the newest
+    attempt (an elastic restart starts new ones)."""
+
+    def __init__(self) -> None:
+        self._contexts: list[Any] = []
+
+    def keep(self) -> None:
+        import torch.multiprocessing as mp
+
+        start = mp.start_processes
+
+        @functools.wraps(start)
+        def start_and_keep(*args: Any, **kwargs: Any) -> Any:
+            context = start(*args, **kwargs)
+            self._contexts.append(context)
+            return context
+
+        mp.start_processes = start_and_keep
+
+    def statuses(self) -> dict[int, tuple[int, int]]:
+        if not self._contexts:
+            return {}
+        processes = getattr(self._contexts[-1], "processes", [])
+        return {i: (p.pid, p.exitcode) for i, p in enumerate(processes) if p.exitcode is not None}
+
+
+RANK_EXITS = RankExits()
 
 
 def message_of(failure: ProcessFailure) -> str:
@@ -89,6 +138,32 @@ def describe(failure: ProcessFailure) -> str:
     if code < 0:
         name = failure.signal_name()
         return f"killed by {name}{_SIGNAL_HINTS.get(name, '')}"
+    return _exit_text(failure)
+
+
+def when(beat: RankBeat | None) -> str:
+    """Where in the run a rank was, from its heartbeat: `` at step 3`` (the step it was in)."""
+    if beat is None:
+        return ""
+    if beat.phase == PHASE_START:
+        return " while starting up"
+    if beat.phase == PHASE_SAVE:
+        return f" while saving step {beat.step}"
+    if beat.phase in (PHASE_EXIT, PHASE_FAILED):
+        return f" after step {beat.step}, leaving training"
+    return f" at step {beat.step + 1}"
+
+
+def first_line(rank: int, failure: ProcessFailure, beat: RankBeat | None) -> str:
+    """``rank 1 was killed by SIGKILL at step 3 (...)`` or ``rank 0 failed first at step 3: exit code 1: ...``."""
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        return f"rank {rank} was killed by {name}{when(beat)}{_SIGNAL_HINTS.get(name, '')}"
+    return f"rank {rank} failed first{when(beat)}: {_exit_text(failure)}"
+
+
+def _exit_text(failure: ProcessFailure) -> str:
+    code = failure.exitcode
     text = f"exit code {code}"
     if code > 128:
         try:
@@ -100,9 +175,13 @@ def describe(failure: ProcessFailure) -> str:
 
 
 def failure_report(
-    failures: Mapping[int, ProcessFailure], killed: frozenset[int] = frozenset()
+    failures: Mapping[int, ProcessFailure],
+    killed: frozenset[int] = frozenset(),
+    beats: Mapping[int, RankBeat] | None = None,
 ) -> dict[str, Any]:
+    """``failure.json``: which rank failed first and how (``beats``: where each rank was)."""
     rank, failure = first_failure(failures, killed)
+    beat = (beats or {}).get(rank)
     message = message_of(failure)
     # Errors the ranks agreed on (a non-finite loss, a failed save: raised on every rank together)
     # name all of them rather than an arbitrary "first".
@@ -111,7 +190,7 @@ def failure_report(
     error = (
         f"ranks {','.join(map(str, same))} failed: {describe(failure)}"
         if agreed
-        else (f"rank {rank} failed first: {describe(failure)}")
+        else first_line(rank, failure, beat if beats is not None else None)
     )
     return {
         "kind": "rank_failure",
@@ -120,6 +199,8 @@ def failure_report(
         "pid": failure.pid,
         "exit_code": failure.exitcode,
         "signal": failure.signal_name() if failure.exitcode < 0 else None,
+        "step": beat.step if beat is not None else None,
+        "phase": beat.phase if beat is not None else None,
         "message": message,
         "agreed": agreed,
         "ranks": {
@@ -135,25 +216,30 @@ def failure_report(
 
 
 def with_peer_failures(
-    failures: Mapping[int, ProcessFailure], run_dir: Path, killed: frozenset[int] = frozenset()
+    failures: Mapping[int, ProcessFailure],
+    run_dir: Path,
+    killed: frozenset[int] = frozenset(),
+    exits: Mapping[int, tuple[int, int]] | None = None,
 ) -> dict[int, ProcessFailure]:
     """``failures`` and the other ranks of this node that failed beside the one torch reports.
-    Ranks forked by torch (``launcher.start_method=fork`` or ``forkserver``) are reported one only, the first
-    (torch stops the others at once). A rank that failed by itself left its one-line error in its
-    error file, in torch's log layout next to the reported one (``attempt_N/<local rank>/error.json``):
-    it is added with the status a failing rank exits with. A rank the launcher killed (a survivor
-    of a dead peer) is added as killed by SIGKILL. Pids come from the heartbeats."""
+    Ranks forked by torch (``launcher.start_method=fork`` or ``forkserver``) are reported one only,
+    the first it finds ended. ``exits`` (:meth:`RankExits.statuses`) has every forked rank's exit
+    status: each non-zero one is added, with its error file if it left one (in torch's log layout
+    next to the reported one: ``attempt_N/<local rank>/error.json``). Without them, a rank that
+    left an error file is added with the status a failing rank exits with, and a rank the
+    launcher killed (a survivor of a dead peer) as killed by SIGKILL. Pids come from the heartbeats."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     found = dict(failures)
     if len(failures) != 1:
         return found
     ((rank, failure),) = failures.items()
-    attempt = Path(failure.error_file).parent.parent
-    here = socket.gethostname()  # nodes may share the run directory, and pids repeat across hosts
-    beats = {r: b for r, b in read_heartbeats(run_dir).items() if b.parent == os.getpid() and b.host == here}
-    for r, beat in sorted(beats.items()):
-        if r == rank:
+    attempt, offset = Path(failure.error_file).parent.parent, rank - failure.local_rank
+    for local, (pid, code) in (exits or {}).items():
+        if offset + local != rank and code != 0:
+            found[offset + local] = ProcessFailure(local, pid, code, str(attempt / str(local) / "error.json"))
+    for r, beat in sorted(own_heartbeats(run_dir).items()):
+        if r in found:
             continue
         local = failure.local_rank + r - rank
         error_file = attempt / str(local) / "error.json"
@@ -162,6 +248,24 @@ def with_peer_failures(
         elif beat.pid in killed:
             found[r] = ProcessFailure(local, beat.pid, -signal.SIGKILL, str(error_file))
     return found
+
+
+def stopped_by_the_agent(
+    failures: Mapping[int, ProcessFailure], reported: Mapping[int, ProcessFailure]
+) -> frozenset[int]:
+    """Pids of ranks that ended after the failure torch saw first, with a status but no error of
+    their own: torch's agent stopped them (its SIGTERM, which a rank in Lightning's hands turns
+    into an exit status). Collateral, as a pid the launcher killed."""
+    return frozenset(
+        f.pid for r, f in failures.items() if r not in reported and f.exitcode >= 0 and not message_of(f)
+    )
+
+
+def own_heartbeats(run_dir: Path) -> dict[int, RankBeat]:
+    """The heartbeats of the ranks this agent started (nodes may share the run directory, and
+    pids repeat across hosts)."""
+    here = socket.gethostname()
+    return {r: b for r, b in read_heartbeats(run_dir).items() if b.parent == os.getpid() and b.host == here}
 
 
 def _killed_by_launcher(run_dir: Path) -> frozenset[int]:
@@ -183,7 +287,10 @@ def _report(err: ChildFailedError) -> int:
     if launcher_file(run_dir, ABORT_FILE, os.getpid()).exists():
         return EXIT_FAILED  # the launcher ended a hung job and writes the report itself
     killed = _killed_by_launcher(run_dir)
-    report = failure_report(with_peer_failures(err.failures, run_dir, killed), killed)
+    failures = with_peer_failures(err.failures, run_dir, killed, RANK_EXITS.statuses())
+    report = failure_report(
+        failures, killed | stopped_by_the_agent(failures, err.failures), own_heartbeats(run_dir)
+    )
     if report["exit_code"] in (EXIT_CONFIG_ERROR, EXIT_PREEMPTED):
         return int(report["exit_code"])
     write_failure(run_dir, report)
@@ -215,6 +322,8 @@ def main(argv: list[str]) -> int:
         importlib.import_module(PRELOAD_MODULE)
     elif FORK_FLAGS[RankStart.forkserver] in argv:
         start_rank_server()
+    if any(flag in argv for flag in FORK_FLAGS.values()):
+        RANK_EXITS.keep()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError

@@ -44,6 +44,7 @@ from fsdp_cli.rundir.heartbeat import (
     KILLED_FILE,
     PHASE_EXIT,
     PHASE_SAVE,
+    PhaseLimits,
     launcher_file,
     read_heartbeats,
 )
@@ -122,6 +123,11 @@ def worker_env(run: ResolvedRun) -> dict[str, str]:
     return env
 
 
+def phase_limits(cfg: TrainConfig) -> PhaseLimits:
+    launcher = cfg.launcher
+    return PhaseLimits(launcher.hang_timeout_s, launcher.startup_timeout_s, launcher.first_step_timeout_s)
+
+
 def launch(run: ResolvedRun) -> int:
     """Start the ranks and supervise them; returns their exit status (0 when all succeeded)."""
     cfg, run_dir = run.cfg, run.run_dir
@@ -144,7 +150,7 @@ class Supervisor:
     def __init__(self, cfg: TrainConfig, proc: subprocess.Popen[bytes]) -> None:
         self.run_dir = Path(cfg.run_dir)
         self.proc = proc
-        self.hang = HangWatchdog(cfg.launcher.hang_timeout_s, cfg.launcher.startup_timeout_s)
+        self.hang = HangWatchdog(phase_limits(cfg))
         self.dead = DeadRankWatch()
         self.interrupt_grace_s = cfg.launcher.interrupt_grace_s
         self.terminated: float | None = None
@@ -258,7 +264,7 @@ class Supervisor:
         # SIGKILL, not SIGTERM: a SIGTERM would start the preemption save, or be ignored by a rank
         # blocked in C code, costing the agent's whole shutdown timeout.
         self._kill_ranks_then_agent(pids.values())
-        report = hang_report(beats, stacks, stalled)
+        report = hang_report(beats, stacks, stalled, self.hang.limit)
         write_failure(self.run_dir, report)
         print(f"fsdp-train: {report['error']}", file=sys.stderr, flush=True)
         return EXIT_FAILED

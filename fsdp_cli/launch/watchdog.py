@@ -2,7 +2,8 @@
 
 * :class:`HangWatchdog`: no local rank has beaten (finished a step or a validation batch, entered
   or left a save) for ``launcher.hang_timeout_s`` (``launcher.startup_timeout_s`` while a rank
-  starts up or saves).
+  starts up or saves, ``launcher.first_step_timeout_s`` from the start of training to the end of
+  its first step).
 * :class:`DeadRankWatch`: a rank's process is gone without having finished training normally
   (killed, or failed). The elastic agent then stops the others with SIGTERM and a hard-coded 30 s
   before SIGKILL; a survivor blocked in an NCCL collective, or treating SIGTERM as "save at the
@@ -23,7 +24,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fsdp_cli.launch.stacks import RankStack, parent_pid, proc_state
-from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, RankBeat
+from fsdp_cli.rundir.heartbeat import (
+    PHASE_EXIT,
+    PHASE_FAILED,
+    PHASE_FIRST,
+    SLOW_PHASES,
+    PhaseLimits,
+    RankBeat,
+)
 
 PEER_EXIT_GRACE_S = 5.0
 """How long survivors of a dead rank get to exit by themselves before the launcher kills them."""
@@ -60,11 +68,12 @@ def kill_groups(pids: Iterable[int]) -> None:
 
 class HangWatchdog:
     """``check(beats)`` is True once no rank has beaten for the timeout of the phases they are in,
-    measured on this process's monotonic clock from the last change it saw."""
+    measured on this process's monotonic clock from the last change it saw; ``limit`` is then
+    the key and value that ran out."""
 
-    def __init__(self, hang_timeout_s: float | None, startup_timeout_s: float | None) -> None:
-        self.hang_timeout_s = hang_timeout_s
-        self.startup_timeout_s = startup_timeout_s
+    def __init__(self, limits: PhaseLimits) -> None:
+        self.limits = limits
+        self.limit: tuple[str, float | None] = limits.of_all(())
         self._last: tuple[tuple[int, int, int], ...] | None = None
         self._since = time.monotonic()
 
@@ -74,9 +83,8 @@ class HangWatchdog:
         if key != self._last:
             self._last, self._since = key, now
             return False
-        slow = not beats or any(beat.phase in SLOW_PHASES for beat in beats.values())
-        limit = self.startup_timeout_s if slow else self.hang_timeout_s
-        return limit is not None and now - self._since >= limit
+        self.limit = self.limits.of_all(beat.phase for beat in beats.values())
+        return self.limit[1] is not None and now - self._since >= self.limit[1]
 
     @property
     def stalled_for_s(self) -> float:
@@ -113,15 +121,33 @@ class DeadRankWatch:
         return {r: pid for r, pid in alive.items() if beats[r].phase not in (PHASE_EXIT, PHASE_FAILED)}
 
 
+def _before_training(beats: Mapping[int, RankBeat], limit: tuple[str, float | None] | None) -> str:
+    """Where in its start the job stalled, and the limit that ran out (nothing once it trains)."""
+    phases = {beat.phase for beat in beats.values()}
+    if limit is None or not phases & {PHASE_FIRST, *SLOW_PHASES} or phases & {PHASE_EXIT, PHASE_FAILED}:
+        return ""
+    key, value = limit
+    if PHASE_FIRST in phases:
+        where = "before the first step ended (the first batches, a loader's workers, compilation)"
+    else:
+        where = "while starting up (imports, rendezvous, build, checkpoint load) or saving"
+    return f" {where}; {key}={value:g}"
+
+
 def hang_report(
-    beats: Mapping[int, RankBeat], stacks: Mapping[int, RankStack], stalled_s: float
+    beats: Mapping[int, RankBeat],
+    stacks: Mapping[int, RankStack],
+    stalled_s: float,
+    limit: tuple[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """``failure.json`` for a hung job: one line naming the stuck ranks and the last step, and the details."""
     last = max((b.step for b in beats.values()), default=-1)
     stuck = [s for s in stacks.values() if not s.waiting_on_others] or list(stacks.values())
     waiting = sorted(s.rank for s in stacks.values() if s.waiting_on_others and s not in stuck)
     parts = [f"rank {s.rank} {s.where}" + (f" [{'; '.join(s.notes)}]" if s.notes else "") for s in stuck]
-    line = f"hang: no rank made progress for {stalled_s:.0f} s; last step {last}"
+    line = (
+        f"hang: no rank made progress for {stalled_s:.0f} s{_before_training(beats, limit)}; last step {last}"
+    )
     steps = {r: b.step for r, b in sorted(beats.items())}
     if len(set(steps.values())) > 1:
         line += " (per rank: " + ", ".join(f"{r}={s}" for r, s in steps.items()) + ")"

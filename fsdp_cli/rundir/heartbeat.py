@@ -13,10 +13,12 @@ a fixed-width record (beat count, last finished optimizer step, wall time, phase
 place with one ``pwrite`` per beat: no fsync, no truncation, no rename (about 2 us). A reader
 may in principle see a torn record; it then keeps the previous value until its next poll.
 
-Phases: ``start`` (imports, rendezvous, build, checkpoint load, the first step), ``train``,
-``val``, ``save``, ``exit`` or ``failed`` (the rank left training and is writing its outputs).
-The watchdog gives ``start`` and ``save`` the longer timeout; a rank gone without ``exit`` is one
-whose peers the launcher stops.
+Phases: ``start`` (imports, rendezvous, build, checkpoint load), ``first`` (training has
+begun and its first optimizer step has not finished: the first batches, the loader's workers
+starting, compilation), ``train``, ``val``, ``save``, ``exit`` or ``failed`` (the rank left
+training and is writing its outputs). The watchdog gives ``start`` and ``save`` the start-up
+timeout, ``first`` a limit of its own; a rank gone without ``exit`` is one whose peers the
+launcher stops.
 
 Torch-free: the parent reads these files.
 """
@@ -28,16 +30,41 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_cli.rundir.files import heartbeat_dir
 
-PHASE_START, PHASE_TRAIN, PHASE_VAL, PHASE_SAVE = "start", "train", "val", "save"
+PHASE_START, PHASE_FIRST, PHASE_TRAIN, PHASE_VAL, PHASE_SAVE = "start", "first", "train", "val", "save"
 PHASE_EXIT, PHASE_FAILED = "exit", "failed"
 """The rank left training (ok or preempted / failed) and is writing its outputs."""
 SLOW_PHASES = (PHASE_START, PHASE_SAVE)
 """Phases timed by ``launcher.startup_timeout_s`` instead of ``launcher.hang_timeout_s``."""
+
+
+@dataclass(frozen=True)
+class PhaseLimits:
+    """How long ranks may go without a beat, by the phase they are in (None: no limit)."""
+
+    hang_s: float | None
+    startup_s: float | None
+    first_step_s: float | None
+
+    def of(self, phase: str) -> tuple[str, float | None]:
+        """The launcher key that limits ``phase``, and its value."""
+        if phase in SLOW_PHASES:
+            return "launcher.startup_timeout_s", self.startup_s
+        if phase == PHASE_FIRST:
+            return "launcher.first_step_timeout_s", self.first_step_s
+        return "launcher.hang_timeout_s", self.hang_s
+
+    def of_all(self, phases: Iterable[str]) -> tuple[str, float | None]:
+        """The longest limit of the phases ranks are in (no rank yet: start-up's)."""
+        limits = [self.of(phase) for phase in phases] or [self.of(PHASE_START)]
+        unlimited = [lim for lim in limits if lim[1] is None]
+        return unlimited[0] if unlimited else max(limits, key=lambda lim: lim[1] or 0.0)
+
 
 ABORT_FILE = "ABORT.{agent}"
 """Written by the launcher before it kills a hung job: that agent then leaves the report to it."""

@@ -22,7 +22,7 @@ from typing import IO, Any
 from fsdp_cli.launch.environment import WATCHDOG_ENV, agent_pid
 from fsdp_cli.launch.stacks import install_stack_dumps
 from fsdp_cli.rundir.files import rank_log
-from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, SLOW_PHASES, Heartbeat
+from fsdp_cli.rundir.heartbeat import PHASE_EXIT, PHASE_FAILED, Heartbeat, PhaseLimits
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _REARM_EVERY_S = 1.0
@@ -32,8 +32,8 @@ class RankMonitor:
     """Arguments:
     run_dir: the run directory (heartbeat files and logs live there).
     rank, local_rank: this process's ranks.
-    hang_timeout_s, startup_timeout_s: the in-rank fallback's limits (None: off); used only
-        when no launcher of ours watches this rank.
+    limits: the in-rank fallback's limits by phase; used only when no launcher of ours watches
+        this rank.
     """
 
     def __init__(
@@ -42,13 +42,12 @@ class RankMonitor:
         rank: int,
         local_rank: int,
         *,
-        hang_timeout_s: float | None,
-        startup_timeout_s: float | None,
+        limits: PhaseLimits,
     ) -> None:
         self._log: IO[Any] = install_stack_dumps(rank_log(run_dir, rank))
         self.heartbeat = Heartbeat(run_dir, rank, local_rank, parent=agent_pid())
         watched = os.environ.get(WATCHDOG_ENV) == "launcher"
-        self._limits = None if watched else (hang_timeout_s, startup_timeout_s)
+        self._limits = None if watched else limits
         self._armed_at = 0.0
         self._arm()
 
@@ -67,8 +66,7 @@ class RankMonitor:
     def _arm(self) -> None:
         if self._limits is None:
             return
-        hang, startup = self._limits
-        limit = startup if self.heartbeat.phase in SLOW_PHASES else hang
+        _, limit = self._limits.of(self.heartbeat.phase)
         self._armed_at = time.monotonic()
         if limit is None:
             faulthandler.cancel_dump_traceback_later()

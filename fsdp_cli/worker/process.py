@@ -20,6 +20,7 @@ from fsdp_cli.launch.environment import (
     die_with_parent,
     die_with_process,
 )
+from fsdp_cli.launch.launcher import phase_limits
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 from fsdp_cli.worker.monitor import RankMonitor
 
@@ -31,14 +32,8 @@ def start_monitor(cfg: TrainConfig, rank: int) -> RankMonitor:
         import signal
 
         die_with_parent(signal.SIGKILL)
-    launcher = cfg.launcher
-    return RankMonitor(
-        cfg.run_dir,
-        rank,
-        int(os.environ.get("LOCAL_RANK", "0") or 0),
-        hang_timeout_s=launcher.hang_timeout_s,
-        startup_timeout_s=launcher.startup_timeout_s,
-    )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return RankMonitor(cfg.run_dir, rank, local_rank, limits=phase_limits(cfg))
 
 
 def redirect_output(path: Path) -> None:
@@ -58,7 +53,9 @@ def leave_the_process_it_was_forked_from() -> None:
     workers join it, and the launcher stops a rank by its group), it dies with the agent, and it
     starts with Python's own signal handling and logging levels, not the agent's (torch's agent
     turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception of its own, and ours silences
-    torch's elastic logs). It cannot use CUDA if it was initialized before the fork."""
+    torch's elastic logs), and with Python's default start method for the processes it starts
+    (a forkserver's child inherits ``forkserver``). It cannot use CUDA if it was initialized
+    before the fork."""
     import logging
     import signal
 
@@ -71,6 +68,7 @@ def leave_the_process_it_was_forked_from() -> None:
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.getLogger(AGENT_LOGGER).setLevel(logging.NOTSET)
+    _platform_start_method()
     if getattr(sys.modules.get(PRELOAD_MODULE), "CUDA_INITIALIZED", False):
         print(
             "fsdp-train: error: CUDA was initialized while torch and Lightning were imported for the"
@@ -79,3 +77,15 @@ def leave_the_process_it_was_forked_from() -> None:
             flush=True,
         )
         os._exit(EXIT_CONFIG_ERROR)
+
+
+def _platform_start_method() -> None:
+    """The processes a rank starts without naming a start method (a DataLoader's workers, a
+    ``multiprocessing.Pool``) start as they would in a process run with ``python train.py``:
+    with the platform's default (``fork`` on Linux before Python 3.14). A rank forked from the
+    agent's forkserver was handed the server's ``forkserver`` as its default: its workers would
+    then come from a server of their own, started from the rank's main file, and each worker
+    would be a copy of that server rather than of the rank (the dataset rebuilt by unpickling)."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
