@@ -295,7 +295,9 @@ LAYOUTS = {
     # The one shared run whose ranks torch starts as new processes (every other is forked).
     "ddp": ["strategy=ddp", "devices=2", "launcher.start_method=subprocess"],
     "fsdp2": ["strategy=fsdp2", "devices=2"],
-    "fsdp2_tp2": ["strategy=fsdp2", "devices=2", "tp=2"],
+    # fsdp-train's own loader read through worker processes of the ranks (started by Python's
+    # default method, not the forkserver the ranks came from), against the single run's losses.
+    "fsdp2_tp2": ["strategy=fsdp2", "devices=2", "tp=2", "data.num_workers=2"],
     # The one shared run whose ranks are forked from the agent itself (the others: from its forkserver).
     "fsdp": ["strategy=fsdp", "devices=2", "checkpoint=full", "launcher.start_method=fork"],
 }

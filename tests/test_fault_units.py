@@ -526,10 +526,50 @@ def test_sigterm_ends_a_run_within_the_ctrl_c_grace_unless_the_save_is_under_way
         assert (
             "SIGTERM: the ranks did not reach a step boundary within launcher.interrupt_grace_s=0.5 s" in err
         )
-        assert "the save on SIGTERM did not finish" in err
+        assert "nothing was saved by this stop" in err
     else:
         assert (code, killed) == (143, []) and elapsed >= 2.5, (code, killed, elapsed)
-        assert "SIGTERM" not in err
+        assert "did not reach a step boundary" not in err
+    assert "SIGTERM: the ranks save at the next step boundary; waiting up to 0.5 s" in err
+
+
+def test_the_grace_of_a_stop_follows_the_steps_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """launcher.interrupt_grace_s=null: 1.5 x the longest step the heartbeats showed (the first
+    step, with its compilation and first batches, not counted), at least 20 s; a step and a save
+    longer than launcher.shutdown_timeout_s are warned about once, before a stop finds out."""
+    from conftest import composed
+
+    from fsdp_cli.builders.callbacks import stop_notes
+    from fsdp_cli.launch import launcher
+    from fsdp_cli.launch.watchdog import StepTimes
+
+    def beat(step: int, when: float, phase: str) -> dict[int, RankBeat]:
+        return {0: RankBeat(rank=0, pid=1, parent=2, host="h", beats=step, step=step, time=when, phase=phase)}
+
+    cfg = dataclasses.replace(composed("launcher.shutdown_timeout_s=40"), run_dir=str(tmp_path))
+    supervisor = launcher.Supervisor(cfg, _Agent())  # type: ignore[arg-type]
+    assert supervisor.interrupt_grace_s == 20.0, "nothing measured yet: the floor"
+    times = supervisor.times
+    for step, when, phase in [(0, 100, "first"), (1, 160, "train"), (2, 197, "train"), (3, 227, "train")]:
+        times.update(beat(step, when, phase))
+    assert times.step_s == 37.0 and supervisor.interrupt_grace_s == 55.5
+    assert StepTimes().grace_s(3.0) == 3.0 and times.grace_s(3.0) == 3.0, "a value given is kept"
+    supervisor._warn_if_a_stop_cannot_save()
+    assert capsys.readouterr().err == ""
+    times.update(beat(3, 228, "save"))
+    times.update(beat(4, 270, "train"))  # the save and the step after it: 42 s
+    assert times.save_s == 42.0 and times.stop_s == 42.0
+    supervisor._warn_if_a_stop_cannot_save()
+    supervisor._warn_if_a_stop_cannot_save()
+    err = capsys.readouterr().err
+    assert err.count("warning: a step and a save take 42 s here") == 1, err
+    assert "launcher.shutdown_timeout_s=40" in err
+    # Said at the run's start, by rank 0's setup report.
+    (note,) = stop_notes(cfg)
+    assert note.startswith("on SIGTERM: a checkpoint at the next step boundary, waited for up to 1.5 x")
+    assert stop_notes(composed("checkpoint.save_on_sigterm=false")) == ()
 
 
 def test_fsdp_ckpt_inspect_and_verify_agree_on_every_file_fsdp_ckpt_writes(

@@ -139,7 +139,7 @@ def build_callbacks(
     checkpoints.before_save.append(nonfinite.check_before_save)
     return RunCallbacks(
         metrics=metrics,
-        setup=SetupReport(),
+        setup=SetupReport(stop_notes(cfg)),
         checkpoints=checkpoints,
         clipping=clipping,
         progress=ProgressDisplay(metrics, t.max_steps),
@@ -147,6 +147,22 @@ def build_callbacks(
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
         user=build_user_callbacks(cfg),
         module_clip_val=clip_val if own_clipping else None,
+    )
+
+
+def stop_notes(cfg: TrainConfig) -> tuple[str, ...]:
+    """What a SIGTERM does to this run, said at its start (the grace follows the run)."""
+    if not cfg.checkpoint.save_on_sigterm:
+        return ()
+    launcher = cfg.launcher
+    grace = (
+        "1.5 x the longest step, at least 20 s (launcher.interrupt_grace_s=null)"
+        if launcher.interrupt_grace_s is None
+        else f"launcher.interrupt_grace_s={launcher.interrupt_grace_s:g} s"
+    )
+    return (
+        f"on SIGTERM: a checkpoint at the next step boundary, waited for up to {grace}; "
+        f"the whole stop within launcher.shutdown_timeout_s={launcher.shutdown_timeout_s} s",
     )
 
 

@@ -211,9 +211,11 @@ def _optimizer_tensors(trainer: L.Trainer) -> list[torch.Tensor]:
 
 
 class SetupReport(L.Callback):
-    """Prints :func:`describe_setup` once on rank 0 and keeps it for ``summary.json``."""
+    """Prints :func:`describe_setup` once on rank 0 (and ``notes``: what the run promises, such
+    as what a stop does) and keeps it for ``summary.json``."""
 
-    def __init__(self) -> None:
+    def __init__(self, notes: tuple[str, ...] = ()) -> None:
+        self.notes = notes
         self.info: dict[str, Any] | None = None
         self._grad_bytes: int | None = None
         self._recorded = False
@@ -221,7 +223,7 @@ class SetupReport(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info = describe_setup(trainer)
         if trainer.is_global_zero:
-            print(format_setup(self.info), flush=True)
+            print("\n".join([format_setup(self.info), *self.notes]), flush=True)
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any

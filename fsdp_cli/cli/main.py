@@ -192,19 +192,32 @@ def _parent_summary(run: ResolvedRun | None, run_dir: Path, code: int) -> RunSum
     )
     if code == EXIT_INTERRUPTED:
         summary.status = STATUS_INTERRUPTED
-        summary.error = (
-            "interrupted (Ctrl-C); nothing was saved after the last checkpoint: "
-            f"resume=auto hydra.run.dir={run_dir} continues from it"
-        )
+        summary.error = f"interrupted (Ctrl-C); {_what_resume_finds(run, run_dir)}"
     elif code == EXIT_PREEMPTED:  # SIGTERM, and the ranks killed before they reached the save
         summary.status = STATUS_PREEMPTED
         summary.error = (
-            "SIGTERM: the ranks were killed inside a step, so the save on SIGTERM did not finish; nothing "
-            f"was saved after the last checkpoint: resume=auto hydra.run.dir={run_dir} continues from it"
+            "SIGTERM: the ranks were killed inside a step, so the save on SIGTERM did not happen; "
+            + _what_resume_finds(run, run_dir)
         )
     beats = read_heartbeats(run_dir)
     summary.steps = max((max(b.step, 0) for b in beats.values()), default=0)
     return summary
+
+
+def _what_resume_finds(run: ResolvedRun | None, run_dir: Path) -> str:
+    """What a stop left to resume from: nothing was saved by it; the newest complete checkpoint
+    ``resume=auto`` would continue from, or that there is none."""
+    from fsdp_cli.checkpoint.run import checkpoint_dir, complete_checkpoints
+
+    directory = checkpoint_dir(run.cfg) if run is not None else run_dir / "checkpoints"
+    found = complete_checkpoints(directory)
+    if not found:
+        return f"nothing was saved, and there is no checkpoint in {directory}: resume=auto would start over"
+    step, path = found[-1]
+    return (
+        f"nothing was saved by this stop: resume=auto hydra.run.dir={run_dir} continues from {path} "
+        f"(step {step}), repeating the steps after it"
+    )
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -808,11 +808,12 @@ class LauncherConfig:
     """torch elastic restarts of a failed worker group (each restart resumes from the newest checkpoint)."""
     shutdown_timeout_s: int = field(default=300, metadata=at_least(0))
     """After forwarding SIGTERM, how long the launcher lets ranks finish their preemption save."""
-    interrupt_grace_s: float = field(default=20.0, metadata=positive())
+    interrupt_grace_s: float | None = field(default=None, metadata=positive())
     """After Ctrl-C, how long the ranks get to stop by themselves before the launcher kills them
     (a rank stopped, or blocked in a collective its peer already left, never stops by itself);
     after SIGTERM, how long they get to reach the save at a step boundary (a save under way is
-    left to finish, within ``shutdown_timeout_s``)."""
+    left to finish, within ``shutdown_timeout_s``). null = follows the run: 1.5 x the longest
+    step measured so far, at least 20 s (said when the signal comes)."""
     hang_timeout_s: float | None = field(default=900.0, metadata=positive())
     """End the job (status failed, every rank's Python stack in its log) when no rank finished a
     step or a validation batch for this many seconds; null = never."""

@@ -32,6 +32,7 @@ from fsdp_cli.launch.stacks import dump_stacks
 from fsdp_cli.launch.watchdog import (
     DeadRankWatch,
     HangWatchdog,
+    StepTimes,
     hang_report,
     kill_groups,
     own_beats,
@@ -152,53 +153,95 @@ class Supervisor:
         self.proc = proc
         self.hang = HangWatchdog(phase_limits(cfg))
         self.dead = DeadRankWatch()
-        self.interrupt_grace_s = cfg.launcher.interrupt_grace_s
+        self.times = StepTimes()
+        self.configured_grace_s = cfg.launcher.interrupt_grace_s
+        self.shutdown_timeout_s = cfg.launcher.shutdown_timeout_s
+        self._warned_slow_stop = False
+        self._watching = True
+        self._interrupted: float | None = None
         self.terminated: float | None = None
+
+    @property
+    def interrupt_grace_s(self) -> float:
+        return self.times.grace_s(self.configured_grace_s)
 
     def terminate(self, signum: int = signal.SIGTERM, frame: object = None) -> None:
         """SIGTERM to us (a scheduler preempting the job, ``kill``): passed to the agent, which
         passes it to every rank; they agree to stop at the next step boundary, checkpoint and exit
         "preempted". A step can take minutes (a large model on CPU): :meth:`run` gives them
         ``launcher.interrupt_grace_s`` to reach the save, as it gives a Ctrl-C."""
-        self.terminated = self.terminated or time.monotonic()
+        if self.terminated is None:
+            self.terminated = time.monotonic()
+            print(f"fsdp-train: SIGTERM: {self._grace_line()}", file=sys.stderr, flush=True)
         self.proc.send_signal(signal.SIGTERM)
 
+    def _grace_line(self) -> str:
+        measured = (
+            f"the longest step so far {self.times.step_s:.1f} s"
+            if self.times.step_s
+            else "no step measured yet"
+        )
+        how = "launcher.interrupt_grace_s" + ("=null: " if self.configured_grace_s is None else ", ")
+        return (
+            f"the ranks save at the next step boundary; waiting up to {self.interrupt_grace_s:g} s for it "
+            f"({how}{measured}), then launcher.shutdown_timeout_s={self.shutdown_timeout_s} s for the save"
+        )
+
     def run(self) -> int:
-        watching = True
-        interrupted: float | None = None
         while True:
             try:
-                return self.proc.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                pass
+                code = self._look()
             except KeyboardInterrupt:
                 # Ctrl-C reached the agent too (same process group), which stops the ranks.
-                interrupted = interrupted or time.monotonic()
-                continue
-            if interrupted is not None and time.monotonic() - interrupted > self.interrupt_grace_s:
-                return self._end_interrupted_job()
-            if self._save_on_sigterm_overdue():
-                return self._end_terminated_job()
-            if not watching:
-                continue
-            try:
-                code = self._watch()
-            except Exception as err:  # noqa: BLE001 - supervision must never abandon the ranks
-                print(f"fsdp-train: warning: the hang and dead-rank watch stopped: {err!r}", file=sys.stderr)
-                watching = False
+                self._interrupted = self._interrupted or time.monotonic()
                 continue
             if code is not None:
                 return code
 
+    def _look(self) -> int | None:
+        """Wait a poll for the agent, then one look at the ranks: the exit status once it is known."""
+        try:
+            return self.proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._interrupted is not None and time.monotonic() - self._interrupted > self.interrupt_grace_s:
+            return self._end_interrupted_job()
+        if self._save_on_sigterm_overdue():
+            return self._end_terminated_job()
+        if not self._watching:
+            return None
+        try:
+            return self._watch()
+        except Exception as err:  # noqa: BLE001 - supervision must never abandon the ranks
+            print(f"fsdp-train: warning: the hang and dead-rank watch stopped: {err!r}", file=sys.stderr)
+            self._watching = False
+            return None
+
     def _watch(self) -> int | None:
         """One look at the heartbeats; the exit status when the job had to be ended."""
         beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        self.times.update(beats)
+        self._warn_if_a_stop_cannot_save()
         doomed = self.dead.check(beats, self.proc.pid)
         if doomed:
             self._kill_collateral(list(doomed.values()))
         if self.hang.check(beats):
             return self._end_hung_job()
         return None
+
+    def _warn_if_a_stop_cannot_save(self) -> None:
+        """Once: the steps (and saves) measured take longer than a stop is given, so a SIGTERM
+        would end the run without its save."""
+        if self._warned_slow_stop or self.times.stop_s <= self.shutdown_timeout_s:
+            return
+        self._warned_slow_stop = True
+        print(
+            f"fsdp-train: warning: a step and a save take {self.times.stop_s:.0f} s here, more than a SIGTERM"
+            f" gets (launcher.shutdown_timeout_s={self.shutdown_timeout_s}): a stop would save nothing;"
+            " raise launcher.shutdown_timeout_s (and the scheduler's grace: SLURM's --signal=TERM@<s>)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _kill_collateral(self, pids: list[int]) -> None:
         """Survivors of a dead rank that did not exit by themselves; the agent is told they are
@@ -236,8 +279,8 @@ class Supervisor:
         beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
         print(
             f"fsdp-train: SIGTERM: the ranks did not reach a step boundary within "
-            f"launcher.interrupt_grace_s={self.interrupt_grace_s:g} s: killing them; the save on SIGTERM "
-            "did not finish (nothing saved after the last checkpoint)",
+            f"launcher.interrupt_grace_s={self.interrupt_grace_s:g} s: killing them; nothing was saved by "
+            "this stop",
             file=sys.stderr,
             flush=True,
         )

@@ -28,6 +28,8 @@ from fsdp_cli.rundir.heartbeat import (
     PHASE_EXIT,
     PHASE_FAILED,
     PHASE_FIRST,
+    PHASE_SAVE,
+    PHASE_TRAIN,
     SLOW_PHASES,
     PhaseLimits,
     RankBeat,
@@ -119,6 +121,50 @@ class DeadRankWatch:
         if now - self._dead_since < self.grace_s:
             return {}
         return {r: pid for r, pid in alive.items() if beats[r].phase not in (PHASE_EXIT, PHASE_FAILED)}
+
+
+GRACE_FLOOR_S = 20.0
+"""``launcher.interrupt_grace_s=null`` never gives less than this (a step not yet measured)."""
+GRACE_PER_STEP = 1.5
+"""... and otherwise this many of the longest step measured (a step's time varies)."""
+
+
+class StepTimes:
+    """The longest optimizer step and the longest save the ranks have taken so far, read from
+    their heartbeats (``update(beats)`` at each look): what a stop must wait for. The first step
+    of a run (compilation, the first batches) is not counted."""
+
+    def __init__(self) -> None:
+        self.step_s = 0.0
+        self.save_s = 0.0
+        self._seen: dict[int, tuple[int, float, str]] = {}
+        self._save_started: dict[int, float] = {}
+
+    def update(self, beats: Mapping[int, RankBeat]) -> None:
+        for rank, beat in beats.items():
+            before = self._seen.get(rank)
+            self._seen[rank] = (beat.step, beat.time, beat.phase)
+            if before is None:
+                continue
+            step, when, phase = before
+            if beat.step > step and phase == PHASE_TRAIN and beat.phase == PHASE_TRAIN:
+                self.step_s = max(self.step_s, (beat.time - when) / (beat.step - step))
+            if beat.phase == PHASE_SAVE and phase != PHASE_SAVE:
+                self._save_started[rank] = beat.time
+            elif phase == PHASE_SAVE and beat.phase != PHASE_SAVE and rank in self._save_started:
+                self.save_s = max(self.save_s, beat.time - self._save_started.pop(rank))
+
+    @property
+    def stop_s(self) -> float:
+        """What a SIGTERM mid-step needs: the rest of the step and a save (a save is measured
+        from its start to the next beat, the end of the step after it)."""
+        return max(self.step_s, self.save_s)
+
+    def grace_s(self, configured: float | None) -> float:
+        """``launcher.interrupt_grace_s``, or (null) what the steps measured so far need."""
+        if configured is not None:
+            return configured
+        return max(GRACE_FLOOR_S, GRACE_PER_STEP * self.step_s)
 
 
 def _before_training(beats: Mapping[int, RankBeat], limit: tuple[str, float | None] | None) -> str:
