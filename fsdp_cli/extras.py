@@ -8,7 +8,6 @@ checkout's spelling.
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 
 DISTRIBUTION = "fsdp-cli"
@@ -17,6 +16,8 @@ DISTRIBUTION = "fsdp-cli"
 def extra_requirements(extra: str) -> list[str]:
     """The requirements ``pyproject.toml`` lists for ``extra`` (empty when unknown or when the
     package's metadata cannot be read, e.g. a source tree on ``PYTHONPATH`` only)."""
+    import importlib.metadata  # (here: 20 ms that a config-only command, which rarely errs, need not pay)
+
     try:
         listed = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:

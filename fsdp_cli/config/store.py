@@ -8,15 +8,15 @@ Either way Hydra checks keys, types and enum values against a dataclass while co
 
 from __future__ import annotations
 
-from hydra.core.config_store import ConfigStore
-
+from fsdp_cli.compat.hydra_internals import store_schema
 from fsdp_cli.config.convert import DATA_SCHEMAS, MODEL_SCHEMAS, STRATEGY_SCHEMAS
 from fsdp_cli.config.schema import TrainConfig
 
 
 def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    """Each schema is converted only when a composition loads it (see
+    :func:`~fsdp_cli.compat.hydra_internals.store_schema`)."""
+    store_schema("train_schema", TrainConfig)
     for group, schemas in (("strategy", STRATEGY_SCHEMAS), ("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS)):
         for name, schema in schemas.items():
-            cs.store(group=f"schema/{group}", name=name, node=schema)
+            store_schema(name, schema, group=f"schema/{group}")
