@@ -286,9 +286,10 @@ def main() -> None:
     quiet_library_noise()  # (a --dry-run imports torch and torchao here)
     register_schemas()
     register_sweep_launcher()
-    if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):
-        from fsdp_cli.compat.hydra_internals import mode_from_command_line
+    from fsdp_cli.compat.hydra_internals import interpolation_maps_only_where_used, mode_from_command_line
 
+    interpolation_maps_only_where_used()
+    if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):
         mode_from_command_line()
     if any(a in ("-c", "--cfg", "-i", "--info") or a.startswith("--cfg=") for a in sys.argv[1:]):
         from fsdp_cli.compat.hydra_internals import hide_from_printed_config
