@@ -168,6 +168,17 @@ def resolve_run(
     prepare_data(run.cfg, notify)
     resumed, resume_notices = resolve_resume(run.cfg)
     run = run.with_config(resumed)  # (the resume path and run id: nothing derived changes)
+    _run_checks(run, env, notify=notify, multirun=multirun)
+    for notice in [*advisories(run.cfg), *resume_notices]:
+        notify(notice)
+    return run
+
+
+def _run_checks(
+    run: ResolvedRun, env: Mapping[str, str], *, notify: Callable[[str], None], multirun: bool
+) -> None:
+    """:data:`PRE_LAUNCH_CHECKS` in order, an :class:`Advisory` a warning to ``notify`` unless
+    ``multirun``; then, for a sweep's job, :data:`SWEEP_CHECKS` with the job's ``env``."""
     for check in PRE_LAUNCH_CHECKS:
         try:
             check(run)
@@ -178,9 +189,6 @@ def resolve_run(
     if multirun:
         for sweep_check in SWEEP_CHECKS:
             sweep_check(run, env)
-    for notice in [*advisories(run.cfg), *resume_notices]:
-        notify(notice)
-    return run
 
 
 def check_output_folders(cfg: TrainConfig) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (ROOT / "fsdp_cli", ROOT / "hydra_plugins")
+MAX_FUNCTION_LINES = 45
 
 LEAVES = {
     "errors",
@@ -297,3 +298,18 @@ def test_every_package_is_in_the_wheel() -> None:
         if "configs" not in init.parts or init.parent.name == "configs"
     }
     assert found - listed == set(), sorted(found - listed)
+
+
+def test_every_function_fits_a_screen() -> None:
+    """A function longer than a screen (45 lines, docstring included) holds more than one concern:
+    split it where a seam shows."""
+    import ast
+
+    long = []
+    for path in sorted(p for package in PACKAGES for p in package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)

@@ -124,15 +124,7 @@ def build_callbacks(
         clipping=clipping,
         check_grad_norm=not run.precision.spec.loss_scaling,  # loss scaling skips overflowing steps itself
     )
-    metrics = MetricsCallback(
-        Path(cfg.run_dir),
-        log_every_n_steps=t.log_every_n_steps,
-        tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
-        max_steps=t.max_steps,
-        clipping=clipping,
-        throughput=None if module_loaders else build_throughput(run, module),
-        nonfinite=nonfinite,
-    )
+    metrics = _build_metrics(run, module, clipping, nonfinite, module_loaders=module_loaders)
     checkpoints = CheckpointCallback(
         cfg.checkpoint, checkpoint_dir(cfg), t.max_steps, run.checkpoint_format, run_id=cfg.run_id
     )
@@ -147,6 +139,29 @@ def build_callbacks(
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
         user=build_user_callbacks(cfg),
         module_clip_val=clip_val if own_clipping else None,
+    )
+
+
+def _build_metrics(
+    run: ResolvedRun,
+    module: Any,
+    clipping: GradientClipping | None,
+    nonfinite: NonFiniteGuard,
+    *,
+    module_loaders: bool,
+) -> MetricsCallback:
+    """The metrics rows; with the module's own DataLoaders (``module_loaders``) neither tokens per
+    step nor throughput is known."""
+    cfg = run.cfg
+    t = cfg.trainer
+    return MetricsCallback(
+        Path(cfg.run_dir),
+        log_every_n_steps=t.log_every_n_steps,
+        tokens_per_step=None if module_loaders else cfg.data.global_batch_size * cfg.data.seq_len,
+        max_steps=t.max_steps,
+        clipping=clipping,
+        throughput=None if module_loaders else build_throughput(run, module),
+        nonfinite=nonfinite,
     )
 
 

@@ -14,7 +14,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from fsdp_cli.adapters.options import AdapterDtype
 from fsdp_cli.builders.precision import precision_plugin
-from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.resolved import Layout, ResolvedRun
 from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig, TrainerConfig
 from fsdp_cli.launch.environment import global_rank
 from fsdp_cli.rundir.files import profiler_dir
@@ -106,16 +106,10 @@ def build_trainer(
     cfg = run.cfg
     t = cfg.trainer
     kwargs = precision_arguments(run)
-    # As given (None when unset): Lightning hands it to configure_gradient_clipping and checks
-    # clip_gradients(..., gradient_clip_algorithm=...) against it. The value itself only when the
-    # module clips itself: otherwise our GradientClipping callback clips.
-    kwargs.update(gradient_clip_val=module_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
-    validation = module_validation if module_loaders else token_validation
-    kwargs.update(validation(t, accumulation))
+    kwargs.update(_gradient_clipping(t, module_clip_val))
+    kwargs.update(_validation(t, accumulation, module_loaders=module_loaders))
     return L.Trainer(
-        accelerator=run.layout.accelerator,
-        devices=run.layout.devices,
-        num_nodes=run.layout.num_nodes,
+        **_placement(run.layout),
         strategy=strategy,
         max_steps=t.max_steps,
         max_epochs=t.max_epochs if t.max_epochs is not None else -1,
@@ -124,17 +118,42 @@ def build_trainer(
         logger=build_logger(cfg) or False,
         callbacks=callbacks,
         deterministic=t.deterministic,
-        # Our checkpoints are a callback of ours; Lightning's ModelCheckpoint, when the config's
-        # callbacks hold one, saves through the same strategy (the same format, resumable). A
-        # progress bar among them is wanted too (Lightning refuses one with the flag off).
-        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
-        enable_progress_bar=t.enable_progress_bar or any(isinstance(c, ProgressBar) for c in callbacks),
+        **_callback_switches(t, callbacks),
         enable_model_summary=False,
         use_distributed_sampler=module_loaders,
         default_root_dir=cfg.run_dir,
         profiler=build_profiler(cfg, accumulation),
         **kwargs,
     )
+
+
+def _placement(layout: Layout) -> dict[str, Any]:
+    """Where the ranks run: the layout's accelerator, devices per node and nodes."""
+    return {"accelerator": layout.accelerator, "devices": layout.devices, "num_nodes": layout.num_nodes}
+
+
+def _gradient_clipping(t: TrainerConfig, module_clip_val: float | None) -> dict[str, Any]:
+    # As given (None when unset): Lightning hands it to configure_gradient_clipping and checks
+    # clip_gradients(..., gradient_clip_algorithm=...) against it. The value itself only when the
+    # module clips itself: otherwise our GradientClipping callback clips.
+    return {"gradient_clip_val": module_clip_val, "gradient_clip_algorithm": t.gradient_clip_algorithm}
+
+
+def _callback_switches(t: TrainerConfig, callbacks: list[L.Callback]) -> dict[str, Any]:
+    """The Trainer's checkpointing and progress-bar switches, on for the callbacks that need them."""
+    # Our checkpoints are a callback of ours; Lightning's ModelCheckpoint, when the config's
+    # callbacks hold one, saves through the same strategy (the same format, resumable). A
+    # progress bar among them is wanted too (Lightning refuses one with the flag off).
+    return {
+        "enable_checkpointing": any(isinstance(c, Checkpoint) for c in callbacks),
+        "enable_progress_bar": t.enable_progress_bar or any(isinstance(c, ProgressBar) for c in callbacks),
+    }
+
+
+def _validation(t: TrainerConfig, accumulation: int, *, module_loaders: bool) -> dict[str, Any]:
+    """Validation follows the path: the module's own loaders or fsdp-train's data."""
+    validation = module_validation if module_loaders else token_validation
+    return validation(t, accumulation)
 
 
 def module_validation(t: TrainerConfig, accumulation: int) -> dict[str, Any]:

@@ -129,11 +129,7 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     return run
 
 
-@quiet_on_closed_pipe
-def main(argv: list[str] | None = None) -> None:
-    from fsdp_cli.library_noise import quiet_library_noise
-
-    quiet_library_noise()  # the plan and the rehearsal import torch (and torchao)
+def _argument_parser() -> OneLineParser:
     parser = OneLineParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -155,7 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-step", action="store_true", help="--rehearse without the fake training step (faster)"
     )
-    args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
+    return parser
+
+
+@quiet_on_closed_pipe
+def main(argv: list[str] | None = None) -> None:
+    from fsdp_cli.library_noise import quiet_library_noise
+
+    quiet_library_noise()  # the plan and the rehearsal import torch (and torchao)
+    args = _argument_parser().parse_intermixed_args(argv)  # options before, between or after the overrides
     if args.search and args.rehearse:
         fail("--search and --rehearse cannot be combined; hint: rehearse the layout --search chose")
     serve_working_directory()  # model._target_ may live there

@@ -48,9 +48,6 @@ def _console() -> Any:
 def print_plan(run: Any, plan: Any) -> None:
     from rich.table import Table
 
-    from fsdp_cli.plan.check import hint
-    from fsdp_cli.plan.memory import FIT_FRACTION
-
     layout = " x ".join(f"{k}={v}" for k, v in plan.layout.items())
     batch = f"micro-batch {plan.micro_batch_size} x {plan.seq_len}"
     if plan.pipeline:
@@ -83,6 +80,14 @@ def print_plan(run: Any, plan: Any) -> None:
         console.print(f"note: {note}")
     if any(r.offloaded for r in plan.ranks):
         console.print(f"offloaded to host memory: {_gib(max(r.offloaded for r in plan.ranks))} GiB per rank")
+    _print_fits(console, run, plan)
+
+
+def _print_fits(console: Any, run: Any, plan: Any) -> None:
+    """Whether the largest rank fits the device memory (with a hint when it does not)."""
+    from fsdp_cli.plan.check import hint
+    from fsdp_cli.plan.memory import FIT_FRACTION
+
     if plan.device_memory is None:
         console.print("fits: unknown (no GPU detected; give --device-memory SIZE)")
     elif plan.fits:

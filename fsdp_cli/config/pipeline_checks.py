@@ -6,6 +6,7 @@ layout's own checks (:mod:`fsdp_cli.pipeline.checks`, torch-free, on plain value
 from __future__ import annotations
 
 from fsdp_cli.config.resolved import ResolvedRun
+from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.errors import ConfigError
 
 
@@ -18,6 +19,24 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
     cfg = run.cfg
     if cfg.pp == 1:
         return
+    _check_strategy_for_stages(cfg)
+    _check_model_for_stages(cfg)
+    points = run.model_kind.stage_split_points(cfg.model)
+    data = cfg.data
+    per_rank = data.global_batch_size // run.layout.dp if getattr(data, "global_batch_size", None) else 1
+    forward_batch = getattr(data, "micro_batch_size", None) or per_rank
+    check_pipeline(
+        cfg.pp,
+        cfg.pipeline,
+        strategy=run.entry.name,
+        n_blocks=len(points) if points is not None else None,
+        forward_batch=forward_batch,
+    )
+
+
+def _check_strategy_for_stages(cfg: TrainConfig) -> None:
+    """The strategy's settings the stages cannot take: a ``parallelize_fn`` of the user's,
+    sequence parallel."""
     settings = cfg.strategy.parallelize_settings()
     for key, refused in (
         ("parallelize_fn", "a parallelize_fn of yours does not know the stages"),
@@ -31,6 +50,10 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
                 allowed="null/false with pp > 1",
                 hint=f"drop strategy.{key}, or pp=1",
             )
+
+
+def _check_model_for_stages(cfg: TrainConfig) -> None:
+    """The model's settings the stages cannot take: tied embeddings, attention other than sdpa."""
     if getattr(cfg.model, "tie_embeddings", False):
         raise ConfigError(
             "model.tie_embeddings",
@@ -48,14 +71,3 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
             allowed="sdpa with pp > 1",
             hint="model.attn_implementation=sdpa, or pp=1",
         )
-    points = run.model_kind.stage_split_points(cfg.model)
-    data = cfg.data
-    per_rank = data.global_batch_size // run.layout.dp if getattr(data, "global_batch_size", None) else 1
-    forward_batch = getattr(data, "micro_batch_size", None) or per_rank
-    check_pipeline(
-        cfg.pp,
-        cfg.pipeline,
-        strategy=run.entry.name,
-        n_blocks=len(points) if points is not None else None,
-        forward_batch=forward_batch,
-    )

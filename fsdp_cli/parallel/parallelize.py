@@ -100,12 +100,7 @@ def parallelize(
     """
     report = ParallelizeReport()
     # Units are chosen before any wrapper is inserted, from the model as the user wrote it.
-    units = wrap_units(model, options.wrap)
-    if called_directly:
-        units += loose_children(model, units)
-    # Checkpointing and compile work per transformer block, whatever the FSDP units are.
-    block_classes = repeated_block_classes(model)
-    blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
+    units, blocks = _units_and_blocks(model, options.wrap, called_directly=called_directly)
 
     if dims.tp_enabled:
         plan = tp_plan_of(model, dims, options, instead="pass strategy.parallelize_fn")
@@ -114,11 +109,7 @@ def parallelize(
 
     if options.float8:
         # Before checkpointing and compile, which must see (and compile) the float8 layers.
-        from fsdp_cli.parallel.float8 import apply_float8, check_float8_device, emulates_float8
-
-        check_float8_device(dims.mesh.device_type)
-        report.float8_emulated = emulates_float8(dims.mesh.device_type)
-        report.float8_linears = apply_float8(model, emulate=report.float8_emulated)
+        _apply_float8(model, dims.mesh.device_type, report)
 
     report.ac_blocks = apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
 
@@ -135,9 +126,37 @@ def parallelize(
         mp_policy=options.mp_policy,
         offload_policy=options.offload_policy,
     )
-    names = {id(m): canonical_name(n) for n, m in model.named_modules()}
-    report.fsdp_units = [names.get(id(u), type(u).__name__) for u in units] + ["<root>"]
+    report.fsdp_units = _unit_names(model, units)
     return report
+
+
+def _units_and_blocks(
+    model: nn.Module, wrap: WrapOptions, *, called_directly: bool
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The FSDP units (see :func:`parallelize` for ``called_directly``) and the blocks checkpointing
+    and compile work on."""
+    units = wrap_units(model, wrap)
+    if called_directly:
+        units += loose_children(model, units)
+    # Checkpointing and compile work per transformer block, whatever the FSDP units are.
+    block_classes = repeated_block_classes(model)
+    blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
+    return units, blocks
+
+
+def _apply_float8(model: nn.Module, device_type: str, report: ParallelizeReport) -> None:
+    """float8 linear layers (emulated where the device has no float8 matmuls), counted in ``report``."""
+    from fsdp_cli.parallel.float8 import apply_float8, check_float8_device, emulates_float8
+
+    check_float8_device(device_type)
+    report.float8_emulated = emulates_float8(device_type)
+    report.float8_linears = apply_float8(model, emulate=report.float8_emulated)
+
+
+def _unit_names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    """The units as the setup printout names them (by their place in the model), then the root."""
+    names = {id(m): canonical_name(n) for n, m in model.named_modules()}
+    return [names.get(id(u), type(u).__name__) for u in units] + ["<root>"]
 
 
 def loose_children(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:

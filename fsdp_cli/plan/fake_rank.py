@@ -54,7 +54,6 @@ def built_rank(
     ``before_parallelize``: called with the whole model on the meta device, before the strategy
     shards it (or, under pipeline parallel, cuts it to this rank's stages)."""
     import torch
-    from lightning.pytorch.trainer.states import TrainerFn
 
     from fsdp_cli.builders.model import build_module
     from fsdp_cli.builders.strategy import build_strategy
@@ -69,15 +68,7 @@ def built_rank(
     built = BuiltRank(run, world, strategy, trainer, module)
     with _refusing(run, world):
         # Trainer._run's order: connect, setup_environment (the mesh), configure_model, setup.
-        strategy.connect(module)
-        module.trainer = trainer
-        trainer.state.fn = TrainerFn.FITTING
-        strategy.setup_environment()
-        # What Trainer.fit runs, but on the meta device: the strategy's tensor_init_context would
-        # choose the real device (DDP allocates the whole model there).
-        with torch.device("meta"), strategy.model_sharded_context():
-            with trainer.precision_plugin.module_init_context():
-                module.configure_model()
+        _connect_and_configure(built)
         built.blocks = block_count(built.target)
         if blocks is not None:
             keep_first_blocks(built.target, blocks)
@@ -89,6 +80,24 @@ def built_rank(
         with _refusing(run, world):
             _setup(built)
         yield built
+
+
+def _connect_and_configure(built: BuiltRank) -> None:
+    """The strategy connected to the module and the trainer, its mesh set up, and the module's
+    ``configure_model`` run on the meta device."""
+    import torch
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    strategy, trainer, module = built.strategy, built.trainer, built.module
+    strategy.connect(module)
+    module.trainer = trainer
+    trainer.state.fn = TrainerFn.FITTING
+    strategy.setup_environment()
+    # What Trainer.fit runs, but on the meta device: the strategy's tensor_init_context would
+    # choose the real device (DDP allocates the whole model there).
+    with torch.device("meta"), strategy.model_sharded_context():
+        with trainer.precision_plugin.module_init_context():
+            module.configure_model()
 
 
 def _trainer(run: ResolvedRun, strategy: Any, world: FakeWorld) -> Any:

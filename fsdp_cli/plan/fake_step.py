@@ -158,24 +158,31 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
             raise
         except Exception as err:
             raise refused(run, world, err, "cannot train") from err
-        try:
-            tracker = _tracker(built.target, optimizer)
-            if held is not None:
-                held.now, held.most, held.tracker = 0, 0, tracker  # the measured step's
-            with tracker:
-                _forward_backward(built, batch)
-            forward_backward = _peak(tracker)
-            tracker = _tracker(built.target, optimizer)
-            with tracker:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            step = _peak(tracker)
-        except ConfigError:
-            raise
-        except Exception as err:
-            raise _TrackerFailed(str(err)) from err
-    phases = {PHASES[0]: forward_backward, PHASES[1]: step}
+        phases = _tracked_phases(built, optimizer, batch, held)
     return PhasePeaks(blocks, phases, held.most if held is not None else None)
+
+
+def _tracked_phases(built: Any, optimizer: Any, batch: Any, held: Any) -> dict[str, dict[str, int]]:
+    """The measured step: each phase's peak, under a tracker of its own (``held``: the pipeline's
+    count of held forwards, restarted for this step). A tracker that fails raises
+    :class:`_TrackerFailed`."""
+    try:
+        tracker = _tracker(built.target, optimizer)
+        if held is not None:
+            held.now, held.most, held.tracker = 0, 0, tracker  # the measured step's
+        with tracker:
+            _forward_backward(built, batch)
+        forward_backward = _peak(tracker)
+        tracker = _tracker(built.target, optimizer)
+        with tracker:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step = _peak(tracker)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise _TrackerFailed(str(err)) from err
+    return {PHASES[0]: forward_backward, PHASES[1]: step}
 
 
 def _forward_backward(built: Any, batch: Any) -> None:

@@ -176,13 +176,7 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
             rank.params = rank.grads = rank.optimizer = 0
     return MemoryPlan(
         strategy=run.entry.name,
-        layout={
-            **({"pp": run.cfg.pp} if placement.pipeline else {}),
-            "replicate": layout.replicate,
-            "shard": layout.shard,
-            "tp": layout.tp,
-            "world": layout.world_size,
-        },
+        layout=_layout_sizes(run, placement),
         precision=run.precision.name,
         micro_batch_size=micro,
         seq_len=data.seq_len,
@@ -192,6 +186,18 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
         notes=list(spec.notes),
         pipeline=_pipeline_facts(placement.pipeline),
     )
+
+
+def _layout_sizes(run: ResolvedRun, placement: Placement) -> dict[str, int]:
+    """The mesh sizes a plan is titled with (``pp`` first, when the placement is pipelined)."""
+    layout = run.layout
+    return {
+        **({"pp": run.cfg.pp} if placement.pipeline else {}),
+        "replicate": layout.replicate,
+        "shard": layout.shard,
+        "tp": layout.tp,
+        "world": layout.world_size,
+    }
 
 
 def per_rank_batch(run: ResolvedRun) -> int:

@@ -191,46 +191,20 @@ def probe_activations(
     """Run one sequence through ``model`` (on meta) with the loss, and add up the storages autograd
     saves, attributed to the block that was running (parameters and buffers excluded)."""
     import torch
-    import torch.nn.functional as F
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[act_bytes]
     model = model.to(dtype) if act_bytes != FP32 else model
-    persistent = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers()]}
+    tally = _SavedBytes(blocks, persistent=[*model.parameters(), *model.buffers()])
     modules = dict(model.named_modules())
-    seen: set[int] = set()
-    sizes = {name: 0 for name in blocks}
-    inputs = dict.fromkeys(blocks, 0)
-    whole = dict.fromkeys(blocks, 0)
-    shapes: dict[str, tuple[int, ...]] = {}
-    current: list[str] = [""]
-    totals = {"": 0}
-
-    def pack(t: Any) -> Any:
-        ref = StorageWeakRef(t.untyped_storage()).cdata
-        if ref not in persistent and ref not in seen:
-            seen.add(ref)
-            key = current[-1]
-            nbytes = t.untyped_storage().nbytes()
-            if key:
-                sizes[key] += nbytes
-                whole[key] += nbytes if _on_residual_stream(t, shapes.get(key)) else 0
-            else:
-                totals[""] += nbytes
-        return t
-
     handles = []
     for name in blocks:
         block = modules[name]
-        handles.append(block.register_forward_pre_hook(_enter(current, name, inputs, shapes)))
-        handles.append(block.register_forward_hook(_leave(current)))
-    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        handles.append(
+            block.register_forward_pre_hook(_enter(tally.current, name, tally.inputs, tally.shapes))
+        )
+        handles.append(block.register_forward_hook(_leave(tally.current)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
-            out = model(tokens)
-            logits = out.logits if hasattr(out, "logits") else out
-            # (a custom model's vocabulary may be known only to itself: its logits say it)
-            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % (vocab_size or logits.shape[-1]))
+        _forward_with_loss(model, tally, seq=seq, vocab_size=vocab_size)
     finally:
         for handle in handles:
             handle.remove()
@@ -238,14 +212,64 @@ def probe_activations(
     # of the block's input are counted whole on every rank (the residual stream: norms, the block's
     # input; also a merged-heads copy the plan may split: conservative), and with sequence parallel
     # too (none is known to be split along the sequence without the plan's all-gathers).
-    kept_whole = [whole[n] for n in blocks]
+    kept_whole = [tally.whole[n] for n in blocks]
     return Activations(
-        blocks=[sizes[n] for n in blocks],
-        block_inputs=[inputs[n] for n in blocks],
-        other=totals[""],
+        blocks=[tally.sizes[n] for n in blocks],
+        block_inputs=[tally.inputs[n] for n in blocks],
+        other=tally.other,
         block_whole=kept_whole,
         block_gathered=kept_whole,
     )
+
+
+class _SavedBytes:
+    """The tally :func:`probe_activations` keeps: each storage autograd saves, counted once, in the
+    block running when it is saved (or outside the blocks); parameters and buffers never."""
+
+    def __init__(self, blocks: list[str], *, persistent: list[Any]) -> None:
+        self.persistent = {_storage_key(t) for t in persistent}
+        self.seen: set[int] = set()
+        self.sizes = dict.fromkeys(blocks, 0)
+        self.inputs = dict.fromkeys(blocks, 0)
+        self.whole = dict.fromkeys(blocks, 0)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.current: list[str] = [""]
+        self.other = 0
+
+    def pack(self, t: Any) -> Any:
+        """The saved-tensor hook: counts ``t``'s storage, and hands ``t`` on unchanged."""
+        ref = _storage_key(t)
+        if ref not in self.persistent and ref not in self.seen:
+            self.seen.add(ref)
+            key = self.current[-1]
+            nbytes = t.untyped_storage().nbytes()
+            if key:
+                self.sizes[key] += nbytes
+                self.whole[key] += nbytes if _on_residual_stream(t, self.shapes.get(key)) else 0
+            else:
+                self.other += nbytes
+        return t
+
+
+def _storage_key(t: Any) -> int:
+    """What identifies the storage behind ``t`` (views of one storage share it)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _forward_with_loss(model: Any, tally: _SavedBytes, *, seq: int, vocab_size: int | None) -> None:
+    """One sequence of token ids through ``model`` and the cross-entropy loss, on meta, with what
+    autograd saves counted in ``tally`` and attention saving what the fused kernels save."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t), _fused_attention():
+        out = model(tokens)
+        logits = out.logits if hasattr(out, "logits") else out
+        # (a custom model's vocabulary may be known only to itself: its logits say it)
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten() % (vocab_size or logits.shape[-1]))
 
 
 def _on_residual_stream(t: Any, block_input: tuple[int, ...] | None) -> bool:

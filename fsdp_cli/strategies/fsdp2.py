@@ -52,6 +52,15 @@ class MeshSizesError(ConfigError, RuntimeError):
     raised as ModelParallelStrategy raises it, a RuntimeError."""
 
 
+def _parallelize_overrides(kwargs: dict[str, Any], mp_policy: Any | None) -> dict[str, Any]:
+    """The :class:`ParallelizeOptions` fields given as keywords, taken out of ``kwargs`` (they are
+    not ModelParallelStrategy's), with ``mp_policy`` when given."""
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelizeOptions.names()}
+    if mp_policy is not None:
+        overrides["mp_policy"] = mp_policy
+    return overrides
+
+
 class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelStrategy):
     """FSDP2 over ``data_parallel_size`` ranks × tensor parallel over ``tensor_parallel_size`` ranks.
 
@@ -114,9 +123,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelizeOptions.names()}
-        if mp_policy is not None:
-            overrides["mp_policy"] = mp_policy
+        overrides = _parallelize_overrides(kwargs, mp_policy)
         if dims is not None:  # (Lightning's ModelParallelStrategy keeps the two sizes too)
             data_parallel_size, tensor_parallel_size, replicate_size = dims.dp, dims.tp, dims.dp_replicate
             pipeline_parallel_size = dims.pp
@@ -137,11 +144,15 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.pipeline_options = pipeline or PipelineOptions()
         if pipeline_parallel_size > 1:  # a schedule torch lacks: one line now, not at setup
             stages_per_rank_of(self.pipeline_options, schedule_of(self.pipeline_options.schedule))
+        self.given_dims = dims
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """What setup, parallelization and checkpoint loading fill in later: empty until then."""
         self.pipeline: Any = None  # the PipelineDriver, once the stages exist (pp > 1)
         self._pipeline_stages: list[nn.Module] | None = None
         self._pipeline_grads: list[tuple[Any, Any]] = []
         self._whole_model_names: list[str] | None = None  # (pp > 1: the names before the cut)
-        self.given_dims = dims
         self.dims: ParallelDims | None = None
         self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
