@@ -373,3 +373,20 @@ def gloo_rank(tmp_path: Path) -> Any:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def bare_trainer(root: Path, *, max_steps: int = 3, **options: Any) -> Any:
+    """A plain Lightning Trainer on one CPU process (3 steps unless told), nothing written but what
+    a test asks for: the reference a test compares fsdp-train with."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **options,
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_ok, cli_in_process, run_cli
+from conftest import assert_ok, bare_trainer, cli_in_process, run_cli
 from torch import nn
 
 SEED = 7
@@ -199,22 +199,6 @@ def test_the_ranks_refuse_what_the_source_did_not_tell() -> None:
         built("strategy=fsdp")
     with pytest.raises(ConfigError, match="trainer.gradient_clip_val=0.5"):
         built("strategy=fsdp2", "trainer.gradient_clip_val=0.5")
-
-
-def bare_trainer(root: Path, **options: Any) -> Any:
-    """A plain Lightning Trainer for 3 CPU steps, nothing written but what a test asks for."""
-    import lightning as L
-
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        **options,
-    )
 
 
 def test_no_profiler_records_nothing_and_hands_every_hook_one_shared_context(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_ok, read_metrics, read_summary, run_cli
+from conftest import assert_ok, bare_trainer, read_metrics, read_summary, run_cli
 from harness import processes_naming
 
 from fsdp_cli.rundir.heartbeat import read_heartbeats
@@ -42,21 +42,10 @@ def _relative(a: float, b: float) -> float:
 
 def plain_lightning(record_dir: Path) -> dict[str, Any]:
     """The reference: one process, a plain Trainer, both ranks' batch at once, no workers."""
-    import lightning as L
-
     from tests.assets.loader_workers import WorkerFedRegressor
 
     record_dir.mkdir()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=record_dir,
-    )
+    trainer = bare_trainer(record_dir, max_steps=-1, max_epochs=EPOCHS, devices=1)
     module = WorkerFedRegressor(str(record_dir), {"default": {}}, batch_size=2 * PER_RANK_BATCH)
     trainer.fit(module)
     return json.loads((record_dir / "rank0.json").read_text())
