@@ -189,6 +189,29 @@ def test_prepare_caches_once_and_reports_statistics(tmp_path: Path, chatml: Path
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
+def test_a_file_saved_on_windows_reads_as_any_other(tmp_path: Path, chatml: Path) -> None:
+    """A byte-order mark before the first line and CRLF line ends (Notepad's UTF-8): the same
+    examples, tokens and supervision as the plain file (data=chat and data=jsonl alike)."""
+    from fsdp_cli.data.jsonl import _batches
+
+    corpora = []
+    for name in ("plain", "windows"):
+        (tmp_path / name).mkdir()
+        data = chat_data(tmp_path / name, chatml)
+        text = write_chats(Path(data.path), chats(6, seed=5)).read_text()
+        if name == "windows":
+            Path(data.path).write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8"))
+        prepare(data)
+        (folder,) = (tmp_path / name / "cache").iterdir()
+        corpora.append(read_corpus(folder))
+    for array in ("tokens", "supervised", "offsets"):
+        assert np.array_equal(getattr(corpora[0], array), getattr(corpora[1], array)), array
+    documents = tmp_path / "documents.jsonl"
+    documents.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\r\n{"text": "second"}\r\n')
+    ((texts, _),) = _batches([documents], "text", "data.path")
+    assert texts == ["first", "second"]
+
+
 @pytest.mark.parametrize(
     ("line", "problem"),
     [

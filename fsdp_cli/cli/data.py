@@ -41,7 +41,7 @@ def show(data: Any, line: int) -> str:
         raise ConfigError("data", data.name, "fsdp-data show renders chat data", allowed="data=chat")
     render, _ = renderer(data)
     file = existing_files("data.path", data.path, JSONL_SUFFIXES, "chat")[0]
-    lines = file.read_text(encoding="utf-8").splitlines()
+    lines = file.read_text(encoding="utf-8-sig").splitlines()  # (a BOM: a file saved on Windows)
     if not 1 <= line <= len(lines):
         raise ConfigError("--line", line, f"{file} has {len(lines)} lines", allowed=f"1..{len(lines)}")
     where = f"{file}:{line}"

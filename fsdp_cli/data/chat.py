@@ -138,7 +138,9 @@ def check_messages(messages: Any, where: str, key: str, field: str) -> None:
 
 
 def records(files: list[Path], key: str) -> Iterator[tuple[Any, str, int]]:
-    """(parsed JSON, ``file:line``, bytes read) of every non-blank line."""
+    """(parsed JSON, ``file:line``, bytes read) of every non-blank line. A file saved on Windows
+    reads as any other: a byte-order mark before its first line is dropped (``utf-8-sig``), and a
+    line's ``\r\n`` is whitespace to JSON."""
     for file in files:
         with open(file, "rb") as lines:
             for number, line in enumerate(lines, start=1):
@@ -147,7 +149,7 @@ def records(files: list[Path], key: str) -> Iterator[tuple[Any, str, int]]:
                     continue
                 where = f"{file}:{number}"
                 try:
-                    yield json.loads(line.decode("utf-8")), where, len(line)
+                    yield json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8")), where, len(line)
                 except (UnicodeDecodeError, ValueError):
                     raise ConfigError(
                         key, where, "not a JSON line in UTF-8", hint="one JSON object per line"

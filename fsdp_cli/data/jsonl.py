@@ -277,7 +277,7 @@ def _batches(files: list[Path], field: str, key: str) -> Iterator[tuple[list[str
 
 def _document(line: bytes, file: Path, number: int, field: str, key: str) -> str:
     try:
-        text = line.decode("utf-8")
+        text = line.decode("utf-8-sig" if number == 1 else "utf-8")  # (a BOM: a file saved on Windows)
     except UnicodeDecodeError as err:
         raise ConfigError(
             key,
