@@ -176,6 +176,7 @@ LONGEST_FIRST = (
     "test_faults.py",
     "test_fsdp2.py",
     "test_sweeps.py",
+    "test_loader_workers.py",
     "test_clusters.py",
 )
 MAX_WORKERS = 4

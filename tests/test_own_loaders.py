@@ -40,9 +40,13 @@ RUNS: dict[str, list[str]] = {
         "checkpoint.every_n_steps=2",
         "trainer.val_check_interval=2",
     ],
+    # Lightning's tensor-parallel example, as the issue ran it: tp=2 and 4 loader workers, under
+    # the default launcher (ranks from the forkserver; the workers forked from each rank).
     "parallel_model_parallel": [
         "strategy=model_parallel",
+        "tp=2",
         f"model._target_={ASSETS}.ParallelLoaderLM",
+        "+model.num_workers=4",
         "trainer.max_steps=3",
     ],
 }

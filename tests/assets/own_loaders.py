@@ -93,11 +93,14 @@ class WrappedLoaderLM(L.LightningModule):
 
 
 class ParallelLoaderLM(FeedForwardLM):
-    """Lightning's ModelParallelStrategy pattern (``configure_model`` applies FSDP2 itself), with
-    its own loader: 8 samples in batches of 2, an epoch of 2 steps on 2 data-parallel ranks."""
+    """Lightning's ModelParallelStrategy pattern (``configure_model`` applies tensor parallel and
+    FSDP2 itself), with its own loader: 8 samples in batches of 2, an epoch of 2 steps on 2
+    data-parallel ranks. ``num_workers``: read through worker processes, as Lightning's
+    tensor-parallel example does (``num_workers=4``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_workers: int = 0) -> None:
         super().__init__(vocab_size=VOCAB, hidden=32)
+        self.num_workers = num_workers
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Arithmetic(8), batch_size=2, shuffle=True)
+        return DataLoader(Arithmetic(8), batch_size=2, shuffle=True, num_workers=self.num_workers)
