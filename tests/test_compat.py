@@ -273,3 +273,29 @@ def test_install_hints_work_where_only_the_package_index_is_reached() -> None:
     shipped += [p for p in repo.glob("fsdp_cli/**/*.py") if p.name != "extras.py"]
     offenders = [str(p.relative_to(repo)) for p in shipped if "fsdp-cli[" in p.read_text()]
     assert offenders == []
+
+
+def test_config_files_read_by_libyaml_are_what_pyyaml_reads() -> None:
+    """Every shipped config file and recipe: the same config through libyaml's parser as through
+    PyYAML's own (OmegaConf's loader either way); a broken file still gets PyYAML's wording."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf import _utils as omegaconf_utils
+
+    from fsdp_cli.compat.omegaconf_internals import yaml_read_by_libyaml
+
+    if not yaml.__with_libyaml__:
+        pytest.skip("this PyYAML has no libyaml")
+    yaml_read_by_libyaml()
+    fast = omegaconf_utils.get_yaml_loader()
+    python = fast.__mro__[2]  # OmegaConf's own loader class, past libyaml's parser
+    assert fast.__name__ == "LibyamlLoader" and python.__name__ == "OmegaConfLoader"
+    root = Path(__file__).resolve().parents[1]
+    files = sorted([*(root / "configs").rglob("*.yaml"), *(root / "recipes").rglob("*.yaml")])
+    assert len(files) > 40
+    for file in files:
+        text = file.read_text()
+        assert yaml.load(text, Loader=fast) == yaml.load(text, Loader=python), file
+    assert OmegaConf.load(files[0]) == OmegaConf.create(yaml.load(files[0].read_text(), Loader=python))
+    with pytest.raises(yaml.YAMLError, match=r"expected ',' or '\]', but got ':'"):
+        yaml.load("a: [1, 2\nb: 3\n", Loader=fast)

@@ -287,8 +287,10 @@ def main() -> None:
     register_schemas()
     register_sweep_launcher()
     from fsdp_cli.compat.hydra_internals import interpolation_maps_only_where_used, mode_from_command_line
+    from fsdp_cli.compat.omegaconf_internals import yaml_read_by_libyaml
 
     interpolation_maps_only_where_used()
+    yaml_read_by_libyaml()
     if not any(a.lstrip("+~").startswith("hydra.mode=") for a in sys.argv[1:]):
         mode_from_command_line()
     if any(a in ("-c", "--cfg", "-i", "--info") or a.startswith("--cfg=") for a in sys.argv[1:]):
