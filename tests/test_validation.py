@@ -59,6 +59,9 @@ CLI_CASES = [
     (["max_steps=3"], "max_steps", ["not a key", "did you mean trainer.max_steps?"]),
     (["seq_len=64"], "seq_len", ["not a key", "did you mean data.seq_len?"]),  # a group's key
     (["trainerr.max_steps=3"], "trainerr.max_steps", ["not a key", "did you mean trainer?"]),
+    # Another tool's name for a setting (Hugging Face's TrainingArguments): where it lives here.
+    (["optim.learning_rate=1e-3"], "optim.learning_rate", ["not a key", "did you mean optim.lr?"]),
+    (["num_train_epochs=2"], "num_train_epochs", ["not a key", "did you mean trainer.max_epochs?"]),
     (["trainer.max_time=9"], "trainer.max_time", ["a Lightning Trainer argument that fsdp-train sets"]),
     # A Lightning Trainer argument: where the setting lives here.
     (

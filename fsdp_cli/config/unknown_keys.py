@@ -69,6 +69,26 @@ LIGHTNING_TRAINER_ONLY = frozenset(
 (tests/test_config.py checks that every argument of the installed Lightning is ours, answered
 above or listed here)."""
 
+FOREIGN_NAMES: dict[str, str] = {
+    "learning_rate": "optim.lr",
+    "lr_scheduler_type": "optim.scheduler",
+    "scheduler_type": "optim.scheduler",
+    "adam_beta1": "optim.betas",
+    "adam_beta2": "optim.betas",
+    "adam_epsilon": "optim.eps",
+    "num_warmup_steps": "optim.warmup_steps",
+    "max_grad_norm": "trainer.gradient_clip_val",
+    "clip_grad_norm": "trainer.gradient_clip_val",
+    "num_train_epochs": "trainer.max_epochs",
+    "epochs": "trainer.max_epochs",
+    "gradient_accumulation_steps": "trainer.accumulate_grad_batches",
+    "logging_steps": "trainer.log_every_n_steps",
+    "save_steps": "checkpoint.every_n_steps",
+    "per_device_train_batch_size": "data.micro_batch_size",
+}
+"""Names other tools give a setting (Hugging Face's TrainingArguments, torch's optimizers,
+torchtune's recipes) -> the key that holds it here, wherever the user put them."""
+
 PLUS_NOTE = "+ adds keys only to the arguments of a custom model and a data=datamodule, and to callbacks"
 
 
@@ -88,6 +108,8 @@ def unknown_key_hint(
         return f"{LIGHTNING_TRAINER_ARGUMENTS[key]}{note}"
     if section == "trainer" and key in LIGHTNING_TRAINER_ONLY:
         return f"a Lightning Trainer argument that fsdp-train sets itself or does not take{note}"
+    if key in FOREIGN_NAMES and FOREIGN_NAMES[key] != full_key:
+        return f"did you mean {FOREIGN_NAMES[key]}? ({key} is its name elsewhere){note}"
     if not section:  # a top-level key: a section may have it (max_steps -> trainer.max_steps)
         owners = [
             f"{name}.{key}"
