@@ -488,6 +488,21 @@ def test_fsdp_data_show_marks_the_supervised_tokens(tmp_path: Path, chatml: Path
     )
     assert result.stdout.count("]]") == 3  # the two answers, and the legend
     assert "c.jsonl:1: 35 tokens, 9 supervised" in result.stdout
+    # A mistake in the overrides is fsdp-data's one line (it said fsdp-plan's); the recipes' comment
+    # names model=hf through the recipe (model.path is no key of the default model).
+    wrong = cli_in_process(["show", "data=chat", f"data.path={path}", "model.path=MODEL"], prog="fsdp-data")
+    assert wrong.returncode == 2 and wrong.stderr.startswith("fsdp-data: error: model.path: not a key"), wrong
+    recipe = cli_in_process(
+        [
+            "show",
+            "recipe=chat_cpu",
+            f"model.path={tmp_path}",
+            f"data.path={path}",
+            f"data.tokenizer={chatml}",
+        ],
+        prog="fsdp-data",
+    )
+    assert recipe.returncode == 0 and "c.jsonl:1: 35 tokens, 9 supervised" in recipe.stdout, recipe.stderr
 
 
 @pytest.mark.gpu

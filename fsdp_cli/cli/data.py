@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     from fsdp_cli.cli.plan import compose
 
     try:
-        print(show(compose(args.overrides).data, args.line))
+        print(show(compose(args.overrides, PROG).data, args.line))
     except ConfigError as err:
         print(f"{PROG}: error: {err.one_line()}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)

@@ -80,12 +80,14 @@ def parse_gpus(text: str | None) -> int | None:
     return number
 
 
-def fail(message: str) -> NoReturn:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+def fail(message: str, prog: str = PROG) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def compose(overrides: list[str]) -> Any:
+def compose(overrides: list[str], prog: str = PROG) -> Any:
+    """The typed config of ``overrides``, composed as fsdp-train composes it; a mistake is
+    ``prog``'s one-line error (exit 2)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
 
@@ -108,7 +110,7 @@ def compose(overrides: list[str]) -> Any:
                 hydra_compose(config_name="train", overrides=quote_numeric_group_options(overrides))
             )
     except CONFIG_ERRORS as err:
-        fail(one_line(err))
+        fail(one_line(err), prog)
 
 
 def resolved(overrides: list[str], gpus: int | None) -> Any:
