@@ -190,7 +190,7 @@ def failure_report(
     error = (
         f"ranks {','.join(map(str, same))} failed: {describe(failure)}"
         if agreed
-        else first_line(rank, failure, beat if beats is not None else None)
+        else first_line(rank, failure, beat)
     )
     return {
         "kind": "rank_failure",

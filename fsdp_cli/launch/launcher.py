@@ -124,11 +124,6 @@ def worker_env(run: ResolvedRun) -> dict[str, str]:
     return env
 
 
-def phase_limits(cfg: TrainConfig) -> PhaseLimits:
-    launcher = cfg.launcher
-    return PhaseLimits(launcher.hang_timeout_s, launcher.startup_timeout_s, launcher.first_step_timeout_s)
-
-
 def launch(run: ResolvedRun) -> int:
     """Start the ranks and supervise them; returns their exit status (0 when all succeeded)."""
     cfg, run_dir = run.cfg, run.run_dir
@@ -151,7 +146,7 @@ class Supervisor:
     def __init__(self, cfg: TrainConfig, proc: subprocess.Popen[bytes]) -> None:
         self.run_dir = Path(cfg.run_dir)
         self.proc = proc
-        self.hang = HangWatchdog(phase_limits(cfg))
+        self.hang = HangWatchdog(PhaseLimits.of_launcher(cfg.launcher))
         self.dead = DeadRankWatch()
         self.times = StepTimes()
         self.configured_grace_s = cfg.launcher.interrupt_grace_s

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsdp_cli.rundir.files import heartbeat_dir
 
@@ -50,6 +51,11 @@ class PhaseLimits:
     hang_s: float | None
     startup_s: float | None
     first_step_s: float | None
+
+    @classmethod
+    def of_launcher(cls, launcher: Any) -> PhaseLimits:
+        """The limits the ``launcher`` config section sets."""
+        return cls(launcher.hang_timeout_s, launcher.startup_timeout_s, launcher.first_step_timeout_s)
 
     def of(self, phase: str) -> tuple[str, float | None]:
         """The launcher key that limits ``phase``, and its value."""

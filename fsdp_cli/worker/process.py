@@ -20,7 +20,7 @@ from fsdp_cli.launch.environment import (
     die_with_parent,
     die_with_process,
 )
-from fsdp_cli.launch.launcher import phase_limits
+from fsdp_cli.rundir.heartbeat import PhaseLimits
 from fsdp_cli.rundir.status import EXIT_CONFIG_ERROR
 from fsdp_cli.worker.monitor import RankMonitor
 
@@ -33,7 +33,7 @@ def start_monitor(cfg: TrainConfig, rank: int) -> RankMonitor:
 
         die_with_parent(signal.SIGKILL)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    return RankMonitor(cfg.run_dir, rank, local_rank, limits=phase_limits(cfg))
+    return RankMonitor(cfg.run_dir, rank, local_rank, limits=PhaseLimits.of_launcher(cfg.launcher))
 
 
 def redirect_output(path: Path) -> None:
