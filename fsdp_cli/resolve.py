@@ -83,9 +83,11 @@ def adapter_targets_check(run: ResolvedRun) -> None:
     trainable_modules(model, run.cfg.peft)
 
 
+MODEL_CHECKS: tuple[PreLaunchCheck, ...] = (adapter_targets_check, pipeline_cut_check)
+"""Checks of the model built on the meta device (seconds at most), run before the data is
+prepared: a typo in ``peft.targets`` is not found after a long tokenization."""
+
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
-    adapter_targets_check,
-    pipeline_cut_check,
     memory_plan_check,
     check_callback_classes,
     check_batch_source,
@@ -142,7 +144,7 @@ def resolve_run(
     """migrate -> resolve the layout (and a ``model=hf`` folder's vocabulary) -> the frozen
     :class:`~fsdp_cli.config.resolved.ResolvedRun`, built once here (every derived value computed
     once; the launcher and the report take it) -> validate ->
-    check the output folders -> prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
+    check the output folders -> :data:`MODEL_CHECKS` -> prepare the data (``data=jsonl`` is tokenized and cached here, once) -> resolve ``resume`` ->
     :data:`PRE_LAUNCH_CHECKS` (and for a sweep's job :data:`SWEEP_CHECKS`).
 
     Raises :class:`~fsdp_cli.errors.ConfigError` for the first thing that cannot run. ``notify``
@@ -165,6 +167,8 @@ def resolve_run(
     if slow is not None:
         notify(f"warning: {slow}")
     check_output_folders(run.cfg)
+    for check in MODEL_CHECKS:
+        check(run)
     prepare_data(run.cfg, notify)
     resumed, resume_notices = resolve_resume(run.cfg)
     run = run.with_config(resumed)  # (the resume path and run id: nothing derived changes)

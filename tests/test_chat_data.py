@@ -250,6 +250,26 @@ def test_a_tokenizer_without_a_template_is_refused_unless_one_is_named(tmp_path:
     prepare(data)
 
 
+def test_an_empty_template_file_is_one_line(tmp_path: Path, chatml: Path) -> None:
+    (tmp_path / "empty.jinja").write_text("\n")
+    data = chat_data(tmp_path, chatml, chat_template=str(tmp_path / "empty.jinja"))
+    with pytest.raises(ConfigError, match=r"^data.chat_template=.*empty.jinja: the file is empty"):
+        prepare(data)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_data_whose_truncation_leaves_no_answer_is_one_line(
+    tmp_path: Path, chatml: Path, packing: bool
+) -> None:
+    long = [{"role": "user", "content": " ".join(["hello"] * 60)}, {"role": "assistant", "content": "ok"}]
+    data = chat_data(tmp_path, chatml, packing=packing)
+    write_chats(Path(data.path), [long] * 3)
+    with pytest.raises(
+        ConfigError, match=r"^data.path=.*: no example keeps a supervised token within data.seq_len=48"
+    ):
+        prepare(data)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, chatml: Path) -> None:
     # Earlier answers rendered without their content (as thinking templates drop old <think>s).
     rewriting = CHATML.replace(
@@ -449,6 +469,36 @@ def validated(*overrides: str) -> None:
 
     cfg = replace(composed(*overrides), explicit_data=True)
     validate(checked_run(resolve_layout(cfg, {}, gpus=0)))
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["peft=lora", "peft.targets=[q_porj]"], "peft.targets=q_porj"),
+        (["pp=2", "pipeline.cuts=[1]"], "pipeline.cuts=[1]"),
+    ],
+)
+def test_a_model_side_mistake_is_answered_before_the_data_is_tokenized(
+    tmp_path: Path, chatml: Path, hf_folder: Path, overrides: list[str], key: str
+) -> None:
+    from conftest import cli_in_process
+
+    args = [
+        "model=hf",
+        f"model.path={hf_folder}",
+        "data=chat",
+        f"data.path={write_chats(tmp_path / 'c.jsonl', chats(4, seed=1))}",
+        f"data.tokenizer={chatml}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=48",
+        "data.global_batch_size=4",
+        "devices=2",
+        *overrides,
+    ]
+    result = cli_in_process(args, tmp_path / "run", env={"CUDA_VISIBLE_DEVICES": ""})
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and key in lines[0], result.stderr
+    assert not (tmp_path / "cache").exists(), "tokenized before the model's check"
 
 
 def test_packing_is_refused_where_attention_cannot_keep_examples_apart(tmp_path: Path, chatml: Path) -> None:

@@ -51,6 +51,11 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
         ),
         (["devices=4", "pp=4", "pipeline.schedule=Interleaved1F1B"], "pp=4", ["4 blocks", "8 stages"]),
         (["pp=2", "pipeline.cut=explicit", "pipeline.cuts=[3,1]"], "pipeline.cuts", ["1 cut points"]),
+        (
+            ["pp=2", "pipeline.cuts=[5]"],
+            "pipeline.cuts=[5]",
+            ["ignored by pipeline.cut=balanced", "explicit"],
+        ),
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
         (["pp=2", "model.tie_embeddings=true"], "model.tie_embeddings=True", ["first stage", "false"]),
         (

@@ -59,7 +59,7 @@ def chat_template(tokenizer: Any, named: str | None, folder: str | None) -> str:
     if named:
         path = Path(named)
         if "{" not in named and path.is_file():
-            return path.read_text()
+            return _not_empty(path.read_text(), named)
         if "{" not in named:
             raise ConfigError(
                 "data.chat_template",
@@ -78,6 +78,18 @@ def chat_template(tokenizer: Any, named: str | None, folder: str | None) -> str:
             f"the tokenizer in {folder} has no chat template",
             allowed="a Jinja template file or text",
             hint="data.chat_template=FILE.jinja (the template the model will be chatted with)",
+        )
+    return template
+
+
+def _not_empty(template: str, named: str) -> str:
+    """``template``, read from the file ``named``; one line when it holds nothing to render."""
+    if not template.strip():
+        raise ConfigError(
+            "data.chat_template",
+            named,
+            "the file is empty: every conversation would render to no token",
+            hint="a Jinja chat template (the model's own is in its tokenizer_config.json or chat_template.jinja)",
         )
     return template
 

@@ -48,7 +48,7 @@ def plan_sequences(
 ) -> Layout:
     """The :class:`Layout` of examples ``offsets`` (token boundaries) with ``prefix``
     (:func:`supervised_prefix`)."""
-    total = np.diff(offsets) - 1
+    total = np.maximum(np.diff(offsets) - 1, 0)  # (an example of no token has no pair)
     pairs = np.minimum(total, seq_len)
     first = np.where(keep_end, total - pairs, 0)
     # Labels of kept pairs are tokens [offset + 1 + first, offset + 1 + first + pairs).
@@ -61,7 +61,8 @@ def plan_sequences(
             starts.append(position)
             sizes = 0
         sizes += int(pairs[example])
-    starts.append(len(kept))
+    if len(kept):
+        starts.append(len(kept))
     bounds = np.asarray(starts, dtype=np.int64)
     per_sequence = np.add.reduceat(counts[kept], bounds[:-1]) if len(kept) else np.zeros(0, np.int64)
     return Layout(

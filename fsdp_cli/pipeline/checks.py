@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.pipeline.cuts import cut_problem
-from fsdp_cli.pipeline.options import PipelineOptions
+from fsdp_cli.pipeline.options import CutPolicy, PipelineOptions
 from fsdp_cli.pipeline.schedules import SCHEDULES, ScheduleFacts, schedule_facts
 
 PIPELINE_STRATEGIES = ("fsdp2",)
@@ -28,12 +28,26 @@ def check_pipeline(
             allowed="pp=1 with this strategy; pp > 1 with strategy=fsdp2",
             hint="strategy=fsdp2",
         )
+    check_cuts_policy(options)
     facts = schedule_of(options.schedule)
     per_rank = stages_per_rank_of(options, facts)
     n_stages = pp * per_rank
     if n_blocks is not None:
         check_cut(pp, options, n_blocks, n_stages)
     check_microbatches(pp, options, facts, n_stages, forward_batch)
+
+
+def check_cuts_policy(options: PipelineOptions) -> None:
+    """``pipeline.cuts`` is read only with ``pipeline.cut=explicit``: given with another policy it
+    would be ignored without a word."""
+    if options.cuts and options.cut is not CutPolicy.explicit:
+        raise ConfigError(
+            "pipeline.cuts",
+            list(options.cuts),
+            f"ignored by pipeline.cut={options.cut.value}, which places the cuts itself",
+            allowed="[] unless pipeline.cut=explicit",
+            hint="pipeline.cut=explicit to cut at these blocks, or drop pipeline.cuts",
+        )
 
 
 def check_cut(pp: int, options: PipelineOptions, n_blocks: int, n_stages: int) -> None:
