@@ -101,17 +101,35 @@ def batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
 
 
-def one_process(factory: Callable[[], nn.Module], steps: int) -> list[float]:
+def packed_positions(steps: int) -> list[torch.Tensor]:
+    """Per step, each row's positions restarting at 0 where a packed document starts (two or three
+    documents a row, boundaries drawn per row)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        rows = []
+        for _ in range(BATCH):
+            starts = sorted({0, *torch.randint(1, SEQ, (2,), generator=gen).tolist()})
+            bounds = [*starts, SEQ]
+            rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+        out.append(torch.stack(rows))
+    return out
+
+
+def step_kwargs(packed: bool, steps: int) -> list[dict[str, torch.Tensor]]:
+    """The keyword tensors of each step: packed documents' ``position_ids`` (or none)."""
+    return [{"position_ids": p} for p in packed_positions(steps)] if packed else [{}] * steps
+
+
+def one_process(factory: Callable[[], nn.Module], steps: int, packed: bool = False) -> list[float]:
     with torch.device("meta"):
         model = factory()
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
-    for batch in batches(steps):
-        loss = loss_fn(
-            model(batch[:, :-1]) if not hasattr(model, "hf") else model(batch[:, :-1]), batch[:, 1:]
-        )
+    for batch, kwargs in zip(batches(steps), step_kwargs(packed, steps), strict=True):
+        loss = loss_fn(model(batch[:, :-1], **kwargs), batch[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -119,7 +137,9 @@ def one_process(factory: Callable[[], nn.Module], steps: int) -> list[float]:
     return out
 
 
-def pipelined(factory: Callable[[], nn.Module], dims: ParallelDims, schedule: str, steps: int) -> list[float]:
+def pipelined(
+    factory: Callable[[], nn.Module], dims: ParallelDims, schedule: str, steps: int, packed: bool = False
+) -> list[float]:
     with torch.device("meta"):
         model = factory()
     split = split_of(model)
@@ -132,9 +152,10 @@ def pipelined(factory: Callable[[], nn.Module], dims: ParallelDims, schedule: st
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dp_rank, dp = dims.data_parallel_mesh.get_local_rank(), dims.dp
     out = []
-    for batch in batches(steps):
+    for batch, kwargs in zip(batches(steps), step_kwargs(packed, steps), strict=True):
         mine = batch.chunk(dp)[dp_rank]
-        loss = driver.step(mine[:, :-1], mine[:, 1:], train=True)
+        given = {k: v.chunk(dp)[dp_rank] for k, v in kwargs.items()}
+        loss = driver.step(mine[:, :-1], mine[:, 1:], train=True, kwargs=given)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss, group=dims.data_parallel_mesh.get_group())
@@ -155,11 +176,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     factories = {"llama": llama, "module": PlainModel, "hf": lambda: hf(args.hf_folder)}
     for name in args.models.split(","):
-        reference = one_process(factories[name], args.steps) if dist.get_rank() == 0 else []
+        # "llama+packed": packed documents, their position_ids given to every stage by keyword.
+        kind, packed = name.removesuffix("+packed"), name.endswith("+packed")
+        reference = one_process(factories[kind], args.steps, packed) if dist.get_rank() == 0 else []
         for schedule in args.schedules.split(","):
             dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, pp=args.pp)
             dims.build_mesh("cpu")
-            losses = pipelined(factories[name], dims, schedule, args.steps)
+            losses = pipelined(factories[kind], dims, schedule, args.steps, packed)
             if dist.get_rank() == 0:
                 worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
                 row = {

@@ -1,6 +1,6 @@
-"""data=chat through fsdp-train (two tiny runs, shared by the tests here): packed chat data on a
-Hugging Face model, the loss equal on one process with micro-batches and on dp=2 without, a
-resume mid-epoch at that other layout, and masked validation."""
+"""data=chat through fsdp-train (three tiny runs, shared by the tests here): packed chat data on a
+Hugging Face model, the loss equal on one process with micro-batches, on dp=2 without, and
+through a pipeline (pp=2, 1F1B); a resume mid-epoch at another layout, and masked validation."""
 
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ def chat_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         resumed,
     )
     assert_ok(second, resumed)
-    return {"straight": straight, "resumed": resumed, "stderr": first.stderr}
+    piped = root / "piped"
+    third = run_cli([*CHAT, *data, "strategy=fsdp2", "devices=2", "pp=2", "data.micro_batch_size=2"], piped)
+    assert_ok(third, piped)
+    return {"straight": straight, "resumed": resumed, "piped": piped, "stderr": first.stderr}
 
 
 def rows(run_dir: Path, key: str) -> dict[int, float]:
@@ -84,3 +87,15 @@ def test_chat_validation_is_the_same_masked_mean_on_both_layouts(chat_runs: dict
     )
     written = json.loads((chat_runs["straight"] / "data_statistics.json").read_text())
     assert written["data.val_path"]["examples"] == 10
+
+
+@pytest.mark.distributed
+def test_packed_chat_through_a_pipeline_equals_one_process(chat_runs: dict[str, Any]) -> None:
+    """pp=2 (1F1B, two micro-batches of one sequence, two batches accumulated per step): the
+    labels, the packed positions and the token weights travel with the micro-batches; the loss is
+    the mean over the global batch's supervised tokens, validation the masked mean, as at pp=1."""
+    for key in ("loss", "val_loss"):
+        straight, piped = rows(chat_runs["straight"], key), rows(chat_runs["piped"], key)
+        assert sorted(piped) == sorted(straight) and piped, (key, piped, straight)
+        for step in straight:
+            assert abs(straight[step] - piped[step]) <= 1e-5 * abs(straight[step]), (key, straight, piped)

@@ -120,18 +120,26 @@ def hf_folder(tmp_path: Path) -> Path:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("nproc", "layout"),
-    [(2, ["--pp=2"]), (4, ["--pp=2", "--dp=2"]), (4, ["--pp=2", "--tp=2"])],
+    ("nproc", "layout", "models"),
+    [
+        (2, ["--pp=2"], ["llama", "module", "hf", "llama+packed", "hf+packed"]),
+        (4, ["--pp=2", "--dp=2"], ["llama", "module", "hf"]),
+        (4, ["--pp=2", "--tp=2"], ["llama", "module", "hf"]),
+    ],
     ids=["pp2", "pp2xdp2", "pp2xtp2"],
 )
-def test_every_schedule_equals_one_process(nproc: int, layout: list[str], tmp_path: Path) -> None:
+def test_every_schedule_equals_one_process(
+    nproc: int, layout: list[str], models: list[str], tmp_path: Path
+) -> None:
     """8 steps of AdamW on the built-in Llama (8 blocks, so each stage holds several FSDP units:
     the zero-bubble and V schedules give wrong gradients when a unit reshards after forward), a
-    Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module."""
+    Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module;
+    at pp=2 also packed documents (``+packed``: their position_ids reach every stage by keyword,
+    each stage's attention keeps the documents apart, as one process's forward does)."""
     rows = sweep(
-        nproc, *layout, "--models=llama,module,hf", f"--hf-folder={hf_folder(tmp_path)}", "--steps=8"
+        nproc, *layout, f"--models={','.join(models)}", f"--hf-folder={hf_folder(tmp_path)}", "--steps=8"
     )
-    assert len(rows) == 3 * 7, rows
+    assert len(rows) == len(models) * 7, rows
     for row in rows:
         assert row["rel"] < 1e-5, (row["model"], row["schedule"], row["losses"], row["reference"])
 

@@ -77,9 +77,46 @@ class CausalLMModule(L.LightningModule):
     # inputs to the first stage and hands the last stage's output to the loss, micro-batch by
     # micro-batch); the steps above use the same two, so a pipeline computes the same loss.
 
-    def pipeline_inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of ``[B, T + 1]`` token ids -> (inputs, next-token targets)."""
+    def pipeline_inputs(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> Any:
+        """A batch of ``[B, T + 1]`` token ids -> (inputs, next-token targets); a labelled batch
+        (``data=chat``) -> a :class:`~fsdp_cli.pipeline.batch.PipelineBatch` (:meth:`_labelled_pipeline_batch`)."""
+        if isinstance(batch, dict):
+            return self._labelled_pipeline_batch(batch)
         return batch[:, :-1], batch[:, 1:]
+
+    def _labelled_pipeline_batch(self, batch: dict[str, torch.Tensor]) -> Any:
+        """Input ids to the first stage, labels to the loss, packed positions to every stage; the
+        loss of a micro-batch of ``m`` rows is :meth:`training_step`'s for ``m`` rows, so that the
+        schedule's mean over micro-batches is the whole batch's token-weighted loss (in validation:
+        the batch's summed token losses, for :meth:`pipeline_validation`)."""
+        from fsdp_cli.pipeline.batch import PipelineBatch
+
+        rows, training = batch["input_ids"].shape[0], self.training
+
+        def loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+            logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+            total = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten(), reduction="sum")
+            micro = labels.shape[0]
+            if not training:
+                return total * (rows / micro)
+            return total * (
+                batch["step_sequences"][0].to(total.dtype) / (batch["step_supervised"][0] * micro)
+            )
+
+        positions = batch.get("position_ids")
+        kwargs = {} if positions is None else {"position_ids": positions}
+        return PipelineBatch(inputs=batch["input_ids"], targets=batch["labels"], kwargs=kwargs, loss=loss)
+
+    def pipeline_validation(
+        self, batch: torch.Tensor | dict[str, torch.Tensor], loss: torch.Tensor
+    ) -> torch.Tensor:
+        """A validation batch the pipeline ran (``loss``: its loss, on every rank): a labelled
+        batch's summed token losses join the run's sums (``val_loss`` is the mean over the
+        supervised tokens, as at pp=1); a batch of token ids logs its mean loss."""
+        if not isinstance(batch, dict):
+            self.log("val_loss", loss, sync_dist=True, prog_bar=True)
+            return loss
+        return self._add_val_sums(loss.detach().double(), (batch["labels"] != -100).sum().double())
 
     def pipeline_loss(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy of one (micro-)batch's logits."""
@@ -118,7 +155,9 @@ class CausalLMModule(L.LightningModule):
         (:meth:`on_validation_epoch_end` divides), so ``val_loss`` is the mean over its tokens,
         packed or not."""
         total = self._token_loss_sum(batch).detach().double()
-        count = (batch["labels"] != -100).sum().double()
+        return self._add_val_sums(total, (batch["labels"] != -100).sum().double())
+
+    def _add_val_sums(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         sums = torch.stack((total, count))
         self._val_sums = sums if self._val_sums is None else self._val_sums + sums
         return total / count.clamp(min=1)

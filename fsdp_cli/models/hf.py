@@ -138,16 +138,23 @@ def _find(module: nn.Module, name: str) -> Any:
     return module
 
 
-def _hf_stage_forward(view: Any, x: torch.Tensor) -> torch.Tensor:
+def _hf_stage_forward(view: Any, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One pipeline stage of a LlamaForCausalLM-style model: its decoder's forward over the
-    stage's layers (sdpa attention without a mask is causal: checked before launch)."""
+    stage's layers (sdpa attention without a mask is causal: checked before launch).
+    ``position_ids``: packed sequences, whose documents each layer keeps apart with the boolean
+    block-diagonal mask sdpa takes (:func:`fsdp_cli.models.llama.document_mask`)."""
+    from fsdp_cli.models.llama import document_mask
+
     hf = view.owner.hf
     inner = hf.model
     h = inner.embed_tokens(x) if view.is_first else x
-    positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    mask = None if position_ids is None else document_mask(position_ids)
+    positions = (
+        torch.arange(h.shape[1], device=h.device).unsqueeze(0) if position_ids is None else position_ids
+    )
     rotary = inner.rotary_emb(h, position_ids=positions)
     for layer in view.blocks.values():
-        h = layer(h, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
     return hf.lm_head(inner.norm(h)) if view.is_last else h
 
 

@@ -236,10 +236,16 @@ class Llama(nn.Module):
         return plan
 
 
-def _llama_stage_forward(view: Any, x: torch.Tensor) -> torch.Tensor:
-    """One pipeline stage of :class:`Llama`: its forward, over the stage's parts only."""
+def _llama_stage_forward(
+    view: Any, x: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One pipeline stage of :class:`Llama`: its forward, over the stage's parts only
+    (``position_ids``: packed sequences, as :meth:`Llama.forward` takes them)."""
     model = view.owner
     h = model.tok_embeddings(x) if view.is_first else x
+    rope, mask = model.rope, None
+    if position_ids is not None:
+        rope, mask = model.rope[position_ids], document_mask(position_ids)
     for layer in view.blocks.values():
-        h = layer(h, model.rope)
+        h = layer(h, rope, mask)
     return model.output(model.norm(h)) if view.is_last else h

@@ -138,6 +138,7 @@ class PipelineDriver:
         self.layout, self.group, self.device = layout, group, device
         self.scale = 1.0  # 1 / gradient accumulation, set per step
         self.loss_fn = loss_fn
+        self.step_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         given = shapes or {}
         piped = [
             PipelineStage(
@@ -163,22 +164,33 @@ class PipelineDriver:
         self.last_rank = _owner(layout)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target) * self.scale
+        return (self.step_loss_fn or self.loss_fn)(output, target) * self.scale
 
     def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool, scale: float = 1.0
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        train: bool,
+        scale: float = 1.0,
+        kwargs: dict[str, torch.Tensor] | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The step's loss (unscaled), the same on every rank of the pipeline."""
-        self.scale = scale
+        """The step's loss (unscaled: the mean of its micro-batches' ``loss_fn``), the same on
+        every rank of the pipeline. ``kwargs``: tensors every stage's forward takes by keyword
+        (packed sequences' ``position_ids``), split into micro-batches like the inputs;
+        ``loss_fn``: this step's loss in place of the module's."""
+        self.scale, self.step_loss_fn = scale, loss_fn
         losses: list[torch.Tensor] = []
         # Contiguous: torch 2.11's stage checks the strides too, and a batch's [:, :-1] has the
         # full row's (PipeliningShapeError: expected (T, 1), actual (T + 1, 1)).
         args = (inputs.contiguous(),) if self.holds_first else ()
-        target = targets if self.holds_last else None
+        target = targets.contiguous() if self.holds_last else None
+        given = {k: v.contiguous() for k, v in (kwargs or {}).items()}
         if train:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **given)
         else:
-            self.schedule.eval(*args, target=target, losses=losses)
+            self.schedule.eval(*args, target=target, losses=losses, **given)
         loss = torch.zeros((), device=self.device, dtype=torch.float32)
         if losses:
             loss = torch.stack([x.detach().float() for x in losses]).mean() / scale

@@ -23,7 +23,9 @@ from torch import nn
 
 from fsdp_cli.errors import ConfigError
 
-StageForward = Callable[["StageView", torch.Tensor], torch.Tensor]
+StageForward = Callable[..., torch.Tensor]
+"""``(view, x, **kwargs) -> y``: one stage's forward (``kwargs``: the batch's keyword tensors,
+:attr:`fsdp_cli.pipeline.batch.PipelineBatch.kwargs`)."""
 
 
 @dataclass
@@ -70,12 +72,18 @@ class StageView(nn.Module):
         object.__setattr__(self, "owner", split.model)
         object.__setattr__(self, "_run", split.forward or sequential_forward)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self, x)
+    def forward(self, x: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return self._run(self, x, **kwargs)
 
 
-def sequential_forward(view: StageView, x: torch.Tensor) -> torch.Tensor:
-    """Each part on the output of the one before: first parts, blocks, last parts."""
+def sequential_forward(view: StageView, x: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+    """Each part on the output of the one before: first parts, blocks, last parts (which take
+    nothing else: a batch with keyword tensors needs the model's own stage forward)."""
+    if kwargs:
+        raise TypeError(
+            f"a plain module's stages take one input; this batch also has {', '.join(kwargs)} "
+            "(give the model a pipeline_split() whose forward takes them)"
+        )
     for part in [*view.first_parts, *view.blocks.values(), *view.last_parts]:
         x = part(x)
     return x

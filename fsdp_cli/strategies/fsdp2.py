@@ -439,8 +439,12 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self.pipeline is not None:
             with self.precision_plugin.val_step_context():
                 loss = self._pipeline_step(args[0], train=False)
+            module = self.lightning_module
+            own = getattr(module, "pipeline_validation", None)
+            if callable(own):  # the module keeps its own validation statistics
+                return own(args[0], loss)
             # Every rank holds the last stage's loss (broadcast): the mean over ranks is over dp.
-            self.lightning_module.log("val_loss", loss, sync_dist=True, prog_bar=True)
+            module.log("val_loss", loss, sync_dist=True, prog_bar=True)
             return loss
         if self._root_is_the_module():
             with self.precision_plugin.val_step_context():
@@ -451,8 +455,10 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         """One batch through the schedule (backward included when training); the loss of the
         whole batch, on every rank of the pipeline. Gradients are scaled for accumulation here,
         since the schedule, not Lightning, runs backward."""
+        from fsdp_cli.pipeline.batch import as_pipeline_batch
+
         module = self.lightning_module
-        inputs, targets = module.pipeline_inputs(batch)
+        piped = as_pipeline_batch(module.pipeline_inputs(batch))
         accumulation = module.trainer.accumulate_grad_batches
         scale = 1.0 / accumulation if train else 1.0
         earlier: dict[int, Any] = {}
@@ -466,7 +472,9 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 if param.grad is not None and not first:
                     earlier[id(param)] = param.grad
                 param.grad = None
-        loss = self.pipeline.step(inputs, targets, train=train, scale=scale)
+        loss = self.pipeline.step(
+            piped.inputs, piped.targets, train=train, scale=scale, kwargs=piped.kwargs, loss_fn=piped.loss
+        )
         if train:
             # Lightning zeroes gradients between the step and its backward, and this step has run
             # backward already: the gradients wait aside until backward() puts them back.
