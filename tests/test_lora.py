@@ -351,6 +351,40 @@ def test_resume_is_exact_at_another_layout(lora_runs: dict[str, Path], tmp_path:
     assert _relative_gap(losses(lora_runs["single"])[4:], losses(run_dir)) < 1e-5
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("full_run", ["fsdp2", "fsdp"], ids=["from-sharded", "from-full-file"])
+def test_lora_on_a_full_fine_tune_starts_new_adapters_on_its_weights(
+    layout_run: Any, full_run: str, tmp_path: Path
+) -> None:
+    """``peft=lora resume=FULL``: a new run (step 0, its own run id) whose frozen base is the full
+    fine-tune's checkpoint, bit for bit (read into FSDP2's shards from a sharded save and from a
+    full file)."""
+    from conftest import PARITY
+
+    from fsdp_cli.checkpoint.convert import load
+
+    full = _ckpt(layout_run(full_run), 6)
+    full = full if full.exists() else full.with_suffix(".pt")
+    run_dir = tmp_path / "lora"
+    args = [*PARITY, "strategy=fsdp2", "devices=2", "peft=lora", "peft.r=4", "peft.save_base=true"]
+    result = run_cli([*args, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"resume={full}"], run_dir)
+    assert_ok(result, run_dir)
+    assert f"resume={full} is a full fine-tune (step 6)" in result.stderr and "from step 0" in result.stderr
+    saved = load(_ckpt(run_dir, 2), weights_only_model=True).state_dict
+    base = {k.replace(".base_layer.", "."): v for k, v in saved.items() if ".lora_" not in k}
+    expected = load(full, weights_only_model=True).state_dict
+    assert set(base) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(base[name], value), name
+    return_to = cli_in_process([*args, f"resume={_ckpt(run_dir, 2)}", "peft.r=8"], tmp_path / "r8", env=CPU)
+    assert return_to.returncode == 2 and "saved with peft.r=4" in return_to.stderr, return_to.stderr
+    full_again = cli_in_process(
+        [*PARITY, "devices=2", f"resume={_ckpt(run_dir, 2)}"], tmp_path / "none", env=CPU
+    )
+    assert full_again.returncode == 2, full_again.stderr
+    assert "holds peft=lora adapters" in full_again.stderr and "(peft=none)" in full_again.stderr
+
+
 def _trained_model(run: Path) -> Llama:
     from fsdp_cli.checkpoint.convert import load
 

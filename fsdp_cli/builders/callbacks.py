@@ -137,9 +137,18 @@ def build_callbacks(
         progress=ProgressDisplay(metrics, t.max_steps),
         nonfinite=nonfinite,
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
-        user=build_user_callbacks(cfg),
+        user=[*_start_from(cfg), *build_user_callbacks(cfg)],
         module_clip_val=clip_val if own_clipping else None,
     )
+
+
+def _start_from(cfg: TrainConfig) -> list[L.Callback]:
+    """``peft=lora`` on a full fine-tune's checkpoint: its weights fill the base before step 1."""
+    if cfg.start_from is None:
+        return []
+    from fsdp_cli.checkpoint.start_from import StartFromWeights
+
+    return [StartFromWeights(cfg.start_from)]
 
 
 def _build_metrics(

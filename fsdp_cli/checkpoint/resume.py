@@ -35,7 +35,16 @@ SHAPE_KEYS = (
     "model.tie_embeddings",
 )
 # Keys that differ between any two runs and say nothing about compatibility.
-IGNORED = ("run_dir", "run_id", "resume", "checkpoint.dir", "launcher.", "sweep.", "explicit_data")
+IGNORED = (
+    "run_dir",
+    "run_id",
+    "resume",
+    "checkpoint.dir",
+    "launcher.",
+    "sweep.",
+    "explicit_data",
+    "start_from",
+)
 
 
 def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
@@ -61,9 +70,12 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     _checked(path, check_checkpoint)  # nothing in it runs code in the ranks (it would be refused there)
     manifest = _checked(path, read_manifest)
     step = manifest.get("step") if isinstance(manifest, dict) else None
+    saved = manifest.get("config") if isinstance(manifest, dict) else None
+    if isinstance(saved, Mapping) and starts_adapters(_flat(saved), _flat(to_container(cfg)), path):
+        return _start_from(cfg, saved, path, step, notices)
     notices.append(f"note: resuming from {path}" + (f" (step {step})" if step is not None else ""))
-    if isinstance(manifest, dict) and isinstance(manifest.get("config"), Mapping):
-        notices.extend(compare(manifest["config"], to_container(cfg), path))
+    if isinstance(saved, Mapping):
+        notices.extend(compare(saved, to_container(cfg), path))
     resumed = _with_run_id(dataclasses.replace(cfg, resume=path), manifest)
     if cfg.run_id is None and not _saved_run_id(manifest):
         notices.append(
@@ -71,6 +83,54 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
             "and retention leaves the older saves in checkpoint.dir for you to remove"
         )
     return resumed, notices
+
+
+ADAPTER_KEYS = ("peft.r", "peft.targets", "peft.trainable", "peft.bias")
+"""Adapter settings whose change makes a LoRA checkpoint's tensors (or their optimizer state)
+another set than the run's."""
+
+
+def starts_adapters(before: Mapping[str, Any], after: Mapping[str, Any], path: str) -> bool:
+    """Whether the run trains new adapters on a full fine-tune's checkpoint (``peft=lora
+    resume=FULL``); :class:`ConfigError` where the fine-tuning mode or the adapters' settings
+    changed so that the checkpoint cannot be continued."""
+    was, now = str(before.get("peft.name", "none")), str(after.get("peft.name", "none"))
+    if was == "none":
+        return now != "none"
+    saved = ", ".join(f"{k}={before.get(k)}" for k in ADAPTER_KEYS)
+    if now == "none":
+        raise ConfigError(
+            "resume",
+            path,
+            f"the checkpoint holds peft={was} adapters ({saved}) and this run trains the whole model (peft=none)",
+            hint=f"peft={was} with those settings continues it (for model=hf, fsdp-ckpt convert PATH OUT "
+            "--to hf --merge gives merged weights to fine-tune in full)",
+        )
+    changed = [k for k in ADAPTER_KEYS if before.get(k) != after.get(k)]
+    if changed:
+        asked = ", ".join(f"{k}={after.get(k)}" for k in changed)
+        raise ConfigError(
+            "resume",
+            path,
+            f"the checkpoint's adapters were saved with {saved}; this run asks {asked}",
+            hint="resume with the saved adapter settings, or train new adapters with resume=null",
+        )
+    return False
+
+
+def _start_from(
+    cfg: TrainConfig, saved: Mapping[str, Any], path: str, step: Any, notices: list[str]
+) -> tuple[TrainConfig, list[str]]:
+    """A new run on a full fine-tune's weights (same model checked): step 0, new adapters, new
+    optimizer state, a run id of its own; ``start_from`` tells the ranks where the base is."""
+    compare_model(_flat(saved), _flat(to_container(cfg)), path)
+    at = f" (step {step})" if step is not None else ""
+    notices.append(
+        f"note: resume={path} is a full fine-tune{at}; peft={cfg.peft.name.value} trains new adapters on its "
+        "weights: a new run from step 0 (new optimizer state and run id)"
+    )
+    fresh = dataclasses.replace(cfg, resume=None, start_from=path)
+    return _with_run_id(fresh, None), notices
 
 
 def _with_run_id(cfg: TrainConfig, manifest: Mapping[str, Any] | None) -> TrainConfig:
@@ -106,6 +166,24 @@ def _checked(path: str, check: Any) -> Any:
 def compare(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> list[str]:
     """Notices for compatible changes; :class:`ConfigError` for an incompatible model."""
     before, after = _flat(saved), _flat(current)
+    changed = compare_model(before, after, path)
+    was, now = _accumulation(before), _accumulation(after)
+    if was and now and was != now:
+        raise ConfigError(
+            "resume",
+            path,
+            f"gradient accumulation would change from {was} to {now} micro-batches per step",
+            hint="keep global_batch_size / (dp * micro_batch_size) as it was, e.g. adjust data.micro_batch_size",
+        )
+    if not changed:
+        return []
+    listed = ", ".join(f"{k}: {before.get(k)} -> {after.get(k)}" for k in changed)
+    return [f"note: changed since the checkpoint (compatible, proceeding): {listed}"]
+
+
+def compare_model(before: Mapping[str, Any], after: Mapping[str, Any], path: str) -> list[str]:
+    """The keys changed since the checkpoint (``IGNORED`` aside); :class:`ConfigError` when one
+    of them changes the model's tensors."""
     changed = sorted(
         k for k in before.keys() | after.keys() if before.get(k) != after.get(k) and not k.startswith(IGNORED)
     )
@@ -119,18 +197,7 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> 
             f"the checkpoint holds a different model ({detail})",
             hint="resume with the model settings it was trained with, or start fresh with resume=null",
         )
-    was, now = _accumulation(before), _accumulation(after)
-    if was and now and was != now:
-        raise ConfigError(
-            "resume",
-            path,
-            f"gradient accumulation would change from {was} to {now} micro-batches per step",
-            hint="keep global_batch_size / (dp * micro_batch_size) as it was, e.g. adjust data.micro_batch_size",
-        )
-    if not changed:
-        return []
-    listed = ", ".join(f"{k}: {before.get(k)} -> {after.get(k)}" for k in changed)
-    return [f"note: changed since the checkpoint (compatible, proceeding): {listed}"]
+    return changed
 
 
 def _accumulation(flat: dict[str, Any]) -> int | None:

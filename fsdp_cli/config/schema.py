@@ -850,7 +850,7 @@ class SweepConfig:
     ``hydra.sweeper.direction``. A job that was skipped or failed returns the worst value."""
 
 
-SET_BY_THE_ENTRY_POINT = ("run_dir", "explicit_data", "run_id")
+SET_BY_THE_ENTRY_POINT = ("run_dir", "explicit_data", "run_id", "start_from")
 """:class:`TrainConfig` keys the entry point fills in for the ranks, not the user's to set:
 ``--cfg job`` leaves them out (:func:`fsdp_cli.compat.hydra_internals.hide_from_printed_config`)."""
 
@@ -909,6 +909,10 @@ class TrainConfig:
     """Set by the entry point: true when the command line chose the ``data`` group or a ``data.*``
     key. A LightningModule with its own ``train_dataloader`` then refuses those settings instead
     of ignoring the data group with a notice."""
+    start_from: str | None = None
+    """Set by the entry point: ``resume`` named a full fine-tune's checkpoint and this run trains
+    adapters (``peft=lora``): a new run (step 0, new optimizer state) whose base weights are read
+    from that checkpoint (:mod:`fsdp_cli.checkpoint.start_from`)."""
     run_id: str | None = None
     """Set by the entry point: who this run's checkpoints belong to (recorded in each manifest; the
     pruner removes only saves that carry it). A resumed run keeps the id of the checkpoint it
