@@ -35,7 +35,7 @@ TRAIN = [
 WORDS = "the a quick lazy brown red fox dog cat jumps runs sleeps over under near far and then".split()
 
 
-def save_llama(path: Path) -> Path:
+def save_llama(path: Path, *, tie: bool = False) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -47,7 +47,7 @@ def save_llama(path: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -444,7 +444,7 @@ def test_hf_lora_exports_load_in_peft_and_transformers_with_the_runs_logits(tmp_
     from fsdp_cli.models.hf import build_hf_model
 
     folder, tokens, run = (
-        save_llama(tmp_path / "llama"),
+        save_llama(tmp_path / "llama", tie=True),  # tied, as most small models are
         write_token_stream(tmp_path / "t.bin", 257),
         tmp_path / "run",
     )
@@ -467,6 +467,10 @@ def test_hf_lora_exports_load_in_peft_and_transformers_with_the_runs_logits(tmp_
     ours.materialize("cpu")  # the folder's weights, as DDP fills them
     apply_lora(ours, cfg.peft, seed=cfg.seed)
     state = load(ckpt, weights_only_model=True).state_dict
+    # What trained is saved and exported: the adapters and the norms, not the frozen tied head.
+    assert not [k for k in state if "lm_head" in k or "embed_tokens" in k], sorted(state)
+    exported = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["modules_to_save"]
+    assert exported and all("norm" in m for m in exported), exported
     missing, unexpected = ours.load_state_dict(
         {k[len("model.") :]: v for k, v in state.items()}, strict=False
     )

@@ -47,6 +47,7 @@ from fsdp_cli.checkpoint.sharded_save import (
     describe_error,
     save_sharded,
 )
+from fsdp_cli.checkpoint.manifest import TRAINED_KEY
 from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.errors import RunFailure
 from fsdp_cli.parallel.names import canonical_name
@@ -310,7 +311,11 @@ class DistributedCheckpointing:
     def _manifest(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         from fsdp_cli.checkpoint.manifest import build_manifest
 
-        return build_manifest(self, checkpoint, extra=self.checkpoint_manifest or {})
+        extra = dict(self.checkpoint_manifest or {})
+        trained = trained_names(self.lightning_module) if self.lightning_module is not None else None
+        if trained is not None:
+            extra[TRAINED_KEY] = trained
+        return build_manifest(self, checkpoint, extra=extra)
 
     def _save_sharded(self, checkpoint: dict[str, Any], target: SaveTarget) -> None:
         tensors = {
@@ -374,8 +379,21 @@ class DistributedCheckpointing:
 
 
 def frozen_names(model: Any) -> set[str]:
-    """The canonical names of ``model``'s parameters that do not train."""
-    return {canonical_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+    """The canonical names of ``model``'s parameters that do not train, under every name a tied
+    parameter has (a frozen embedding's tied head is frozen too, and not saved)."""
+    return {
+        canonical_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+    }
+
+
+def trained_names(model: Any) -> list[str] | None:
+    """The canonical names of ``model``'s parameters that train (every name of a tied one), for
+    the manifest: what an export of the run carries beside its adapters. None when every
+    parameter trains (a full fine-tune: nothing to list)."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    if all(p.requires_grad for _, p in named):
+        return None
+    return sorted({canonical_name(n) for n, p in named if p.requires_grad})
 
 
 def _frozen_missing(model: Any, saved: Any) -> bool:

@@ -11,6 +11,9 @@ from fsdp_cli.dtypes import dtype_names
 
 MANIFEST_VERSION = 2
 """2: sharded checkpoints list every file with its size and CRC-32 (``files``)."""
+TRAINED_KEY = "trained"
+"""A run that froze part of its model (``peft=lora``): the canonical names of the parameters that
+trained (its exports carry those beside the adapters, nothing frozen)."""
 
 
 def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
+from fsdp_cli.checkpoint.manifest import TRAINED_KEY
 from fsdp_cli.extras import install_hint
 
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -59,13 +60,18 @@ def adapter_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def trained_in_full(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def trained_in_full(state_dict: dict[str, torch.Tensor], trained: set[str] | None = None) -> dict[str, torch.Tensor]:
     """What trained beside the adapters (``peft.trainable``: norms, the head), under PEFT's names
-    for ``modules_to_save`` (an adapters-only save holds nothing else)."""
+    for ``modules_to_save``: the tensors ``trained`` names (the manifest's list), or, for a
+    checkpoint saved before manifests listed them, whatever an adapters-only save holds."""
+    from fsdp_cli.parallel.names import canonical_name
+
     return {
         f"{PEFT_PREFIX}{model_key(k)}": v
         for k, v in state_dict.items()
-        if not LORA_KEY.match(model_key(k)) and ".base_layer." not in k
+        if not LORA_KEY.match(model_key(k))
+        and ".base_layer." not in k
+        and (trained is None or canonical_name(k) in trained)
     }
 
 
@@ -75,8 +81,13 @@ def save_peft(state_dict: dict[str, torch.Tensor], manifest: dict[str, Any] | No
 
     options = peft_options(manifest)
     tensors = adapter_tensors(state_dict)
-    # (with peft.save_base the checkpoint holds the frozen base too: only peft.trainable's go along)
-    extra = trained_in_full(state_dict) if not options.get("save_base") else {}
+    # The manifest lists what trained; without the list (older saves), a save_base checkpoint
+    # holds the frozen base too and nothing beside the adapters can be told apart from it.
+    listed = (manifest or {}).get(TRAINED_KEY)
+    if isinstance(listed, list):
+        extra = trained_in_full(state_dict, set(listed))
+    else:
+        extra = trained_in_full(state_dict) if not options.get("save_base") else {}
     try:
         from peft import LoraConfig
     except ImportError:
