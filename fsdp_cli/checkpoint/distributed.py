@@ -39,6 +39,7 @@ from fsdp_cli.checkpoint.format import (
     checkpoint_format,
     remove_path,
 )
+from fsdp_cli.checkpoint.manifest import TRAINED_KEY
 from fsdp_cli.checkpoint.optimizer_layout import PARAMETER_NAMES_KEY, is_numbered, named, numbered
 from fsdp_cli.checkpoint.sharded_save import (
     KEPT,
@@ -47,7 +48,6 @@ from fsdp_cli.checkpoint.sharded_save import (
     describe_error,
     save_sharded,
 )
-from fsdp_cli.checkpoint.manifest import TRAINED_KEY
 from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.errors import RunFailure
 from fsdp_cli.parallel.names import canonical_name

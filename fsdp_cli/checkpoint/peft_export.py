@@ -60,7 +60,9 @@ def adapter_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def trained_in_full(state_dict: dict[str, torch.Tensor], trained: set[str] | None = None) -> dict[str, torch.Tensor]:
+def trained_in_full(
+    state_dict: dict[str, torch.Tensor], trained: set[str] | None = None
+) -> dict[str, torch.Tensor]:
     """What trained beside the adapters (``peft.trainable``: norms, the head), under PEFT's names
     for ``modules_to_save``: the tensors ``trained`` names (the manifest's list), or, for a
     checkpoint saved before manifests listed them, whatever an adapters-only save holds."""
