@@ -59,6 +59,16 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
         (["pp=2", "model.tie_embeddings=true"], "model.tie_embeddings=True", ["first stage", "false"]),
         (
+            ["pp=2", "model=hf", "model.path=TIED"],
+            "model.tie_embeddings=null (tied in config.json)",
+            ["first stage", "model.tie_embeddings=false"],
+        ),
+        (
+            ["model=hf", "model.path=UNTIED", "model.tie_embeddings=true"],
+            "model.tie_embeddings=True",
+            ["drop it"],
+        ),
+        (
             ["pp=2", "model=custom", "model._target_=tests.assets.own_loaders.BoringModel"],
             "pp=2",
             ["BoringModel", "lacks pipeline_inputs, pipeline_loss"],
@@ -68,6 +78,13 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
 def test_an_impossible_pipeline_layout_is_one_line_before_launch(
     overrides: list[str], key: str, words: list[str], tmp_path: Path
 ) -> None:
+    from test_hf import save_llama
+
+    folders = {"model.path=TIED": True, "model.path=UNTIED": False}
+    overrides = [
+        f"model.path={save_llama(tmp_path / 'folder', tie=folders[o])}" if o in folders else o
+        for o in overrides
+    ]
     result = cli_in_process(["recipe=cpu_smoke", *overrides], tmp_path / "run", env=CPU)
     assert result.returncode == 2, result
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -240,30 +257,57 @@ def test_a_full_save_under_pp_is_a_pp1_full_file_and_resumes(cpu_pp: Path, tmp_p
 
 
 @pytest.mark.distributed
-def test_a_full_save_of_an_hf_model_under_pp_exports_to_hf(tmp_path: Path) -> None:
-    """model=hf (a tiny LlamaForCausalLM, fresh weights) at pp=2 saving one file: it verifies,
-    and fsdp-ckpt convert --to hf writes a folder from_pretrained reads back with every tensor
-    of the file, bit for bit."""
+def test_a_tied_hf_model_untied_on_purpose_trains_under_pp_as_one_process_and_exports_to_hf(
+    tmp_path: Path,
+) -> None:
+    """A tied LlamaForCausalLM folder (as most small models are) with model.tie_embeddings=false at
+    pp=2, saving one file: the losses of one process with the same setting; the file verifies, and
+    fsdp-ckpt convert --to hf writes an untied folder from_pretrained reads back with every tensor
+    of the file, bit for bit (the head trained apart from the embedding it started as)."""
+    from test_hf import save_llama
     from transformers import AutoModelForCausalLM
 
-    folder = hf_folder(tmp_path)
+    folder = save_llama(tmp_path / "tied", tie=True)
     args = [
         "recipe=cpu_pp",
         "model=hf",
         f"model.path={folder}",
-        "model.pretrained=false",
-        "trainer.max_steps=2",
+        "model.tie_embeddings=false",
+        "trainer.max_steps=4",
+        "trainer.log_every_n_steps=1",
     ]
-    result = run_cli([*args, "checkpoint=full", "checkpoint.every_n_steps=2"], tmp_path / "run", env=CPU)
+    saves = ["checkpoint=full", "checkpoint.every_n_steps=4"]
+    result = run_cli([*args, *saves], tmp_path / "run", env=CPU)
     assert result.returncode == 0, result
-    saved = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    single = run_cli([*args, "pp=1", "devices=1"], tmp_path / "one", env=CPU)
+    assert single.returncode == 0, single
+    piped, one = losses(tmp_path / "run"), losses(tmp_path / "one")
+    assert len(piped) == len(one) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(piped, one, strict=True)) < 1e-5, (piped, one)
+    saved = tmp_path / "run" / "checkpoints" / "step_00000004.pt"
     assert fsdp_ckpt("verify", str(saved)) == 0
     assert fsdp_ckpt("convert", str(saved), str(tmp_path / "out"), "--to", "hf") == 0
     trained = load(saved, weights_only_model=True).state_dict
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
-    assert reloaded.keys() == {k.removeprefix("model.hf.") for k in trained}
-    for key, value in reloaded.items():
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert reloaded.config.tie_word_embeddings is False
+    state = reloaded.state_dict()
+    assert state.keys() == {k.removeprefix("model.hf.") for k in trained} and "lm_head.weight" in state
+    for key, value in state.items():
         assert torch.equal(value, trained[f"model.hf.{key}"]), key
+    assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+def test_a_head_untied_on_purpose_starts_as_a_copy_of_the_embedding(tmp_path: Path) -> None:
+    from test_hf import save_llama
+
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+
+    folder = save_llama(tmp_path / "tied", tie=True)
+    model = build_hf_model(HFModelArgs(path=str(folder), tie_embeddings=False), seed=0)
+    model.materialize("cpu")
+    head, embedding = model.hf.lm_head.weight, model.hf.model.embed_tokens.weight
+    assert head is not embedding and torch.equal(head, embedding)
 
 
 def assert_a_pp1_full_file(piped: Path, single: Path) -> None:

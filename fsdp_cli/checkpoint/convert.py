@@ -211,7 +211,7 @@ def save_hf(ckpt: Checkpoint, partial: Path, hf_config: Path | None = None, *, m
         from fsdp_cli.checkpoint.peft_export import merged
 
         state = merged(state, ckpt.manifest, folder)
-    write_hf(state, partial, folder, step=step)
+    write_hf(state, partial, folder, step=step, manifest=ckpt.manifest)
 
 
 def save_peft(ckpt: Checkpoint, partial: Path) -> None:

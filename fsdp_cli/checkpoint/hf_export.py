@@ -54,16 +54,28 @@ def source_folder(manifest: dict[str, Any] | None, override: Path | None) -> Pat
     return folder
 
 
-def hf_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+def run_config(folder: Path, manifest: dict[str, Any] | None) -> Any:
+    """``folder/config.json`` as the run trained it: untied where the run set
+    ``model.tie_embeddings=false``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    model = ((manifest or {}).get("config") or {}).get("model") or {}
+    if model.get("tie_embeddings") is False:
+        config.tie_word_embeddings = False
+    return config
+
+
+def hf_weights(state_dict: dict[str, torch.Tensor], folder: Path, config: Any = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the transformers model's own names, tied copies dropped,
-    checked against the model ``folder/config.json`` describes."""
+    checked against the model ``config`` (default: ``folder/config.json``) describes."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise CheckpointFormatError(f"--to hf needs the transformers package: {install_hint('hf')}") from None
 
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        reference = AutoModelForCausalLM.from_config(config or AutoConfig.from_pretrained(folder))
     expected = dict(reference.state_dict())
     tied = dict(getattr(reference, "all_tied_weights_keys", None) or {})
     tensors = {k[len(PREFIX) :]: v for k, v in state_dict.items() if k.startswith(PREFIX)}
@@ -84,13 +96,20 @@ def hf_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> dict[str, t
     return tensors
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], partial: Path, folder: Path, *, step: Any = None) -> None:
-    """Write the model folder into ``partial`` (an empty folder; the caller publishes it)."""
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    partial: Path,
+    folder: Path,
+    *,
+    step: Any = None,
+    manifest: dict[str, Any] | None = None,
+) -> None:
+    """Write the model folder into ``partial`` (an empty folder; the caller publishes it);
+    ``manifest``: the checkpoint's (an untied head stays untied)."""
     from huggingface_hub import save_torch_state_dict
-    from transformers import AutoConfig
 
-    tensors = hf_weights(state_dict, folder)
-    config = AutoConfig.from_pretrained(folder)
+    config = run_config(folder, manifest)
+    tensors = hf_weights(state_dict, folder, config)
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         config.dtype = dtypes.pop()  # what from_pretrained's dtype="auto" loads them as

@@ -96,6 +96,9 @@ class ModelKind(NamedTuple):
     """The config as a rehearsal builds it: no weights read (only shapes matter there)."""
     yaml_node: Callable[[Any], dict[str, Any]] | None = None
     """Its ``config.yaml`` node, where the structured dump would not read back (``_target_``)."""
+    tied_embeddings: Callable[[Any], bool] = lambda model: False
+    """Whether the head shares the input embedding's weight (a plain module's ties are found when
+    its cut is traced)."""
 
 
 # --------------------------------------------------------------------------- checks
@@ -186,6 +189,15 @@ def check_hf_model(run: ResolvedRun) -> None:
             f"exceeds the model's vocabulary of {vocab} (config.json): token ids would index past its embedding",
             allowed=f"1..{vocab}",
             hint="data that the model's own tokenizer produced (data=jsonl data.tokenizer=MODEL_DIR, or data=tokens)",
+        )
+    if model.tie_embeddings and not folder.tied_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings",
+            True,
+            f"the model in {model.path} has a head of its own (tie_word_embeddings: false in config.json); "
+            "tying would drop it",
+            allowed="null (as config.json says) or false",
+            hint="model.tie_embeddings=null",
         )
     limit = folder.get("max_positions")
     if isinstance(limit, int) and cfg.data.seq_len > limit:
@@ -290,6 +302,13 @@ def llama_adapter_targets(model: LlamaConfig) -> list[str]:
 def on_meta_model(model: Any) -> list[str]:
     """Its linear layers are found on its meta model (before launch) and on the real one."""
     return []
+
+
+def hf_tied_embeddings(model: HFModelConfig) -> bool:
+    """``config.json``'s ``tie_word_embeddings`` unless ``model.tie_embeddings`` unties it."""
+    if model.tie_embeddings is not None:
+        return model.tie_embeddings
+    return read_model_folder(model.path).tied_embeddings
 
 
 def hf_folder_vocab(model: HFModelConfig) -> int | None:
@@ -432,6 +451,7 @@ LLAMA = ModelKind(
     adapter_targets=llama_adapter_targets,
     document_masks=True,  # position_ids -> models.llama.document_mask (SDPA, boolean mask)
     recomputes_buffers=True,  # RoPE tables
+    tied_embeddings=lambda model: bool(model.tie_embeddings),
 )
 HF = ModelKind(
     name="hf",
@@ -450,6 +470,7 @@ HF = ModelKind(
     document_masks=True,  # position_ids, no attention mask: transformers masks packed documents
     default_vocab=hf_folder_vocab,
     without_weights=hf_without_weights,
+    tied_embeddings=hf_tied_embeddings,
 )
 MODULE = ModelKind(
     name="module",

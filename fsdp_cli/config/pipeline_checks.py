@@ -20,7 +20,7 @@ def check_pipeline_layout(run: ResolvedRun) -> None:
     if cfg.pp == 1:
         return
     _check_strategy_for_stages(cfg)
-    _check_model_for_stages(cfg)
+    _check_model_for_stages(run)
     points = run.model_kind.stage_split_points(cfg.model)
     data = cfg.data
     per_rank = data.global_batch_size // run.layout.dp if getattr(data, "global_batch_size", None) else 1
@@ -52,15 +52,18 @@ def _check_strategy_for_stages(cfg: TrainConfig) -> None:
             )
 
 
-def _check_model_for_stages(cfg: TrainConfig) -> None:
-    """The model's settings the stages cannot take: tied embeddings, attention other than sdpa."""
-    if getattr(cfg.model, "tie_embeddings", False):
+def _check_model_for_stages(run: ResolvedRun) -> None:
+    """The model's settings the stages cannot take: tied embeddings (its registry entry says),
+    attention other than sdpa."""
+    cfg = run.cfg
+    if run.model_kind.tied_embeddings(cfg.model):
+        shown = getattr(cfg.model, "tie_embeddings", None)
         raise ConfigError(
             "model.tie_embeddings",
-            True,
-            f"the embedding sits on the first stage and the head on the last, pp={cfg.pp}",
+            "null (tied in config.json)" if shown is None else shown,
+            f"the embedding sits on the first stage and the head on the last, pp={cfg.pp}: one weight cannot be both",
             allowed="false with pp > 1",
-            hint="model.tie_embeddings=false, or pp=1",
+            hint="model.tie_embeddings=false (the head starts as a copy of the embedding and trains apart), or pp=1",
         )
     attention = getattr(cfg.model, "attn_implementation", "sdpa")
     if attention != "sdpa":

@@ -70,6 +70,11 @@ class HFModelArgs:
     (the model's own init, the same numbers on every layout for a given ``seed``)."""
     attn_implementation: str = "sdpa"
     """transformers' attention kernel: ``sdpa``, ``eager``, or ``flash_attention_2`` (GPU, if installed)."""
+    tie_embeddings: bool | None = None
+    """null: the head shares the input embedding's weight as ``config.json`` says
+    (``tie_word_embeddings``); false: untie a tied model on purpose, its head starting as a copy of
+    the embedding and training apart (pipeline parallel needs it: the two sit on different stages).
+    Exports then say ``tie_word_embeddings: false`` and hold the head."""
 
 
 class Scheduler(Enum):

@@ -212,8 +212,13 @@ def build_hf_model(cfg: HFModelArgs, *, seed: int) -> HFCausalLM:
     assert cfg.path is not None  # checked in the parent
     config = AutoConfig.from_pretrained(cfg.path)
     config.use_cache = False
+    untie = cfg.tie_embeddings is False and bool(getattr(config, "tie_word_embeddings", False))
+    if untie:
+        config.tie_word_embeddings = False
     with torch.device("meta"), meta_device_safe_creation_ops():
         hf = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
         )
-    return HFCausalLM(hf, HFSource(path=Path(cfg.path), pretrained=cfg.pretrained, seed=seed))
+    # An untied head reads the weight the folder saved once, under the embedding's name.
+    copies = dict(getattr(type(hf), "_tied_weights_keys", None) or {}) if untie else {}
+    return HFCausalLM(hf, HFSource(path=Path(cfg.path), pretrained=cfg.pretrained, seed=seed, copies=copies))

@@ -22,7 +22,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class HFSource:
     path: Path
     pretrained: bool
     seed: int
+    copies: dict[str, str] = field(default_factory=dict)
+    """Tensor name -> the name whose saved weight it starts from (a head untied on purpose:
+    ``lm_head.weight`` from ``model.embed_tokens.weight``)."""
 
 
 @dataclass
@@ -185,6 +188,9 @@ class WeightFiller:
             raise RuntimeError(
                 f"{self.source.path}: checkpoint keys {', '.join(unexpected[:8])} match no {type(self.hf).__name__} tensor"
             )
+        for name, source in self.source.copies.items():
+            if name not in locations and source in locations:
+                locations[name] = locations[source]
         self._locations = locations
         return locations
 
