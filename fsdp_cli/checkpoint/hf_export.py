@@ -66,7 +66,9 @@ def run_config(folder: Path, manifest: dict[str, Any] | None) -> Any:
     return config
 
 
-def hf_weights(state_dict: dict[str, torch.Tensor], folder: Path, config: Any = None) -> dict[str, torch.Tensor]:
+def hf_weights(
+    state_dict: dict[str, torch.Tensor], folder: Path, config: Any = None
+) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the transformers model's own names, tied copies dropped,
     checked against the model ``config`` (default: ``folder/config.json``) describes."""
     try:

@@ -18,9 +18,9 @@ ADAPTER_STRATEGIES = ("fsdp2", "fsdp", "ddp")
 
 
 def check_adapters(run: ResolvedRun) -> None:
-    """``peft=lora``: peft installed, a strategy and model kind that take adapters, no tensor or
-    pipeline parallel (the layers it wraps are found on the meta model later:
-    :func:`fsdp_cli.resolve.adapter_targets_check`)."""
+    """``peft=lora``: peft installed, a strategy and model kind that take adapters (the layers it
+    wraps are found on the meta model later: :func:`fsdp_cli.resolve.adapter_targets_check`;
+    tensor and pipeline parallel are refused by :mod:`fsdp_cli.config.composition`'s table)."""
     cfg = run.cfg
     if not cfg.peft.enabled:
         return
@@ -35,15 +35,6 @@ def check_adapters(run: ResolvedRun) -> None:
             allowed=", ".join(ADAPTER_STRATEGIES),
             hint="a LightningModule that parallelizes itself can add adapters in its own configure_model",
         )
-    for key, size in (("tp", cfg.tp), ("pp", cfg.pp)):
-        if size > 1:
-            raise ConfigError(
-                key,
-                size,
-                f"peft={method} does not shard adapters across {key} ranks (lora_A/lora_B would need the plan of the layer they wrap)",
-                allowed=f"{key}=1",
-                hint="LoRA needs far less memory than full training: dp alone (FSDP2) usually fits",
-            )
     if run.model_kind.adapter_targets(cfg.model) is None:
         raise ConfigError("peft", method, f"model kind {run.model_kind.name} does not take adapters")
     _check_fsdp1_unsharded_adapters(run)

@@ -5,7 +5,8 @@ and the ``data`` group's (:data:`DATA_CHECKS`).
 The checks live beside what they check: the strategy's in :mod:`fsdp_cli.config.strategies`, the
 model kind's in :mod:`fsdp_cli.config.model_kinds`, the data group's in
 :mod:`fsdp_cli.config.data_checks` (and :mod:`fsdp_cli.data.files`), the trainer's, optimizer's,
-checkpoint's and logger's in :mod:`fsdp_cli.config.trainer_checks`, pipeline stages' in
+checkpoint's and logger's in :mod:`fsdp_cli.config.trainer_checks`, the pairs of features the
+composition table refuses in :mod:`fsdp_cli.config.composition`, pipeline stages' in
 :mod:`fsdp_cli.config.pipeline_checks`, adapters' in :mod:`fsdp_cli.config.adapter_checks`, the
 precision name's in :mod:`fsdp_cli.precision`. This module holds the order, the ranges' one-line
 error and the notes worth a line (:func:`advisories`).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fsdp_cli.config.adapter_checks import check_adapters
+from fsdp_cli.config.composition import check_composition
 from fsdp_cli.config.data_checks import (
     check_accumulation,
     check_batch,
@@ -124,6 +126,7 @@ def check_ranges(cfg: TrainConfig) -> None:
 
 CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
+    check_composition,
     check_pipeline_layout,
     check_model,
     check_adapters,

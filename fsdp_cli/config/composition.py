@@ -1,0 +1,568 @@
+"""What composes with what: one table, read by the pre-launch checks, the tests and
+``docs/compatibility.md``.
+
+Every pair of features (:data:`FEATURES`: the strategies, the model kinds, and the dimensions and
+settings a run can combine) has one cell in :data:`CELLS`:
+
+* :class:`Trained` — the two train together, and the named test compares such a run with one
+  process (or with another layout that is compared with one process);
+* :class:`Refused` — refused before any rank starts, in one line naming both keys: by
+  :func:`check_composition` from the cell's own words, or by the named check where the refusal
+  depends on more than the two features;
+* :class:`Moot` — the pair cannot be asked for (a key one strategy's schema lacks, a setting that
+  means nothing without the other), and the config says so by itself.
+
+``tests/test_composition.py`` fails when a pair has no cell, when a named test or check does not
+exist, or when a refused pair's example launches; ``python -m fsdp_cli.config.composition >
+docs/compatibility.md`` writes the table (a test fails when the file is stale). Torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsdp_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fsdp_cli.config.resolved import ResolvedRun
+
+COMMAND = "python -m fsdp_cli.config.composition > docs/compatibility.md"
+CHECK = "config.composition.check_composition"
+"""(Checks are named within the ``fsdp_cli`` package.)"""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One thing a run can be or turn on."""
+
+    id: str
+    setting: str
+    """How a user asks for it (what an error names)."""
+    key: str
+    """The key the one-line error names."""
+    active: Callable[[ResolvedRun], bool]
+    example: tuple[str, ...] = ()
+    """Overrides that turn it on (``{hf}``, ``{chats}``, ``{tokenizer}``: the test's files)."""
+    group: str | None = None
+    """Features of one group exclude each other (one strategy, one model kind)."""
+
+
+def _strategy(name: str) -> Callable[[ResolvedRun], bool]:
+    return lambda run: run.entry.name == name
+
+
+def _kind(*names: str) -> Callable[[ResolvedRun], bool]:
+    return lambda run: run.model_kind.name in names
+
+
+def _setting(name: str) -> Callable[[ResolvedRun], bool]:
+    def active(run: ResolvedRun) -> bool:
+        settings = run.cfg.strategy.parallelize_settings()
+        value = getattr(settings, name, None) if settings is not None else None
+        return bool(value) and getattr(value, "value", value) != "none"
+
+    return active
+
+
+def _hsdp(run: ResolvedRun) -> bool:
+    return run.entry.name in ("fsdp2", "fsdp") and run.layout.replicate > 1 and run.layout.shard > 1
+
+
+def _chat(run: ResolvedRun) -> bool:
+    return getattr(run.cfg.data, "name", None) == "chat"
+
+
+def _ac(run: ResolvedRun) -> bool:
+    policy = getattr(run.cfg.strategy, "activation_checkpointing_policy", None)
+    return bool(policy) or _setting("activation_checkpointing")(run)
+
+
+CHATS = ("data=chat", "data.path={chats}", "data.tokenizer={tokenizer}", "data.seq_len=48")
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("fsdp2", "strategy=fsdp2", "strategy", _strategy("fsdp2"), ("strategy=fsdp2",), "strategy"),
+    Feature("fsdp", "strategy=fsdp (FSDP1)", "strategy", _strategy("fsdp"), ("strategy=fsdp",), "strategy"),
+    Feature("ddp", "strategy=ddp", "strategy", _strategy("ddp"), ("strategy=ddp",), "strategy"),
+    Feature(
+        "model_parallel",
+        "strategy=model_parallel",
+        "strategy",
+        _strategy("model_parallel"),
+        ("strategy=model_parallel",),
+        "strategy",
+    ),
+    Feature(
+        "builtin",
+        "the built-in Llama (model=tiny, llama_*)",
+        "model",
+        _kind("llama"),
+        ("model=tiny",),
+        "model",
+    ),
+    Feature("hf", "model=hf", "model", _kind("hf"), ("model=hf", "model.path={hf}"), "model"),
+    Feature(
+        "module",
+        "a plain nn.Module (model=custom)",
+        "model",
+        _kind("module"),
+        ("model=custom", "model._target_=tests.assets.custom_models.TinyLM", "data.vocab_size=64"),
+        "model",
+    ),
+    Feature(
+        "lightning",
+        "a LightningModule (model=custom)",
+        "model",
+        _kind("lightning"),
+        ("model=custom", "model._target_=tests.assets.own_loaders.BoringModel", "data.vocab_size=64"),
+        "model",
+    ),
+    Feature(
+        "hsdp",
+        "HSDP (strategy.replicate_size > 1)",
+        "strategy.replicate_size",
+        _hsdp,
+        ("strategy.replicate_size=2", "devices=4"),
+    ),
+    Feature("tp", "tp > 1", "tp", lambda run: run.layout.tp > 1, ("tp=2",)),
+    Feature("pp", "pp > 1", "pp", lambda run: run.layout.pp > 1, ("pp=2",)),
+    Feature("lora", "peft=lora", "peft", lambda run: run.cfg.peft.enabled, ("peft=lora",)),
+    Feature("chat", "data=chat", "data", _chat, CHATS),
+    Feature(
+        "packing",
+        "data=chat data.packing=true",
+        "data.packing",
+        lambda run: _chat(run) and bool(run.cfg.data.packing),
+        (*CHATS, "data.packing=true"),
+    ),
+    Feature(
+        "bf16",
+        "precision=bf16-mixed / bf16-true",
+        "precision",
+        lambda run: run.precision.name.startswith("bf16"),
+        ("precision=bf16-mixed",),
+    ),
+    Feature(
+        "ac",
+        "activation checkpointing",
+        "strategy.activation_checkpointing",
+        _ac,
+        ("strategy.activation_checkpointing=full",),
+    ),
+    Feature(
+        "compile",
+        "strategy.compile=true",
+        "strategy.compile",
+        _setting("compile"),
+        ("strategy.compile=true",),
+    ),
+    Feature(
+        "float8", "strategy.float8=true", "strategy.float8", _setting("float8"), ("strategy.float8=true",)
+    ),
+    Feature(
+        "offload",
+        "strategy.cpu_offload=true",
+        "strategy.cpu_offload",
+        lambda run: run.cfg.strategy.offloads(),
+        ("strategy.cpu_offload=true",),
+    ),
+    Feature(
+        "full_ckpt",
+        "checkpoint=full",
+        "checkpoint",
+        lambda run: run.checkpoint_format.value == "full",
+        ("checkpoint=full",),
+    ),
+    Feature("resume_layout", "resume at another layout", "resume", lambda run: run.cfg.resume is not None),
+)
+BY_ID = {f.id: f for f in FEATURES}
+
+
+@dataclass(frozen=True)
+class Trained:
+    """Trained together; ``test`` (``tests/FILE.py::NAME``) compares such a run with one process."""
+
+    test: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Refused before launch: by :func:`check_composition` with ``reason`` and ``hint``, or by
+    ``check`` (a dotted function) in its own words."""
+
+    reason: str
+    hint: str = ""
+    check: str = CHECK
+    allowed: str = ""
+    lead: str = ""
+    """Features (``a,b``) whose key the line starts with (default: the later one in :data:`FEATURES`)."""
+
+
+@dataclass(frozen=True)
+class Moot:
+    """The pair cannot be asked for; ``reason`` says why (and what answers a user who tries)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Untested:
+    """Not refused, and no test yet compares the two together with one process: listed as such in
+    docs/compatibility.md (``tests/test_composition.py`` holds their number, which may only fall)."""
+
+    reason: str = ""
+
+
+Cell = Trained | Refused | Moot | Untested
+
+
+def pair(a: str, b: str) -> frozenset[str]:
+    return frozenset((a, b))
+
+
+def _pairs(spec: str) -> list[frozenset[str]]:
+    """``"a:b c:d"`` -> the pairs; ``"a:b,c,d"`` -> a with each of b, c, d."""
+    out = []
+    for item in spec.split():
+        first, rest = item.split(":")
+        out += [pair(first, other) for other in rest.split(",")]
+    return out
+
+
+def _table(*rows: tuple[str, Cell]) -> dict[frozenset[str], Cell]:
+    cells: dict[frozenset[str], Cell] = {}
+    for spec, found in rows:
+        for key in _pairs(spec):
+            if key in cells:
+                raise ValueError(f"{sorted(key)} has two cells")
+            cells[key] = found
+    return cells
+
+
+def _test(name: str, note: str = "") -> Trained:
+    return Trained(f"tests/{name}", note)
+
+
+# The composed runs of tests/test_composition.py (each equal to one process with the same settings).
+_A = "hf,hsdp,lora,chat,packing,ac,compile,offload,full_ckpt"
+_ALL_A = [*_A.split(","), "fsdp2"]
+_F = "builtin,pp,chat,packing,bf16,float8,ac,compile,offload,full_ckpt"
+_T = "builtin,tp,chat,bf16,offload,full_ckpt"
+
+
+def _among(features: list[str], skip: set[frozenset[str]] = frozenset()) -> str:
+    """Every pair among ``features`` as a spec for :func:`_table`, less ``skip``."""
+    return " ".join(
+        f"{a}:{b}" for i, a in enumerate(features) for b in features[i + 1 :] if pair(a, b) not in skip
+    )
+
+
+_M = "module,lora,chat,ac,float8,bf16,offload,full_ckpt"
+COMPOSED = {
+    "test_composition.py::test_a_composed_hf_run_on_hsdp_equals_one_process": ["fsdp2", *_A.split(",")],
+    "test_composition.py::test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process": [
+        "fsdp2",
+        *_F.split(","),
+    ],
+    "test_composition.py::test_a_composed_tensor_parallel_run_in_bf16_equals_one_process": [
+        "fsdp2",
+        *_T.split(","),
+    ],
+    "test_composition.py::test_a_composed_plain_module_run_equals_one_process": ["fsdp2", *_M.split(",")],
+    "test_composition.py::test_the_composed_hf_run_resumes_at_another_layout": ["resume_layout", *_ALL_A],
+}
+"""The runs of ``tests/test_composition.py``, by test: the features each trains together."""
+
+_NO_KEY = "strategy={0} has no such key (Hydra's one line: not a key of its schema)"
+_SELF = (
+    "the LightningModule parallelizes itself in configure_model(): strategy=model_parallel has no such key"
+)
+
+EXPLICIT = _table(
+    ("fsdp2:builtin,tp ddp:builtin builtin:tp", _test("test_runs.py::test_losses_match_single_process")),
+    ("fsdp2:hf hf:tp", _test("test_hf.py::test_llama_losses_match_transformers_in_one_process")),
+    (
+        "fsdp2:lightning",
+        _test("test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer"),
+    ),
+    (
+        "model_parallel:lightning,tp lightning:tp",
+        _test(
+            "test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer",
+            "against Lightning's own ModelParallelStrategy at the same layout",
+        ),
+    ),
+    (
+        "fsdp:builtin,hsdp,ac,offload,full_ckpt builtin:full_ckpt",
+        _test("test_fsdp1.py::test_sharding_option_keeps_single_process_losses", "hsdp: HYBRID_SHARD"),
+    ),
+    ("fsdp:hf", _test("test_hf.py::test_gpt2_without_a_tp_plan_under_fsdp_with_jsonl_and_validation")),
+    ("fsdp:lightning", _test("test_fsdp1.py::test_manual_wrap_matches_the_same_module_on_one_process")),
+    (
+        "ddp:hf,chat,packing fsdp:chat,packing hf:chat,resume_layout chat:packing,resume_layout packing:resume_layout",
+        _test("test_chat_runs.py::test_packed_chat_losses_match_across_layouts_micro_batching_and_resume"),
+    ),
+    ("ddp:lightning", _test("test_loader_workers.py::test_loader_workers_train_as_under_plain_lightning")),
+    (
+        "fsdp2:hsdp,ac,offload builtin:hsdp,ac,offload tp:ac ac:offload",
+        _test("test_fsdp2.py::test_option_keeps_single_process_losses"),
+    ),
+    (
+        "fsdp2:pp builtin:pp pp:resume_layout",
+        _test("test_pipeline.py::test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts"),
+    ),
+    (
+        "fsdp2:lora fsdp:lora ddp:lora builtin:lora",
+        _test("test_lora.py::test_lora_losses_equal_one_process_under_fsdp2_fsdp_and_ddp"),
+    ),
+    (
+        "fsdp2:chat,packing hf:packing pp:chat,packing",
+        _test("test_chat_runs.py::test_packed_chat_through_a_pipeline_equals_one_process"),
+    ),
+    (
+        "fsdp2:bf16 fsdp:bf16 ddp:bf16 builtin:bf16",
+        _test("test_precision.py::test_losses_within_tolerance_of_fp32", "within bf16's tolerance of fp32"),
+    ),
+    (
+        "fsdp2:compile builtin:compile tp:compile",
+        _test("test_compile.py::test_blocks_compile_once_and_train_like_eager"),
+    ),
+    (
+        "fsdp2:float8 builtin:float8 bf16:float8",
+        _test("test_precision.py::test_float8_trains_like_bf16_with_float8_all_gathers"),
+    ),
+    (
+        "fsdp2:full_ckpt,resume_layout fsdp:resume_layout ddp:resume_layout builtin:resume_layout tp:resume_layout full_ckpt:resume_layout",
+        _test("test_checkpoints.py::test_resume_at_another_layout_continues_like_the_straight_run"),
+    ),
+    (
+        "ddp:full_ckpt model_parallel:full_ckpt,resume_layout lightning:full_ckpt,resume_layout",
+        _test("test_lightning_conformance.py::test_checkpoints_pass_between_lightnings_strategies_and_ours"),
+    ),
+    (
+        "hf:pp",
+        _test(
+            "test_pipeline.py::test_a_tied_hf_model_untied_on_purpose_trains_under_pp_as_one_process_and_exports_to_hf"
+        ),
+    ),
+    (
+        "fsdp2:module module:tp,pp",
+        _test("test_pipeline.py::test_every_schedule_equals_one_process", "the library's stages"),
+    ),
+    (
+        "lightning:pp",
+        _test("test_pipeline.py::test_a_lightning_module_with_the_pipeline_hooks_trains_under_pp"),
+    ),
+    ("tp:pp", _test("test_pipeline.py::test_a_3d_pipeline_equals_one_process")),
+    (
+        "pp:bf16,full_ckpt bf16:resume_layout",
+        _test("test_pipeline.py::test_a_full_save_under_pp_is_a_pp1_full_file_and_resumes"),
+    ),
+    ("lora:resume_layout", _test("test_lora.py::test_resume_is_exact_at_another_layout")),
+    # Refused before launch.
+    (
+        "fsdp:tp ddp:tp",
+        Refused("no tensor parallelism", check="config.strategies.check_tensor_parallel"),
+    ),
+    (
+        "fsdp:pp ddp:pp model_parallel:pp",
+        Refused("no pipeline schedule", check="pipeline.checks.check_pipeline"),
+    ),
+    (
+        "model_parallel:builtin,hf",
+        Refused(
+            "needs a LightningModule that parallelizes itself",
+            check="config.strategies.check_strategy",
+        ),
+    ),
+    (
+        "tp:lora pp:lora",
+        Refused(
+            "adapters are not sharded across tp or pp ranks (lora_A/lora_B would need the plan of the layer they wrap)",
+            hint="LoRA needs far less memory than full training: dp alone (FSDP2) usually fits",
+            allowed="tp=1 and pp=1 with peft=lora",
+            lead="tp,pp",
+        ),
+    ),
+    (
+        "model_parallel:lora",
+        Refused(
+            "peft=lora needs fsdp-train to build the model",
+            check="config.adapter_checks.check_adapters",
+        ),
+    ),
+    (
+        "lightning:lora",
+        Refused(
+            "the module builds its layers in its own configure_model",
+            check="resolve.adapter_targets_check",
+        ),
+    ),
+    (
+        "tp:float8",
+        Refused("float8 is not combined with tensor parallel", check="launch.layout.resolve_layout"),
+    ),
+    (
+        "tp:packing module:packing lightning:packing",
+        Refused(
+            "the attention cannot keep packed examples apart",
+            check="config.data_checks.check_packing",
+        ),
+    ),
+    # Cannot be asked for.
+    ("ddp:hsdp,ac,compile,float8,offload", Moot(_NO_KEY.format("ddp"))),
+    ("fsdp:compile,float8", Moot(_NO_KEY.format("fsdp"))),
+    ("model_parallel:hsdp,ac,compile,float8,offload", Moot(_SELF)),
+    (
+        "model_parallel:packing",
+        Moot(
+            "strategy=model_parallel trains a LightningModule, for which packing is refused (lightning x packing)"
+        ),
+    ),
+    # Not refused, not yet compared with one process.
+    (
+        "model_parallel:module",
+        Untested("a plain module under ModelParallelStrategy: nothing parallelizes it"),
+    ),
+    (
+        "model_parallel:chat,bf16 lightning:chat,bf16",
+        Untested("the LightningModule's own steps receive the batches"),
+    ),
+    (
+        "lightning:hsdp,ac,compile,float8,offload",
+        Untested("fsdp-train's parallelize settings on a module that trains itself"),
+    ),
+    ("module:hsdp,resume_layout,compile fsdp:module ddp:module float8:resume_layout", Untested()),
+    (
+        "hsdp:tp,pp,bf16,float8",
+        Untested("needs 8 ranks (hsdp x tp or pp), or bf16 beside the fp32 composed run"),
+    ),
+    ("hf:bf16,float8", Untested("the composed hf run is fp32")),
+)
+
+
+CELLS: dict[frozenset[str], Cell] = {}
+"""One cell per pair: :data:`EXPLICIT`, then every pair a composed run trains together."""
+
+
+def _build() -> dict[frozenset[str], Cell]:
+    cells = dict(EXPLICIT)
+    for test, features in COMPOSED.items():
+        for i, a in enumerate(features):
+            for b in features[i + 1 :]:
+                cells.setdefault(pair(a, b), _test(test))
+    return cells
+
+
+CELLS.update(_build())
+
+
+def pairs() -> Iterator[tuple[Feature, Feature]]:
+    """Every pair of features that can be asked for together (not two of one group)."""
+    for a, b in itertools.combinations(FEATURES, 2):
+        if a.group is None or a.group != b.group:
+            yield a, b
+
+
+def cell(a: str, b: str) -> Cell | None:
+    return CELLS.get(pair(a, b))
+
+
+def active_features(run: ResolvedRun) -> list[Feature]:
+    return [f for f in FEATURES if f.active(run)]
+
+
+def check_composition(run: ResolvedRun) -> None:
+    """The first pair of the run's features that :data:`CELLS` refuses by its own words, as one
+    line naming both keys."""
+    on = active_features(run)
+    for a, b in itertools.combinations(on, 2):
+        found = cell(a.id, b.id)
+        if isinstance(found, Refused) and found.check == CHECK:
+            named, other = (a, b) if a.id in found.lead.split(",") else (b, a)
+            raise ConfigError(
+                named.key,
+                value_of(run, named.key),
+                f"not with {other.setting}: {found.reason}",
+                allowed=found.allowed or None,
+                hint=found.hint or None,
+            )
+
+
+def value_of(run: ResolvedRun, key: str) -> Any:
+    """What the run sets ``key`` to (a group: its option's name), as an error shows it."""
+    node: Any = run.cfg
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    if key == "strategy":
+        return run.entry.name
+    if key in ("model", "data", "peft", "precision"):
+        node = getattr(node, "name", node)
+    return getattr(node, "value", node)
+
+
+# --------------------------------------------------------------------------- docs/compatibility.md
+
+
+INTRO = f"""# Compatibility: what composes with what
+
+Every pair of features, from one table (`fsdp_cli/config/composition.py`) that the pre-launch
+checks and the tests read too; generated by `{COMMAND}`. A cell says:
+
+* **trained**: the two train together, and the named test compares such a run with one process
+  (losses, and gradients or weights where scaling could hide);
+* **refused**: refused before any process starts, in one line naming both keys (exit 2);
+* **—**: the pair cannot be asked for (the reason is given; the config refuses it by itself);
+* **not yet compared**: neither refused nor compared with one process by a test yet (the test
+  holds their number, which may only fall).
+
+`tests/test_composition.py` fails when a pair has no cell, a named test or check does not exist,
+or a refused pair's example gets past the checks.
+"""
+
+
+def _describe(found: Cell) -> str:
+    if isinstance(found, Trained):
+        name = found.test.split("::")[-1]
+        return f"trained: `{name}`" + (f" ({found.note})" if found.note else "")
+    if isinstance(found, Refused):
+        where = "" if found.check == CHECK else f" (`{found.check.rsplit('.', 1)[-1]}`)"
+        return f"refused{where}: {found.reason}"
+    if isinstance(found, Untested):
+        return "**not yet compared**" + (f": {found.reason}" if found.reason else "")
+    return f"—: {found.reason}"
+
+
+def render() -> str:
+    summary = ", ".join(f"{n} {kind}" for kind, n in counts().items() if kind != "missing")
+    lines = [INTRO, f"Pairs: {summary}.\n", "## Features\n", "| id | what |", "|---|---|"]
+    lines += [f"| `{f.id}` | {f.setting} |" for f in FEATURES]
+    lines += ["", "## Pairs\n"]
+    for a in FEATURES:
+        rows = [
+            (b, cell(a.id, b.id))
+            for b in FEATURES[FEATURES.index(a) + 1 :]
+            if a.group is None or a.group != b.group
+        ]
+        if not rows:
+            continue
+        lines += [f"### `{a.id}` ({a.setting})\n", "| with | cell |", "|---|---|"]
+        lines += [f"| `{b.id}` | {_describe(c) if c is not None else '**missing**'} |" for b, c in rows]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def counts() -> dict[str, int]:
+    kinds: dict[str, int] = {"trained": 0, "refused": 0, "moot": 0, "untested": 0, "missing": 0}
+    for a, b in pairs():
+        found = cell(a.id, b.id)
+        kinds["missing" if found is None else type(found).__name__.lower()] += 1
+    return kinds
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

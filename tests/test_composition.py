@@ -1,0 +1,252 @@
+"""The composition table (fsdp_cli/config/composition.py): every pair of features has a cell, each
+cell's test or check exists, each refused pair is one line before launch, docs/compatibility.md is
+the table's; and (distributed) the composed runs the table names, each equal to one process."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_ok, cli_in_process, losses, run_cli
+from harness import REPO
+from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
+
+from fsdp_cli.config import composition
+from fsdp_cli.config.composition import BY_ID, CELLS, Moot, Refused, Trained, Untested
+
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+UNTESTED_AT_MOST = 22
+"""Pairs neither refused nor compared with one process yet: this number may only fall."""
+BF16_TOLERANCE = 0.02
+"""Relative, per step, between a bf16-mixed layout and one bf16-mixed process (as test_pipeline's)."""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny Hugging Face model folder with a chat tokenizer, and conversations."""
+    root = tmp_path_factory.mktemp("composition")
+    model = save_hf_llama(root / "model")
+    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
+        shutil.copy(file, model / file.name)
+    chats_file = write_chats(root / "train.jsonl", chats(40, seed=1))
+    return {"hf": str(model), "chats": str(chats_file), "tokenizer": str(model), "root": str(root)}
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_every_pair_of_features_has_one_cell() -> None:
+    asked = {composition.pair(a.id, b.id) for a, b in composition.pairs()}
+    assert composition.counts()["missing"] == 0, [sorted(p) for p in asked if p not in CELLS]
+    assert set(CELLS) == asked, [sorted(p) for p in set(CELLS) - asked]
+
+
+def test_every_named_test_exists() -> None:
+    for key, found in CELLS.items():
+        if isinstance(found, Trained):
+            file, _, name = found.test.partition("::")
+            source = (REPO / file).read_text()
+            assert re.search(rf"^def {re.escape(name)}\(", source, re.M), (sorted(key), found.test)
+
+
+def test_every_named_check_exists() -> None:
+    for key, found in CELLS.items():
+        if isinstance(found, Refused):
+            module, _, name = found.check.rpartition(".")
+            found_module = importlib.import_module(f"fsdp_cli.{module}")
+            assert callable(getattr(found_module, name)), (sorted(key), found.check)
+
+
+def test_the_untested_pairs_only_fall() -> None:
+    untested = [sorted(k) for k, c in CELLS.items() if isinstance(c, Untested)]
+    assert len(untested) <= UNTESTED_AT_MOST, untested
+
+
+def test_docs_compatibility_is_the_tables() -> None:
+    shown = (REPO / "docs" / "compatibility.md").read_text()
+    assert shown == composition.render(), f"docs/compatibility.md is stale: run `{composition.COMMAND}`"
+
+
+def _blocked() -> list[tuple[str, str]]:
+    return sorted(
+        tuple(sorted(k, key=lambda i: [f.id for f in composition.FEATURES].index(i)))  # type: ignore[misc]
+        for k, c in CELLS.items()
+        if isinstance(c, (Refused, Moot))
+    )
+
+
+@pytest.mark.parametrize(("a", "b"), _blocked(), ids=lambda v: v)
+def test_a_refused_pair_is_one_line_naming_both_keys_before_launch(
+    a: str, b: str, files: dict[str, str], tmp_path: Path
+) -> None:
+    """Each refused (or moot) pair, asked for with both features' own overrides, stops before any
+    process starts with one line; a refused pair's line names both keys."""
+    overrides = ["accelerator=cpu", "devices=2"]
+    for feature in (BY_ID[a], BY_ID[b]):
+        overrides += [o.format(**files) for o in feature.example if o.format(**files) not in overrides]
+    if "devices=4" in overrides:
+        overrides.remove("devices=2")
+    if "strategy=model_parallel" in overrides and not any(o.startswith("model=") for o in overrides):
+        overrides += list(BY_ID["lightning"].example)  # (its one model kind: a LightningModule)
+    result = cli_in_process(overrides, tmp_path / "run", env=CPU)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, (overrides, result.stderr)
+    if isinstance(CELLS[composition.pair(a, b)], Refused):
+        for key in (BY_ID[a].key, BY_ID[b].key):
+            assert key.split(".")[-1] in lines[0], (key, lines[0])
+
+
+def test_a_pair_the_table_refuses_is_refused_by_the_table(files: dict[str, str], tmp_path: Path) -> None:
+    """tp x peft=lora is the table's own refusal: its words are the cell's."""
+    found = CELLS[composition.pair("tp", "lora")]
+    assert isinstance(found, Refused) and found.check == composition.CHECK
+    result = cli_in_process(["accelerator=cpu", "devices=2", "tp=2", "peft=lora"], tmp_path / "run", env=CPU)
+    assert result.returncode == 2 and found.reason in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------- the composed runs
+
+
+COMMON = ["data.seq_len=48", "data.global_batch_size=8", "trainer.max_steps=4", "accelerator=cpu", "seed=5"]
+SAVE = ["checkpoint=full", "checkpoint.every_n_steps=2"]
+
+
+def _chat(files: dict[str, str], *, packing: bool) -> list[str]:
+    return [
+        "data=chat",
+        f"data.path={files['chats']}",
+        f"data.tokenizer={files['tokenizer']}",
+        f"data.packing={packing}",
+    ]
+
+
+def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (the composed run's overrides, its one-process reference's)."""
+    hf_lora = [
+        "model=hf",
+        f"model.path={files['hf']}",
+        *_chat(files, packing=True),
+        "peft=lora",
+        "peft.r=4",
+        "precision=32-true",
+    ]
+    tiny = ["model=tiny", "model.vocab_size=64", "precision=bf16-mixed"]
+    module = [
+        "model=custom",
+        "model._target_=tests.assets.custom_models.TinyLM",
+        "data.vocab_size=64",
+        *_chat(files, packing=False),
+        "peft=lora",
+        "peft.r=4",
+        "precision=bf16-mixed",
+    ]
+    ac_offload = ["strategy.activation_checkpointing=full", "strategy.cpu_offload=true"]
+    return {
+        "hf": (
+            [*hf_lora, "devices=4", "strategy.replicate_size=2", *ac_offload, "strategy.compile=true", *SAVE],
+            [*hf_lora, "strategy=ddp", "devices=1"],
+        ),
+        "pipeline": (
+            [
+                *tiny,
+                *_chat(files, packing=True),
+                "pp=2",
+                "devices=2",
+                "strategy.float8=true",
+                "strategy.compile=true",
+                *ac_offload,
+                *SAVE,
+            ],
+            [
+                *tiny,
+                *_chat(files, packing=True),
+                "devices=1",
+                "strategy.float8=true",
+                "strategy.compile=true",
+            ],
+        ),
+        "tensor": (
+            [*tiny, *_chat(files, packing=False), "tp=2", "devices=2", "strategy.cpu_offload=true", *SAVE],
+            [*tiny, *_chat(files, packing=False), "devices=1"],
+        ),
+        "module": (
+            [*module, "devices=2", *ac_offload, "strategy.float8=true", *SAVE],
+            [*module, "devices=1", "strategy.float8=true"],
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def composed_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each composed run and its one-process reference; ``hf_resumed``: the hf run's step-2 full
+    file resumed at plain FSDP2 on 2 ranks (no HSDP, compile or offload)."""
+    root = tmp_path_factory.mktemp("composed")
+    out: dict[str, Any] = {}
+    cache = [f"data.cache_dir={root / 'cache'}"]
+    for name, (composed, reference) in _runs(files).items():
+        for label, args in ((name, composed), (f"{name}_one", reference)):
+            run_dir = root / label
+            assert_ok(run_cli([*COMMON, *cache, *args], run_dir, env=CPU), run_dir)
+            out[label] = run_dir
+    hf, _ = _runs(files)["hf"]
+    plain = [
+        a
+        for a in hf
+        if a
+        not in (
+            "devices=4",
+            "strategy.replicate_size=2",
+            "strategy.compile=true",
+            "strategy.cpu_offload=true",
+        )
+    ]
+    resumed = root / "hf_resumed"
+    checkpoint = out["hf"] / "checkpoints" / "step_00000002.pt"
+    assert_ok(
+        run_cli([*COMMON, *cache, *plain, "devices=2", f"resume={checkpoint}"], resumed, env=CPU), resumed
+    )
+    out["hf_resumed"] = resumed
+    return out
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) >= 2, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.distributed
+def test_a_composed_hf_run_on_hsdp_equals_one_process(composed_runs: dict[str, Any]) -> None:
+    """model=hf, HSDP (2 x 2 ranks), LoRA, packed chat data, activation checkpointing, compile, CPU
+    offload and a full save, in fp32: the losses of one process (LoRA on packed chat, eager)."""
+    assert _gap(losses(composed_runs["hf"]), losses(composed_runs["hf_one"])) < 1e-5
+
+
+@pytest.mark.distributed
+def test_the_composed_hf_run_resumes_at_another_layout(composed_runs: dict[str, Any]) -> None:
+    one = losses(composed_runs["hf_one"])
+    assert _gap(losses(composed_runs["hf_resumed"]), one[2:]) < 1e-5
+
+
+@pytest.mark.distributed
+def test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process(composed_runs: dict[str, Any]) -> None:
+    """pp=2 of the built-in model on packed chat data in bf16-mixed with float8, compile,
+    activation checkpointing, CPU offload and a full save: one bf16 float8 process's losses,
+    within bf16's tolerance."""
+    assert _gap(losses(composed_runs["pipeline"]), losses(composed_runs["pipeline_one"])) < BF16_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_a_composed_tensor_parallel_run_in_bf16_equals_one_process(composed_runs: dict[str, Any]) -> None:
+    """tp=2 of the built-in model on chat data in bf16-mixed with CPU offload and a full save."""
+    assert _gap(losses(composed_runs["tensor"]), losses(composed_runs["tensor_one"])) < BF16_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_a_composed_plain_module_run_equals_one_process(composed_runs: dict[str, Any]) -> None:
+    """A plain nn.Module with LoRA on chat data, bf16-mixed, float8, activation checkpointing,
+    CPU offload and a full save, on 2 ranks: one process's losses within bf16's tolerance."""
+    assert _gap(losses(composed_runs["module"]), losses(composed_runs["module_one"])) < BF16_TOLERANCE
