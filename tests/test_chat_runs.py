@@ -31,7 +31,7 @@ CHAT = [
 @pytest.fixture(scope="module")
 def chat_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``straight``: one process, micro-batches of 2 (accumulating 2); ``resumed``: its step-2
-    checkpoint continued on FSDP2 with dp=2, micro-batches of 1."""
+    checkpoint continued on FSDP1 with dp=2, micro-batches of 1; ``piped``: FSDP2 at pp=2."""
     root = tmp_path_factory.mktemp("chat-runs")
     model = save_hf_llama(root / "model")
     for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
@@ -51,7 +51,7 @@ def chat_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     resumed = root / "resumed"
     checkpoint = straight / "checkpoints" / "step_00000002"
     second = run_cli(
-        [*CHAT, *data, "strategy=fsdp2", "devices=2", "data.micro_batch_size=1", f"resume={checkpoint}"],
+        [*CHAT, *data, "strategy=fsdp", "devices=2", "data.micro_batch_size=1", f"resume={checkpoint}"],
         resumed,
     )
     assert_ok(second, resumed)
