@@ -251,7 +251,7 @@ def _test(name: str, note: str = "") -> Trained:
 _A = "hf,hsdp,lora,chat,packing,ac,compile,offload,full_ckpt"
 _ALL_A = [*_A.split(","), "fsdp2"]
 _F = "builtin,pp,chat,packing,bf16,float8,ac,compile,offload,full_ckpt"
-_T = "builtin,tp,chat,bf16,offload,full_ckpt"
+_T = "builtin,tp,chat,packing,offload,full_ckpt"
 
 
 def _among(features: list[str], skip: set[frozenset[str]] = frozenset()) -> str:
@@ -268,7 +268,7 @@ COMPOSED = {
         "fsdp2",
         *_F.split(","),
     ],
-    "test_composition.py::test_a_composed_tensor_parallel_run_in_bf16_equals_one_process": [
+    "test_composition.py::test_a_composed_tensor_parallel_run_on_packed_chat_equals_one_process": [
         "fsdp2",
         *_T.split(","),
     ],
@@ -407,7 +407,7 @@ EXPLICIT = _table(
         Refused("float8 is not combined with tensor parallel", check="launch.layout.resolve_layout"),
     ),
     (
-        "tp:packing module:packing lightning:packing",
+        "module:packing lightning:packing",
         Refused(
             "the attention cannot keep packed examples apart",
             check="config.data_checks.check_packing",
@@ -442,6 +442,7 @@ EXPLICIT = _table(
         Untested("needs 8 ranks (hsdp x tp or pp), or bf16 beside the fp32 composed run"),
     ),
     ("hf:bf16,float8", Untested("the composed hf run is fp32")),
+    ("tp:bf16", Untested("the composed tensor-parallel run is fp32")),
 )
 
 

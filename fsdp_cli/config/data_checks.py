@@ -145,7 +145,7 @@ def check_validation_data(run: ResolvedRun) -> None:
 
 def check_packing(run: ResolvedRun) -> None:
     """``data.packing=true`` needs attention that keeps the packed documents apart (the model
-    kind's ``document_masks``), and is not offered with tensor parallel (not tested there yet)."""
+    kind's ``document_masks``; under tensor parallel each rank's heads take the same mask)."""
     data = run.cfg.data
     if not getattr(data, "packing", False):
         return
@@ -157,14 +157,6 @@ def check_packing(run: ResolvedRun) -> None:
             f"model={run.cfg.model.name}: its attention cannot keep packed examples apart (they would see each other)",
             allowed="true with model=llama or model=hf",
             hint="data.packing=false (each example padded to data.seq_len)",
-        )
-    if run.layout.tp > 1:
-        raise ConfigError(
-            "data.packing",
-            "true",
-            f"packed sequences are not supported with tensor parallel (tp={run.layout.tp})",
-            allowed="true with tp=1",
-            hint="data.packing=false, or shard with FSDP alone (tp=1)",
         )
 
 
