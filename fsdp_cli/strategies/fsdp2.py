@@ -35,15 +35,15 @@ from fsdp_cli.compat.lightning_internals import optimizers_to_device, set_device
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import LIBRARY_NAMES, ParallelDims
 from fsdp_cli.parallel.fsdp2 import fsdp2_modules, gradient_sync_disabled
-from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.parallelize import (
     ParallelizeOptions,
     ParallelizeReport,
     call_parallelize_fn,
     parallelize,
 )
-from fsdp_cli.pipeline.checks import check_cut, schedule_of, stages_per_rank_of
+from fsdp_cli.pipeline.checks import schedule_of, stages_per_rank_of
 from fsdp_cli.pipeline.options import PipelineOptions
+from fsdp_cli.pipeline.training import PipelineTraining
 from fsdp_cli.strategies.clipping import GlobalNormClipping
 
 
@@ -149,10 +149,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
 
     def _init_run_state(self) -> None:
         """What setup, parallelization and checkpoint loading fill in later: empty until then."""
-        self.pipeline: Any = None  # the PipelineDriver, once the stages exist (pp > 1)
-        self._pipeline_stages: list[nn.Module] | None = None
-        self._pipeline_grads: list[tuple[Any, Any]] = []
-        self._whole_model_names: list[str] | None = None  # (pp > 1: the names before the cut)
+        self.pipeline_room: PipelineTraining | None = None  # pp > 1: the stages and their schedule
         self.dims: ParallelDims | None = None
         self.parallelize_report: ParallelizeReport | None = None
         self._parallelized = False
@@ -240,75 +237,38 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
 
     def _parallelize_stages(self, target: nn.Module) -> None:
         """Cut the model to this rank's pipeline stages and parallelize each over the rest of the
-        mesh (:mod:`fsdp_cli.pipeline.driver`); the schedule is made once they are materialised."""
-        from fsdp_cli.pipeline.cut_check import check_sequential_cut
-        from fsdp_cli.pipeline.driver import layout_of, parallelize_stages
-        from fsdp_cli.pipeline.stages import block_count, split_of
-
+        mesh (:class:`~fsdp_cli.pipeline.training.PipelineTraining`); the schedule is made once
+        they are materialised."""
         assert self.dims is not None
         module = self.lightning_module
-        missing = [h for h in ("pipeline_inputs", "pipeline_loss") if not callable(getattr(module, h, None))]
-        if missing:
-            raise ConfigError(
-                "pp",
-                self.dims.pp,
-                f"{type(module).__name__} does not say how a pipeline runs it: it lacks {', '.join(missing)}",
-                hint="define pipeline_inputs(batch) -> (inputs, targets) and pipeline_loss(output, targets) "
-                "(docs/strategies.md, Pipeline parallel), or use pp=1",
-            )
-        own = getattr(module, "pipeline_split", None)
-        split = own() if callable(own) else split_of(target)
-        check_sequential_cut(split, pipeline_example(module))
-        options, n_blocks = self.pipeline_options, block_count(split)
-        check_cut(
-            self.dims.pp,
-            options,
-            n_blocks,
-            self.dims.pp * stages_per_rank_of(options, schedule_of(options.schedule)),
+        self.pipeline_room = PipelineTraining.cut(
+            module, target, self.dims, self.pipeline_options, self.options, pipeline_example(module)
         )
-        layout = layout_of(options, self.dims, self.dims.pp_mesh.get_local_rank(), n_blocks)
-        self._pipeline_layout = layout
-        # The whole model's parameter names in its order, read before the cut: a full save under
-        # pp numbers the optimizer state by them, as a pp=1 full save numbers it, and a full file
-        # is read back by them.
-        self._whole_model_names = [canonical_name(n) for n, _ in module.named_parameters()]
-        self._pipeline_stages = parallelize_stages(split, layout, self.dims, self.options)
+
+    @property
+    def pipeline(self) -> Any:
+        """The schedule's driver (:class:`~fsdp_cli.pipeline.driver.PipelineDriver`) once the
+        stages exist and are materialised; None at pp = 1."""
+        return self.pipeline_room.driver if self.pipeline_room is not None else None
 
     @property
     def pipeline_group(self) -> Any:
         """The process group of this rank's pipeline (None without pipeline parallel): gradient
         norms are totalled across it."""
-        if self.dims is None or not self.dims.pp_enabled:
-            return None
-        return self.dims.pp_mesh.get_group()
-
-    def _make_pipeline(self, shapes: dict[int, Any] | None = None) -> None:
-        from fsdp_cli.pipeline.driver import PipelineDriver
-
-        assert self.dims is not None and self._pipeline_stages is not None
-        module = self.lightning_module
-        self.pipeline = PipelineDriver(
-            self._pipeline_stages,
-            self._pipeline_layout,
-            self.dims,
-            self.root_device,
-            module.pipeline_loss,
-            shapes=shapes,
-        )
+        return self.pipeline_room.group if self.pipeline_room is not None else None
 
     @property
     def stage_views(self) -> dict[int, nn.Module]:
         """This rank's pipeline stages by stage id (none without pipeline parallel)."""
-        if self._pipeline_stages is None:
-            return {}
-        return dict(zip(self._pipeline_layout.ids, self._pipeline_stages, strict=True))
+        return self.pipeline_room.stage_views if self.pipeline_room is not None else {}
 
     def make_pipeline(self, shapes: dict[int, Any]) -> None:
         """The schedule over this rank's stages, each given its example input and output
         (:class:`~fsdp_cli.pipeline.driver.StageShapes`) instead of learning them from its
         neighbours at the first step: what a rehearsal on a fake process group needs
         (:mod:`fsdp_cli.plan.fake_pipeline`); ``setup`` makes it without."""
-        self._make_pipeline(shapes)
+        assert self.pipeline_room is not None
+        self.pipeline_room.make_driver(self.lightning_module, self.root_device, shapes)
 
     def parallelize_target(self) -> nn.Module:
         """The module that is parallelized: the LightningModule's ``model`` attribute when it holds
@@ -342,8 +302,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             else:
                 self.parallelize()
         self._materialize(self.parallelize_target())
-        if self._pipeline_stages is not None:
-            self._make_pipeline()
+        if self.pipeline_room is not None:
+            self.pipeline_room.make_driver(self.lightning_module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._offloaded:
             # FSDP keeps the sharded parameters on CPU; buffers still belong on the compute device.
@@ -427,19 +387,20 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
             rank_zero_info("FSDP2Strategy: restored the optimizer state deferred from checkpoint loading.")
-        if self.pipeline is not None:
+        if self.pipeline_room is not None:
             with self.precision_plugin.train_step_context():
-                return self._pipeline_step(args[0], train=True, batch_idx=args[1] if len(args) > 1 else 0)
+                index = args[1] if len(args) > 1 else 0
+                return self.pipeline_room.step(self.lightning_module, args[0], train=True, batch_idx=index)
         if self._root_is_the_module():
             with self.precision_plugin.train_step_context():
                 return self._as_root_forward("training_step", *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
-            with self.precision_plugin.val_step_context():
-                loss = self._pipeline_step(args[0], train=False)
+        if self.pipeline_room is not None:
             module = self.lightning_module
+            with self.precision_plugin.val_step_context():
+                loss = self.pipeline_room.step(module, args[0], train=False)
             own = getattr(module, "pipeline_validation", None)
             if callable(own):  # the module keeps its own validation statistics
                 return own(args[0], loss)
@@ -451,51 +412,16 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 return self._as_root_forward("validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
 
-    def _pipeline_step(self, batch: Any, *, train: bool, batch_idx: int = 0) -> Any:
-        """One batch through the schedule (backward included when training); the loss of the
-        whole batch, on every rank of the pipeline. Gradients are scaled for accumulation here,
-        since the schedule, not Lightning, runs backward."""
-        from fsdp_cli.pipeline.batch import as_pipeline_batch
-
-        module = self.lightning_module
-        piped = as_pipeline_batch(module.pipeline_inputs(batch))
-        accumulation = module.trainer.accumulate_grad_batches
-        scale = 1.0 / accumulation if train else 1.0
-        earlier: dict[int, Any] = {}
-        if train:
-            # The schedule divides every gradient it finds by the micro-batch count at the end of
-            # its step: the batches accumulated before this one wait aside meanwhile. A new
-            # optimizer step starts from none (Lightning zeroes them only after this step, too
-            # late for a step that runs backward itself).
-            first = batch_idx % accumulation == 0
-            for param in module.parameters():
-                if param.grad is not None and not first:
-                    earlier[id(param)] = param.grad
-                param.grad = None
-        loss = self.pipeline.step(
-            piped.inputs, piped.targets, train=train, scale=scale, kwargs=piped.kwargs, loss_fn=piped.loss
-        )
-        if train:
-            # Lightning zeroes gradients between the step and its backward, and this step has run
-            # backward already: the gradients wait aside until backward() puts them back.
-            self._pipeline_grads = [(p, _summed(earlier.get(id(p)), p.grad)) for p in module.parameters()]
-            self._pipeline_grads = [(p, g) for p, g in self._pipeline_grads if g is not None]
-            for param in module.parameters():
-                param.grad = None
-        return loss
-
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward, less the backward pass itself under pipeline parallel: the
         schedule ran it, micro-batch by micro-batch, inside the step (the hooks before and after
         it still run)."""
-        if self.pipeline is None:
+        if self.pipeline_room is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for param, grad in self._pipeline_grads:
-            param.grad = grad if param.grad is None else param.grad + grad
-        self._pipeline_grads = []
+        self.pipeline_room.gradients_back()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -544,11 +470,12 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self._pending_optimizer_states is not None:  # saving before the first step: restore first
             self._restore_optimizer_states(self._pending_optimizer_states)
             self._pending_optimizer_states = None
-        if self.pipeline is None:
+        if self.pipeline_room is None:
             return DistributedCheckpointing.optimizer_state(self, optimizer)
         state = self._local_optimizer_state(optimizer)
         if state.get("param_groups"):
-            state["param_groups"] = self._whole_model_param_groups(state["param_groups"])
+            groups = state["param_groups"]
+            state["param_groups"] = self.pipeline_room.whole_model_param_groups(self.lightning_module, groups)
         if self.checkpoint_format is not CheckpointFormat.full:
             return state
         # Every stage's moments on rank 0, numbered over the whole model as at pp=1.
@@ -559,19 +486,19 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
 
     def _parameter_names(self) -> list[str]:
         """Under pp the whole model's (this rank's module holds only its stages' parameters)."""
-        if self._whole_model_names is not None:
-            return list(self._whole_model_names)
+        if self.pipeline_room is not None:
+            return list(self.pipeline_room.whole_model_names)
         return super()._parameter_names()
 
     def _gather_if_full(self, state: dict[str, Any]) -> dict[str, Any]:
         """Under pp, every stage's tensors on rank 0, stage by stage
         (:func:`fsdp_cli.checkpoint.pipeline_full.gather_stages` says why so)."""
-        if self._pipeline_stages is None or self.checkpoint_format is not CheckpointFormat.full:
+        if self.pipeline_room is None or self.checkpoint_format is not CheckpointFormat.full:
             return super()._gather_if_full(state)
         from fsdp_cli.checkpoint.pipeline_full import gather_stages
 
         return gather_stages(
-            state, group=self.pipeline_group, writer=self._stage_writer(), device=self.root_device
+            state, group=self.pipeline_room.group, writer=self._stage_writer(), device=self.root_device
         )
 
     def _stage_writer(self) -> bool:
@@ -585,7 +512,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Under pp, a full file's entries for this rank's stages; ``strict``: as at pp=1, every
         entry of the file must be held by some stage (and every tensor of a stage be in the file)."""
-        if self._pipeline_stages is None or "state_dict" not in checkpoint:
+        if self.pipeline_room is None or "state_dict" not in checkpoint:
             return super().load_model_state_dict(checkpoint, strict)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -593,7 +520,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
 
         saved = checkpoint["state_dict"]
         own = set(get_model_state_dict(self.model))
-        unexpected = unexpected_keys(saved, own, self.pipeline_group)
+        unexpected = unexpected_keys(saved, own, self.pipeline_room.group)
         if strict and unexpected:
             # torch's words for the same mismatch in load_state_dict
             raise RuntimeError(
@@ -605,44 +532,19 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
 
     def _restore_optimizer_states(self, states: list[dict[str, Any]]) -> None:
         """Under pp, each state (a full file's, over the whole model) cut to this rank's stages."""
-        if self._whole_model_names is not None:
+        if self.pipeline_room is not None:
+            check_optimizer_count(len(self.optimizers), len(states))
+            groups = [
+                [g["params"] for g in self._local_optimizer_state(optimizer)["param_groups"]]
+                for optimizer in self.optimizers
+            ]
             from fsdp_cli.checkpoint.pipeline_full import stage_optimizer_state
 
-            check_optimizer_count(len(self.optimizers), len(states))
+            names = self.pipeline_room.whole_model_names
             states = [
-                stage_optimizer_state(
-                    state,
-                    self._whole_model_names,
-                    [g["params"] for g in self._local_optimizer_state(optimizer)["param_groups"]],
-                )
-                for optimizer, state in zip(self.optimizers, states)
+                stage_optimizer_state(state, names, mine) for state, mine in zip(states, groups, strict=True)
             ]
         super()._restore_optimizer_states(states)
-
-    def _whole_model_param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each group's parameter names over every stage, in stage order (this rank's list names
-        only its stages'): a sharded save then describes the whole model's optimizer, as it does
-        for any other layout, and converts to one file (``fsdp-ckpt convert --to full``)."""
-        import torch.distributed as dist
-
-        from fsdp_cli.parallel.names import canonical_name
-
-        stage_of = {
-            id(p): s
-            for s, view in zip(self._pipeline_layout.ids, self._pipeline_stages, strict=True)
-            for p in view.parameters()
-        }
-        where = {
-            canonical_name(n): stage_of.get(id(p), -1) for n, p in self.lightning_module.named_parameters()
-        }
-        mine = [[(where.get(name, -1), i, name) for i, name in enumerate(g["params"])] for g in groups]
-        gathered: list[Any] = [None] * self.dims.pp
-        dist.all_gather_object(gathered, mine, group=self.pipeline_group)
-        merged = []
-        for index, group in enumerate(groups):
-            names = sorted(entry for rank in gathered for entry in rank[index])
-            merged.append({**group, "params": [name for _, _, name in names]})
-        return merged
 
 
 def is_parallelized(module: nn.Module) -> bool:
@@ -670,13 +572,6 @@ def refuse_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
             "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
             f" The `{strategy_name}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
         )
-
-
-def _summed(earlier: Any, new: Any) -> Any:
-    """Two accumulated gradients, either of which may be None."""
-    if earlier is None or new is None:
-        return new if earlier is None else earlier
-    return earlier + new
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
