@@ -18,6 +18,7 @@ from fsdp_cli.checkpoint.format import MANIFEST_KEY, load_full, read_manifest
 from fsdp_cli.checkpoint.optimizer_layout import PARAMETER_NAMES_KEY
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.pipeline.schedules import SCHEDULES
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
 SWEEP = REPO / "tests" / "pipeline_sweep.py"
@@ -135,28 +136,40 @@ def hf_folder(tmp_path: Path) -> Path:
     return tmp_path / "hf"
 
 
+SCHEDULE_NAMES = [facts.name for facts in SCHEDULES.values()]
+ONE_OF_EACH_KIND = ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
+"""Tensor parallel splits each stage's layers whatever drives the stages: at pp x tp one schedule
+of each kind (single-stage, looped, V-shaped zero-bubble); every schedule at pp and pp x dp."""
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("nproc", "layout", "models"),
+    ("nproc", "layout", "models", "schedules"),
     [
-        (2, ["--pp=2"], ["llama", "module", "hf", "llama+packed", "hf+packed"]),
-        (4, ["--pp=2", "--dp=2"], ["llama", "module", "hf"]),
-        (4, ["--pp=2", "--tp=2"], ["llama", "module", "hf"]),
+        (2, ["--pp=2"], ["module", "llama+packed", "hf+packed"], SCHEDULE_NAMES),
+        (4, ["--pp=2", "--dp=2"], ["llama", "hf"], SCHEDULE_NAMES),
+        (4, ["--pp=2", "--tp=2"], ["llama", "module", "hf"], ONE_OF_EACH_KIND),
     ],
     ids=["pp2", "pp2xdp2", "pp2xtp2"],
 )
 def test_every_schedule_equals_one_process(
-    nproc: int, layout: list[str], models: list[str], tmp_path: Path
+    nproc: int, layout: list[str], models: list[str], schedules: list[str], tmp_path: Path
 ) -> None:
     """8 steps of AdamW on the built-in Llama (8 blocks, so each stage holds several FSDP units:
     the zero-bubble and V schedules give wrong gradients when a unit reshards after forward), a
     Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module;
-    at pp=2 also packed documents (``+packed``: their position_ids reach every stage by keyword,
-    each stage's attention keeps the documents apart, as one process's forward does)."""
+    at pp=2 the two models packed (``+packed``: documents' position_ids reach every stage by
+    keyword, each stage's attention keeps the documents apart, as one process's forward does;
+    unpacked, they run at pp x dp and pp x tp; the plain module at pp and pp x tp)."""
     rows = sweep(
-        nproc, *layout, f"--models={','.join(models)}", f"--hf-folder={hf_folder(tmp_path)}", "--steps=8"
+        nproc,
+        *layout,
+        f"--models={','.join(models)}",
+        f"--schedules={','.join(schedules)}",
+        f"--hf-folder={hf_folder(tmp_path)}",
+        "--steps=8",
     )
-    assert len(rows) == len(models) * 7, rows
+    assert len(rows) == len(models) * len(schedules), rows
     for row in rows:
         assert row["rel"] < 1e-5, (row["model"], row["schedule"], row["losses"], row["reference"])
 

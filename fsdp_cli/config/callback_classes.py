@@ -55,26 +55,16 @@ def check_model_arguments(run: ResolvedRun) -> None:
         check_pipeline_hooks(target, cfg.pp)
 
 
-PIPELINE_HOOKS = ("pipeline_inputs", "pipeline_loss")
-"""What a LightningModule defines to train under pp > 1 (docs/strategies.md, Pipeline parallel)."""
-
-
 def check_pipeline_hooks(target: Any, pp: int) -> None:
     """A LightningModule class trained under ``pp > 1`` says how a pipeline feeds it and takes its
     loss: refused here, before launch, as every rank would refuse it after (FSDP2Strategy)."""
     import lightning as L
 
-    if not (inspect.isclass(target) and issubclass(target, L.LightningModule)):
-        return
-    missing = [hook for hook in PIPELINE_HOOKS if not callable(getattr(target, hook, None))]
-    if missing:
-        raise ConfigError(
-            "pp",
-            pp,
-            f"{target.__name__} does not say how a pipeline runs it: it lacks {', '.join(missing)}",
-            allowed="pp=1, or a LightningModule with pipeline_inputs and pipeline_loss",
-            hint="define pipeline_inputs(batch) -> (inputs, targets) and pipeline_loss(output, targets) "
-            "(docs/strategies.md, Pipeline parallel), or use pp=1",
+    from fsdp_cli.pipeline.hooks import refuse_missing_hooks
+
+    if inspect.isclass(target) and issubclass(target, L.LightningModule):
+        refuse_missing_hooks(
+            target, pp, allowed="pp=1, or a LightningModule with pipeline_inputs and pipeline_loss"
         )
 
 

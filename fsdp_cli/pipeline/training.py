@@ -20,13 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.pipeline.checks import check_cut, schedule_of, stages_per_rank_of
+from fsdp_cli.pipeline.hooks import refuse_missing_hooks
 from fsdp_cli.pipeline.options import PipelineOptions
-
-PIPELINE_HOOKS = ("pipeline_inputs", "pipeline_loss")
 
 
 class PipelineTraining:
@@ -59,7 +57,7 @@ class PipelineTraining:
         from fsdp_cli.pipeline.driver import layout_of, parallelize_stages
         from fsdp_cli.pipeline.stages import block_count, split_of
 
-        _check_hooks(module, dims.pp)
+        refuse_missing_hooks(module, dims.pp)
         own = getattr(module, "pipeline_split", None)
         split = own() if callable(own) else split_of(target)
         check_sequential_cut(split, example)
@@ -157,18 +155,6 @@ class PipelineTraining:
             names = sorted(entry for rank in gathered for entry in rank[index])
             merged.append({**group, "params": [name for _, _, name in names]})
         return merged
-
-
-def _check_hooks(module: Any, pp: int) -> None:
-    missing = [h for h in PIPELINE_HOOKS if not callable(getattr(module, h, None))]
-    if missing:
-        raise ConfigError(
-            "pp",
-            pp,
-            f"{type(module).__name__} does not say how a pipeline runs it: it lacks {', '.join(missing)}",
-            hint="define pipeline_inputs(batch) -> (inputs, targets) and pipeline_loss(output, targets) "
-            "(docs/strategies.md, Pipeline parallel), or use pp=1",
-        )
 
 
 def _summed(earlier: Any, new: Any) -> Any:
