@@ -359,28 +359,46 @@ def test_lora_on_a_full_fine_tune_starts_new_adapters_on_its_weights(
 ) -> None:
     """``peft=lora resume=FULL``: a new run (step 0, its own run id) whose frozen base is the full
     fine-tune's checkpoint, bit for bit (read into FSDP2's shards from a sharded save and from a
-    full file)."""
+    full file). From the sharded one, the run saves adapters only and is resumed at step 1: the
+    base is read from the full fine-tune again (its save holds none), and step 2 is the
+    uninterrupted run's."""
     from conftest import PARITY
 
     from fsdp_cli.checkpoint.convert import load
 
     full = _ckpt(layout_run(full_run), 6)
     full = full if full.exists() else full.with_suffix(".pt")
-    run_dir = tmp_path / "lora"
-    args = [*PARITY, "strategy=fsdp2", "devices=2", "peft=lora", "peft.r=4", "peft.save_base=true"]
-    result = run_cli([*args, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"resume={full}"], run_dir)
-    assert_ok(result, run_dir)
+    args = [*PARITY, "strategy=fsdp2", "devices=2", "peft=lora", "peft.r=4", "trainer.max_steps=2"]
+    first, last = tmp_path / "lora", tmp_path / "resumed"
+    adapters_only = full_run == "fsdp2"
+    saves = (
+        ["checkpoint.every_n_steps=1"]
+        if adapters_only
+        else ["peft.save_base=true", "checkpoint.every_n_steps=2"]
+    )
+    result = run_cli([*args, *saves, f"resume={full}"], first)
+    assert_ok(result, first)
     assert f"resume={full} is a full fine-tune (step 6)" in result.stderr and "from step 0" in result.stderr
-    saved = load(_ckpt(run_dir, 2), weights_only_model=True).state_dict
+    checked = first
+    if adapters_only:
+        again = run_cli(
+            [*args, "peft.save_base=true", "checkpoint.every_n_steps=2", f"resume={_ckpt(first, 1)}"], last
+        )
+        assert_ok(again, last)
+        assert f"the frozen base is read from {full} again" in again.stderr, again.stderr
+        (straight,), resumed = losses(first)[1:], losses(last)
+        assert len(resumed) == 1 and abs(resumed[0] - straight) <= 1e-5 * abs(straight), (straight, resumed)
+        checked = last
+    saved = load(_ckpt(checked, 2), weights_only_model=True).state_dict
     base = {k.replace(".base_layer.", "."): v for k, v in saved.items() if ".lora_" not in k}
     expected = load(full, weights_only_model=True).state_dict
     assert set(base) == set(expected)
     for name, value in expected.items():
         assert torch.equal(base[name], value), name
-    return_to = cli_in_process([*args, f"resume={_ckpt(run_dir, 2)}", "peft.r=8"], tmp_path / "r8", env=CPU)
-    assert return_to.returncode == 2 and "saved with peft.r=4" in return_to.stderr, return_to.stderr
+    refused = cli_in_process([*args, f"resume={_ckpt(checked, 2)}", "peft.r=8"], tmp_path / "r8", env=CPU)
+    assert refused.returncode == 2 and "saved with peft.r=4" in refused.stderr, refused.stderr
     full_again = cli_in_process(
-        [*PARITY, "devices=2", f"resume={_ckpt(run_dir, 2)}"], tmp_path / "none", env=CPU
+        [*PARITY, "devices=2", f"resume={_ckpt(checked, 2)}"], tmp_path / "none", env=CPU
     )
     assert full_again.returncode == 2, full_again.stderr
     assert "holds peft=lora adapters" in full_again.stderr and "(peft=none)" in full_again.stderr

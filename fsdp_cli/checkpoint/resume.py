@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError, UnsafeCheckpointError, read_manifest
@@ -76,7 +77,8 @@ def resolve_resume(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     notices.append(f"note: resuming from {path}" + (f" (step {step})" if step is not None else ""))
     if isinstance(saved, Mapping):
         notices.extend(compare(saved, to_container(cfg), path))
-    resumed = _with_run_id(dataclasses.replace(cfg, resume=path), manifest)
+    base = _base_source(saved, path, notices)  # adapters trained on a full fine-tune: its base again
+    resumed = _with_run_id(dataclasses.replace(cfg, resume=path, start_from=base), manifest)
     if cfg.run_id is None and not _saved_run_id(manifest):
         notices.append(
             f"note: {path} records no run id (saved before run ids): this run's saves get their own, "
@@ -131,6 +133,24 @@ def _start_from(
     )
     fresh = dataclasses.replace(cfg, resume=None, start_from=path)
     return _with_run_id(fresh, None), notices
+
+
+def _base_source(saved: Any, path: str, notices: list[str]) -> str | None:
+    """Where the base of a run that trained adapters on a full fine-tune's weights came from
+    (``start_from`` in its saved config): resumed, it reads the base from there again, since an
+    adapters-only save holds none (rebuilt from the model's own weights, it would be another base)."""
+    source = saved.get("start_from") if isinstance(saved, Mapping) else None
+    if not source:
+        return None
+    if not Path(str(source)).exists():
+        raise ConfigError(
+            "resume",
+            path,
+            f"its run trained adapters on the weights of {source}, which is gone",
+            hint="restore that checkpoint, or resume from one saved with peft.save_base=true",
+        )
+    notices.append(f"note: the frozen base is read from {source} again, as the run it resumes did")
+    return str(source)
 
 
 def _with_run_id(cfg: TrainConfig, manifest: Mapping[str, Any] | None) -> TrainConfig:
