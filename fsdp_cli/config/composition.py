@@ -254,13 +254,6 @@ _F = "builtin,pp,chat,packing,bf16,float8,ac,compile,offload,full_ckpt"
 _T = "builtin,tp,chat,packing,offload,full_ckpt"
 
 
-def _among(features: list[str], skip: set[frozenset[str]] = frozenset()) -> str:
-    """Every pair among ``features`` as a spec for :func:`_table`, less ``skip``."""
-    return " ".join(
-        f"{a}:{b}" for i, a in enumerate(features) for b in features[i + 1 :] if pair(a, b) not in skip
-    )
-
-
 _M = "module,lora,chat,ac,compile,float8,bf16,offload,full_ckpt"
 COMPOSED = {
     "test_composition.py::test_a_composed_hf_run_on_hsdp_equals_one_process": ["fsdp2", *_A.split(",")],
