@@ -368,11 +368,10 @@ def fsdp_ckpt(*args: str) -> int:
 
 @pytest.mark.distributed
 def test_a_3d_pipeline_equals_one_process() -> None:
-    """pp x dp x tp = 2 x 2 x 2 on 8 processes, the default schedule and a V schedule."""
-    rows = sweep(
-        8, "--pp=2", "--dp=2", "--tp=2", "--models=llama", "--schedules=1F1B,ZBVZeroBubble", "--steps=8"
-    )
-    assert [r["schedule"] for r in rows] == ["1F1B", "ZBVZeroBubble"]
+    """pp x dp x tp = 2 x 2 x 2 on 8 processes with a V schedule (the kind FSDP2's resharding
+    can break; 1F1B runs at pp x dp and pp x tp)."""
+    rows = sweep(8, "--pp=2", "--dp=2", "--tp=2", "--models=llama", "--schedules=ZBVZeroBubble", "--steps=8")
+    assert [r["schedule"] for r in rows] == ["ZBVZeroBubble"]
     for row in rows:
         assert row["rel"] < 1e-5, row
 
