@@ -222,9 +222,7 @@ def cpu_commands(cwd: Path) -> list[tuple[str, dict[str, str], list[str]]]:
         key = json.dumps([sorted(env.items()), job, modes])
         if key not in seen:
             seen.add(key)
-            factor = (
-                RECIPE_STEP_FACTOR.get(_bare(line).removeprefix("fsdp-train "), STEP_FACTOR)
-            )
+            factor = RECIPE_STEP_FACTOR.get(_bare(line).removeprefix("fsdp-train "), STEP_FACTOR)
             found.append((line, env, shortened(args, job, factor)))
     return found
 
@@ -276,6 +274,7 @@ TRAINED_BY = {
     "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
     "peft=lora": "tests/test_lora.py (LoRA under fsdp2, fsdp and ddp against one process)",
     "recipe=cpu_pp": "tests/test_pipeline.py (the cpu_pp recipe against one process, resumed at pp=1 and tp=2)",
+    "cp=": "tests/test_context_parallel.py (cp=2, cp x HSDP, cp x tp against one process, in fp32 and float64)",
     "pp=": "tests/test_pipeline.py (every schedule at pp=2, pp=2 x dp=2, pp=2 x tp=2 against one process)",
 }
 """What each kind of dry-run command shows in training, and where it is trained for real."""

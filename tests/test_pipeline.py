@@ -102,6 +102,7 @@ def test_pp_is_a_named_dimension_of_the_mesh_sizes() -> None:
         "pipeline_parallel",
         "data_parallel_replicate",
         "data_parallel_shard",
+        "context_parallel",
         "tensor_parallel",
     ]
     with pytest.raises(ConfigError, match=r"dp\(4\) \* tp\(2\) != world size 4 \(= 8 / pp=2"):

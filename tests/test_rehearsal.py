@@ -54,6 +54,8 @@ def assert_equals_the_plan(cfg: Any, result: Rehearsal) -> None:
 LAYOUTS = {
     "fsdp2": ["strategy=fsdp2"],
     "fsdp2_tp": ["strategy=fsdp2", "tp=2", "strategy.sequence_parallel=true"],
+    # Context parallel: parameters sharded over shard x cp = 3 x 2 ranks.
+    "fsdp2_cp": ["strategy=fsdp2", "cp=2"],
     "hsdp": ["strategy=fsdp2", "strategy.replicate_size=2", "strategy.activation_checkpointing=full"],
     "fsdp1": ["strategy=fsdp"],
     "fsdp1_hybrid": [
@@ -81,6 +83,13 @@ def test_held_bytes_equal_the_plan_on_the_first_and_last_rank(name: str) -> None
             "data_parallel_replicate": 0,
             "data_parallel_shard": 2,
             "tensor_parallel": 1,
+        }
+    if name == "fsdp2_cp":
+        assert result.mesh_coordinates == {
+            "data_parallel_replicate": 0,
+            "data_parallel_shard": 2,
+            "context_parallel": 1,
+            "tensor_parallel": 0,
         }
     if name == "ddp":  # every rank holds the whole model
         import torch

@@ -54,6 +54,8 @@ ENTRIES: list[tuple[Any, str]] = [
     (Backend, "FAKE"),
     (_funcol, "AsyncCollectiveTensor"),
     (_funcol, "wait_tensor"),
+    (_funcol, "all_to_all_single_autograd"),
+    (DeviceMesh, "_get_slice_mesh_layout"),
     (_python_dispatch, "is_traceable_wrapper_subclass"),
     (FSDPModule, "_get_fsdp_state"),
     (_dcp_filesystem, "_StorageInfo"),
@@ -84,6 +86,23 @@ FSDP1_SHARDING = {"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``mesh`` (a slice of a root mesh) as one flattened dimension called ``name``."""
     return mesh._flatten(name)
+
+
+def slice_beside_flattened(root: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``root[names]`` where some of ``names`` were flattened from it (HSDP's replicate beside
+    shard x cp): torch warns that this will go, and keeps no other way to name such a 2-D mesh
+    (checked by :data:`ENTRIES`' slicing helper)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return root[names]
+
+
+def all_to_all(tensor: _torch.Tensor, group: Any) -> _torch.Tensor:
+    """Equal slices of dim 0 of ``tensor`` exchanged over ``group``, the gradient exchanged back
+    in backward (the functional collective: ``torch.distributed.nn``'s is deprecated)."""
+    return wait_if_async_collective(_funcol.all_to_all_single_autograd(tensor, None, None, group))
 
 
 TorchDispatchMode = _python_dispatch.TorchDispatchMode

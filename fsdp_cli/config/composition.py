@@ -129,6 +129,7 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature("tp", "tp > 1", "tp", lambda run: run.layout.tp > 1, ("tp=2",)),
     Feature("pp", "pp > 1", "pp", lambda run: run.layout.pp > 1, ("pp=2",)),
+    Feature("cp", "cp > 1 (context parallel)", "cp", lambda run: run.layout.cp > 1, ("cp=2",)),
     Feature("lora", "peft=lora", "peft", lambda run: run.cfg.peft.enabled, ("peft=lora",)),
     Feature("chat", "data=chat", "data", _chat, CHATS),
     Feature(
@@ -255,6 +256,7 @@ _T = "builtin,tp,chat,packing,offload,full_ckpt"
 
 
 _M = "module,lora,chat,ac,compile,float8,bf16,offload,full_ckpt"
+_CP_HSDP = "fsdp2,builtin,cp,hsdp,lora,chat,packing,ac,full_ckpt".split(",")
 COMPOSED = {
     "test_composition.py::test_a_composed_hf_run_on_hsdp_equals_one_process": ["fsdp2", *_A.split(",")],
     "test_composition.py::test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process": [
@@ -267,6 +269,17 @@ COMPOSED = {
     ],
     "test_composition.py::test_a_composed_plain_module_run_equals_one_process": ["fsdp2", *_M.split(",")],
     "test_composition.py::test_the_composed_hf_run_resumes_at_another_layout": ["resume_layout", *_ALL_A],
+    "test_context_parallel.py::test_cp_with_hsdp_lora_and_packed_chat_equals_one_process": _CP_HSDP,
+    "test_context_parallel.py::test_a_cp_checkpoint_resumes_at_cp1": ["resume_layout", *_CP_HSDP],
+    "test_context_parallel.py::test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process": [
+        *"fsdp2,builtin,cp,bf16,float8,compile,offload".split(",")
+    ],
+    "test_context_parallel.py::test_cp_on_a_hugging_face_llama_equals_one_process": [
+        "fsdp2",
+        "hf",
+        "cp",
+        "chat",
+    ],
 }
 """The runs of ``tests/test_composition.py``, by test: the features each trains together."""
 
@@ -352,6 +365,13 @@ EXPLICIT = _table(
     ),
     ("tp:pp", _test("test_pipeline.py::test_a_3d_pipeline_equals_one_process")),
     (
+        "cp:tp",
+        _test(
+            "test_context_parallel.py::test_context_parallel_equals_one_process_in_float64",
+            "the library's layout, losses and gradients in float64",
+        ),
+    ),
+    (
         "pp:bf16,full_ckpt bf16:resume_layout",
         _test("test_pipeline.py::test_a_full_save_under_pp_is_a_pp1_full_file_and_resumes"),
     ),
@@ -404,6 +424,31 @@ EXPLICIT = _table(
         Refused(
             "the attention cannot keep packed examples apart",
             check="config.data_checks.check_packing",
+        ),
+    ),
+    (
+        "cp:fsdp,ddp,model_parallel",
+        Refused(
+            "context parallel shards parameters over FSDP2's data-parallel x cp ranks",
+            allowed="strategy=fsdp2 with cp > 1",
+            hint="use strategy=fsdp2, or cp=1",
+            lead="cp",
+        ),
+    ),
+    (
+        "cp:pp",
+        Refused(
+            "pipeline stages pass whole sequences between ranks",
+            allowed="pp=1 with cp > 1",
+            hint="for long sequences cp with dp (and tp) alone",
+            lead="cp",
+        ),
+    ),
+    (
+        "cp:module,lightning",
+        Refused(
+            "its attention cannot be reached to exchange the sequence's slices",
+            check="config.model_kinds.check_context_parallel",
         ),
     ),
     # Cannot be asked for.

@@ -81,6 +81,9 @@ class ModelKind(NamedTuple):
     """Adapters (``peft=lora``): the linear layers (name suffixes) adapters may wrap, known from
     the config; empty: found on its meta model (:func:`fsdp_cli.adapters.targets.block_linears`);
     None: not supported."""
+    attention_heads: str = ""
+    """Context parallel (cp > 1): the key of :attr:`tp_sizes` that counts the query heads, which the
+    all-to-all splits over tp x cp ranks; empty: its attention cannot be reached (cp refused)."""
     document_masks: bool = False
     """Hook for packed sequences: its attention can keep the documents of one sequence apart."""
     recomputes_buffers: bool = False
@@ -130,6 +133,43 @@ def check_tp_sizes(run: ResolvedRun) -> None:
                 allowed="tp in " + ", ".join(str(d) for d in good),
                 hint=f"use tp={max(good)} or a model whose heads/ffn sizes divide by {tp}",
             )
+
+
+def check_context_parallel(run: ResolvedRun) -> None:
+    """cp > 1: a model kind whose attention takes part, sequences that split into equal slices,
+    query heads that split over tp x cp ranks (key/value heads are repeated where they do not)."""
+    cp, kind = run.layout.cp, run.model_kind
+    if cp == 1:
+        return
+    if not kind.attention_heads:
+        raise ConfigError(
+            "cp",
+            cp,
+            f"model={kind.name}: its attention cannot be reached to exchange the sequence's slices",
+            allowed="cp=1 for this model; cp > 1 with the built-in models or model=hf",
+            hint="docs/context-parallel.md shows the hook a model declares (then train it from Python)",
+        )
+    seq = getattr(run.cfg.data, "seq_len", None)
+    if isinstance(seq, int) and seq % cp:
+        raise ConfigError(
+            "data.seq_len",
+            seq,
+            f"must divide by cp={cp}: each context-parallel rank holds an equal slice of every sequence",
+            allowed=f"a multiple of {cp}",
+            hint=f"data.seq_len={seq + cp - seq % cp}",
+        )
+    heads = kind.tp_sizes(run.cfg.model).get(kind.attention_heads)
+    split = run.layout.tp * cp
+    if isinstance(heads, int) and heads % split:
+        good = [d for d in range(1, cp + 1) if heads % (run.layout.tp * d) == 0]
+        raise ConfigError(
+            "cp",
+            cp,
+            f"{kind.attention_heads}={heads}{kind.sizes_from} does not split over tp={run.layout.tp} x cp={cp} "
+            "ranks: the all-to-all gives each rank whole heads",
+            allowed="cp in " + ", ".join(map(str, good)),
+            hint=f"use cp={max(good)} (or a smaller tp)",
+        )
 
 
 def check_llama_sizes(run: ResolvedRun) -> None:
@@ -449,6 +489,7 @@ LLAMA = ModelKind(
     closed_form=True,
     stage_split_points=llama_stage_split_points,
     adapter_targets=llama_adapter_targets,
+    attention_heads="model.n_heads",
     document_masks=True,  # position_ids -> models.llama.document_mask (SDPA, boolean mask)
     recomputes_buffers=True,  # RoPE tables
     tied_embeddings=lambda model: bool(model.tie_embeddings),
@@ -467,6 +508,7 @@ HF = ModelKind(
     closed_form=False,
     stage_split_points=hf_stage_split_points,
     adapter_targets=on_meta_model,
+    attention_heads="num_attention_heads",
     document_masks=True,  # position_ids, no attention mask: transformers masks packed documents
     default_vocab=hf_folder_vocab,
     without_weights=hf_without_weights,

@@ -40,6 +40,8 @@ class Layout:
     """Ranks one parameter is sharded over (1: not sharded)."""
     pp: int = 1
     """Pipeline stages' ranks: the model is cut into pp x ``pipeline.stages_per_rank`` stages."""
+    cp: int = 1
+    """Ranks that split each sequence (context parallel); parameters are sharded over shard x cp."""
 
     @property
     def world_size(self) -> int:
@@ -52,6 +54,8 @@ class Layout:
     def columns(self) -> dict[str, int]:
         """The layout as a run's summary reports it."""
         columns = {"world_size": self.world_size, "dp": self.dp, "tp": self.tp}
+        if self.cp > 1:
+            columns["cp"] = self.cp
         return {**columns, "pp": self.pp} if self.pp > 1 else columns
 
 
@@ -83,6 +87,7 @@ class ResolvedRun:
             replicate=split.replicate,
             shard=split.shard,
             pp=cfg.pp,
+            cp=cfg.cp,
         )
         precision = resolve_precision(cfg.precision.name, policy_dtypes(cfg.strategy.explicit_policy()))
         return cls(
@@ -99,7 +104,9 @@ class ResolvedRun:
         they are: a fresh object per call, since each strategy builds its own mesh on it. (pp x
         replicate x shard x tp.)"""
         layout = self.layout
-        return ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, pp=layout.pp)
+        return ParallelDims(
+            dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, pp=layout.pp, cp=layout.cp
+        )
 
     def with_config(self, cfg: TrainConfig) -> ResolvedRun:
         """This run with a later edit of its config that derives nothing anew (the resume path

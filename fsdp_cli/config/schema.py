@@ -888,6 +888,9 @@ class TrainConfig:
     pp: int = field(default=1, metadata=at_least(1))
     """Pipeline-parallel size: the model cut into pp stages (x ``pipeline.stages_per_rank``);
     world = pp x dp x tp."""
+    cp: int = field(default=1, metadata=at_least(1))
+    """Context-parallel size: each sequence split over cp ranks, attention exchanged all-to-all
+    over heads (``strategy=fsdp2``; docs/context-parallel.md); world = pp x dp x cp x tp."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     """With pp > 1: the schedule, micro-batches, stages per rank and where the model is cut."""
     peft: AdapterOptions = field(default_factory=AdapterOptions)

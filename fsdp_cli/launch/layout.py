@@ -81,6 +81,7 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         dp=dp,
         tp=tp,
         pp=_positive_int("pp", cfg.pp),
+        cp=_positive_int("cp", cfg.cp),
         replicate=cfg.strategy.replicas(),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )

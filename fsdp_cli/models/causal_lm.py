@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdp_cli.models.args import OptimizerArgs, Scheduler
 from fsdp_cli.models.llama import at_least_fp32
+from fsdp_cli.parallel.context_parallel import ContextParallel
 
 
 class CausalLMModule(L.LightningModule):
@@ -28,6 +29,11 @@ class CausalLMModule(L.LightningModule):
         optim: AdamW and learning-rate schedule settings.
         max_steps: the schedule's horizon (or where ``max_epochs`` ends training, when that comes first).
     """
+
+    context_parallel: ContextParallel | None = None
+    """Set under context parallel (cp > 1): the steps give the model this rank's slice of each
+    sequence (shifted before the split) and weigh the loss so that the cp ranks' gradients, which
+    FSDP2 averages like data-parallel ones, are the whole sequence's."""
 
     def __init__(
         self,
@@ -70,7 +76,10 @@ class CausalLMModule(L.LightningModule):
         return out if isinstance(out, torch.Tensor) else out.logits
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = self.pipeline_inputs(batch)
+        if self.context_parallel is not None:  # equal slices: the mean of their means is the batch's
+            inputs, targets, _ = self.context_parallel.split_batch(batch)
+        else:
+            inputs, targets = self.pipeline_inputs(batch)
         return self.pipeline_loss(self(inputs), targets)
 
     # The pipeline hooks (pp > 1: the strategy runs the step through a schedule, which feeds the
@@ -138,10 +147,20 @@ class CausalLMModule(L.LightningModule):
             # the step's gradient that of the mean over the global batch's supervised tokens once
             # Lightning divides by the accumulation and the strategy averages over the dp ranks.
             # (Integers in the batch: a true-precision plugin would round a float weight to bf16.)
-            loss = self._token_loss_sum(batch)
+            # Under context parallel each rank sums its slice's tokens and the average over the cp
+            # ranks is undone (x cp): the slices' sums add up to the sequence's.
+            loss = self._token_loss_sum(self._slice(batch))
             micro = batch["input_ids"].shape[0]
-            return loss * (batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro))
+            cp = 1 if self.context_parallel is None else self.context_parallel.size
+            return loss * (
+                cp * batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro)
+            )
         return self._loss(batch)
+
+    def _slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slice of a labelled batch under context parallel; else the batch."""
+        cp = self.context_parallel
+        return batch if cp is None else cp.split_labelled(batch)
 
     def validation_step(self, batch: torch.Tensor | dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if isinstance(batch, dict):
@@ -154,6 +173,7 @@ class CausalLMModule(L.LightningModule):
         """Labelled validation: sums of token losses and of supervised labels, over the whole run
         (:meth:`on_validation_epoch_end` divides), so ``val_loss`` is the mean over its tokens,
         packed or not."""
+        batch = self._slice(batch)  # (each rank counts its slice's labels: the sums are over all ranks)
         total = self._token_loss_sum(batch).detach().double()
         return self._add_val_sums(total, (batch["labels"] != -100).sum().double())
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.args import HFModelArgs
 from fsdp_cli.models.hf_weights import HFSource, LoadReport, WeightFiller
+from fsdp_cli.parallel.context_parallel import ContextParallel
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
 # transformers' plan styles that torch's ParallelStyles express exactly. Others (packed or fused
@@ -59,11 +60,35 @@ class HFCausalLM(nn.Module):
         self.hf = hf
         # Names, owners and tied pairs are read now: fully_shard renames the model's classes.
         self.weights = WeightFiller(hf, source)
+        self._context_parallel: ContextParallel | None = None
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """Set under context parallel (cp > 1): the model's attention becomes
+        :func:`context_parallel_attention` (registered in transformers' ``AttentionInterface``,
+        not a patched model), and each forward takes this rank's slice of the sequence."""
+        return self._context_parallel
+
+    @context_parallel.setter
+    def context_parallel(self, cp: ContextParallel | None) -> None:
+        self._context_parallel = cp
+        if cp is None:
+            return
+        register_context_parallel_attention()
+        self.hf.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
+        for module in self.hf.modules():  # the attention layers (each knows its layer_idx)
+            if hasattr(module, "layer_idx"):
+                module.context_parallel = cp
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``: packed sequences (restarting at 0 per document). With no attention mask,
         transformers 5 reads the documents from them (``find_packed_sequence_indices``) and masks
-        block-diagonally: sdpa and eager through the mask, flash_attention_2 through its varlen kernel."""
+        block-diagonally: sdpa and eager through the mask, flash_attention_2 through its varlen kernel.
+        Under context parallel: this rank's slice, rotary positions global (the slice's place in
+        the sequence when unpacked)."""
+        cp = self._context_parallel
+        if cp is not None and position_ids is None:
+            position_ids = cp.positions(input_ids.shape[0], input_ids.shape[1] * cp.size, input_ids.device)
         return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def pipeline_split(self) -> Any:
@@ -128,6 +153,47 @@ class HFCausalLM(nn.Module):
             if module_name not in resolved and any(True for _ in module.parameters(recurse=False)):
                 resolved[module_name] = ReplicateParallel()
         return resolved
+
+
+CONTEXT_PARALLEL_ATTENTION = "fsdp_cli_context_parallel"
+"""The name :func:`context_parallel_attention` is registered under in transformers' ``AttentionInterface``."""
+
+
+def register_context_parallel_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CONTEXT_PARALLEL_ATTENTION, context_parallel_attention)
+
+
+def context_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention call (``[B, heads, T / cp, d]`` each) under context parallel:
+    exchanged all-to-all, causal over the whole sequence, or within each document where the
+    positions restart (packed). transformers makes no mask for an attention it does not know, so
+    the mask comes from every slice's ``position_ids`` (read on the host: one sync per layer)."""
+    from fsdp_cli.models.llama import document_mask
+    from fsdp_cli.parallel.context_parallel import attend
+
+    cp: ContextParallel = module.context_parallel  # type: ignore[assignment]
+    positions = kwargs.get("position_ids")
+    mask = None
+    if positions is not None:
+        whole = cp.whole_positions(positions)
+        steps = torch.diff(whole, dim=-1)
+        if not bool((steps == 1).all()):  # packed documents
+            mask = document_mask(whole)
+    if dropout:
+        raise ValueError("context parallel attention takes no attention dropout")
+    out = attend(query, key, value, mask, cp, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _find(module: nn.Module, name: str) -> Any:

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.init import seeded_normal_
+from fsdp_cli.parallel.context_parallel import ContextParallel, attend
 from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
@@ -67,6 +68,10 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    context_parallel: ContextParallel | None = None
+    """Set under context parallel (cp > 1): ``x`` is this rank's slice of the sequence, attention
+    runs over the whole (:func:`~fsdp_cli.parallel.context_parallel.attend`)."""
+
     def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -79,7 +84,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: None = causal; else a boolean ``[B, 1, T, T]`` (True = may attend), e.g.
-        :func:`document_mask` of packed sequences."""
+        :func:`document_mask` of packed sequences (under context parallel: of the whole sequence)."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallel this rank holds n_heads / tp of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -87,12 +92,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         rope = rope if rope.dim() == 4 else rope[:seq]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        repeat = q.shape[2] // k.shape[2]
-        if repeat > 1:
-            k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.context_parallel)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -137,6 +137,9 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only transformer: ``forward(input_ids[B, T]) -> logits[B, T, vocab]``."""
 
+    context_parallel: ContextParallel | None = None
+    """Set under context parallel (cp > 1): ``input_ids`` is this rank's slice of each sequence."""
+
     def __init__(self, cfg: LlamaArgs, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
@@ -156,11 +159,16 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids [B, T]``: packed sequences, whose positions restart at 0 where a document
-        starts; each token then attends only within its document (:func:`document_mask`)."""
+        starts; each token then attends only within its document (:func:`document_mask`). Under
+        context parallel ``input_ids`` (and ``position_ids``) are this rank's slice: rotary
+        positions are the slice's place in the sequence, the mask is over the whole sequence."""
         h = self.tok_embeddings(input_ids)
-        rope, mask = self.rope, None
+        rope, mask, cp = self.rope, None, self.context_parallel
         if position_ids is not None:
-            rope, mask = self.rope[position_ids], document_mask(position_ids)
+            whole = position_ids if cp is None else cp.whole_positions(position_ids)
+            rope, mask = self.rope[position_ids], document_mask(whole)
+        elif cp is not None:  # an unpacked slice: rows rank * T / cp ... of the table
+            rope = cp.split(self.rope[: input_ids.shape[1] * cp.size], dim=0)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         return self.output(self.norm(h))

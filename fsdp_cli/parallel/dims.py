@@ -1,11 +1,12 @@
 """The sizes of a run's device mesh, checked once and turned into the mesh once.
 
-``ParallelDims`` is pipeline parallel x data-parallel replicate x data-parallel shard x tensor
-parallel (its :data:`DIMENSIONS`, by name). The parent
+``ParallelDims`` is pipeline parallel x data-parallel replicate x data-parallel shard x context
+parallel x tensor parallel (its :data:`DIMENSIONS`, by name). The parent
 process builds it from the config to check the layout before any rank starts (no torch import);
 every rank builds the same object and asks it for the mesh, whose dimensions every layer then
-takes by name: ``fully_shard`` the (replicate, shard) part, tensor parallel the ``tp`` part, the
-data sampler and the loss reduction the flattened data-parallel part.
+takes by name: ``fully_shard`` the (replicate, shard x cp) part, tensor parallel the ``tp`` part,
+context parallel the ``cp`` part, the data sampler the flattened data-parallel part (cp ranks
+share a batch: each holds a slice of its sequences).
 """
 
 from __future__ import annotations
@@ -15,17 +16,22 @@ from typing import Any
 
 from fsdp_cli.errors import ConfigError
 
-PP, DP_REPLICATE, DP_SHARD, TP = (
+PP, DP_REPLICATE, DP_SHARD, CP, TP = (
     "pipeline_parallel",
     "data_parallel_replicate",
     "data_parallel_shard",
+    "context_parallel",
     "tensor_parallel",
 )
-DIMENSIONS = (PP, DP_REPLICATE, DP_SHARD, TP)
+DIMENSIONS = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
 """The mesh's dimensions, outermost first: a pipeline's stages talk least often (point to point,
-once per micro-batch), tensor parallel most (every layer), so tp ranks are neighbours."""
+once per micro-batch), tensor parallel most (every layer), so tp ranks are neighbours; context
+parallel exchanges every attention's inputs and outputs, next to them (torchtitan's order)."""
 DATA_PARALLEL = "data_parallel"
 """The flattened replicate x shard dimension (what Lightning's ModelParallelStrategy calls it)."""
+SHARD_CP = "data_parallel_shard_cp"
+"""The flattened shard x cp dimension: what FSDP2 shards parameters over under context parallel
+(the cp ranks of a batch hold different tokens, so their gradients are averaged like dp's)."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,15 @@ class SizeNames:
     tp: str = "tp"
     replicate: str = "strategy.replicate_size"
     pp: str = "pp"
+    cp: str = "cp"
 
 
 LIBRARY_NAMES = SizeNames(
-    "data_parallel_size", "tensor_parallel_size", "replicate_size", "pipeline_parallel_size"
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "replicate_size",
+    "pipeline_parallel_size",
+    "context_parallel_size",
 )
 
 
@@ -49,8 +60,10 @@ class ParallelDims:
     dp_shard: int
     tp: int
     pp: int = 1
+    cp: int = 1
     _mesh: Any = field(default=None, init=False, repr=False, compare=False)
     _data_parallel_mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _shard_cp_mesh: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def resolve(
@@ -61,26 +74,26 @@ class ParallelDims:
         tp: int = 1,
         replicate: int = 1,
         pp: int = 1,
+        cp: int = 1,
         names: SizeNames = SizeNames(),
         world: str = "",
     ) -> ParallelDims:
-        """Check the sizes against ``world_size`` (``dp=None``: the world size / (pp x tp)); every
-        error names each factor. ``world`` says where the world size comes from (``devices=4 x num_nodes=1``)."""
+        """Check the sizes against ``world_size`` (``dp=None``: the world size / (pp x cp x tp));
+        every error names each factor. ``world`` says where the world size comes from (``devices=4 x num_nodes=1``)."""
         origin = f" ({world})" if world else ""
         _check_divides(names.pp, pp, world_size, f"must divide the world size {world_size}{origin}")
         if pp > 1:  # the other sizes split each stage's share of the world
             origin = f" (= {world_size} / {names.pp}={pp}{', ' + world if world else ''})"
             world_size //= pp
         _check_divides(names.tp, tp, world_size, f"must divide the world size {world_size}{origin}")
-        dp = world_size // tp if dp is None else dp
-        if dp * tp != world_size:
-            raise ConfigError(
-                names.dp,
-                dp,
-                f"{names.dp}({dp}) * {names.tp}({tp}) != world size {world_size}{origin}",
-                allowed=f"{names.dp}={world_size // tp} for {names.tp}={tp}",
-                hint=f"leave {names.dp}=auto to derive it from the world size",
+        if cp > 1:
+            _check_divides(
+                names.cp,
+                cp,
+                world_size // tp,
+                f"must divide the world size {world_size}{origin} / {names.tp}={tp}",
             )
+        dp = _data_parallel(names, dp, tp, cp, world_size, origin)
         _check_divides(
             names.replicate,
             replicate,
@@ -88,20 +101,24 @@ class ParallelDims:
             f"must divide {names.dp}={dp} (HSDP: replicate x shard = dp)",
             hint=f"{names.replicate}=1 is plain FSDP; {names.replicate}=num_nodes shards within each node",
         )
-        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, pp=pp)
+        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, pp=pp, cp=cp)
 
     def for_world(self, world_size: int) -> ParallelDims:
         """These sizes as given (a fresh copy: each strategy builds its mesh on its own), after
         checking that the world the processes formed is the one they were decided for."""
         if self.world_size != world_size:
+            cp = f"{self.cp}x" if self.cp_enabled else ""
+            cp_factor = f" * cp({self.cp})" if self.cp_enabled else ""
             raise ConfigError(
                 "dims",
-                f"{self.pp}x{self.dp_replicate}x{self.dp_shard}x{self.tp}",
-                f"pp({self.pp}) * replicate({self.dp_replicate}) * shard({self.dp_shard}) * tp({self.tp}) "
-                f"!= world size {world_size}",
+                f"{self.pp}x{self.dp_replicate}x{self.dp_shard}x{cp}{self.tp}",
+                f"pp({self.pp}) * replicate({self.dp_replicate}) * shard({self.dp_shard}){cp_factor} "
+                f"* tp({self.tp}) != world size {world_size}",
                 hint="decide the sizes for the world the processes form",
             )
-        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp)
+        return ParallelDims(
+            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp
+        )
 
     @property
     def dp(self) -> int:
@@ -109,7 +126,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def pp_enabled(self) -> bool:
@@ -117,16 +134,22 @@ class ParallelDims:
 
     def sizes(self) -> dict[str, int]:
         """Each named dimension's size (:data:`DIMENSIONS` order)."""
-        return dict(zip(DIMENSIONS, (self.pp, self.dp_replicate, self.dp_shard, self.tp), strict=True))
+        return dict(
+            zip(DIMENSIONS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp), strict=True)
+        )
 
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
         """Parameters are sharded (more than one rank per shard group)."""
-        return self.dp_shard > 1
+        return self.dp_shard * self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -135,8 +158,8 @@ class ParallelDims:
     # ------------------------------------------------------------------ the mesh (on a rank)
 
     def build_mesh(self, device_type: str) -> Any:
-        """The 4-D mesh (pp, replicate, shard, tp), built once; sizes of 1 are kept so that every
-        dimension can be asked for by name."""
+        """The 5-D mesh (pp, replicate, shard, cp, tp), built once; sizes of 1 are kept so that
+        every dimension can be asked for by name."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -147,6 +170,8 @@ class ParallelDims:
             # Flattened once and kept: slicing a flattened dimension out of the root mesh is
             # deprecated in torch.
             self._data_parallel_mesh = flatten_mesh(mesh[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
+            if self.cp_enabled:
+                self._shard_cp_mesh = flatten_mesh(mesh[DP_SHARD, CP], SHARD_CP)
             self._mesh = mesh
         return self._mesh
 
@@ -173,12 +198,24 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> Any:
-        """What ``fully_shard`` shards over: (replicate, shard) for HSDP, else the shard dimension."""
-        return self.mesh[DP_REPLICATE, DP_SHARD] if self.hsdp_enabled else self.mesh[DP_SHARD]
+        """What ``fully_shard`` shards over: (replicate, shard) for HSDP, else the shard dimension
+        (shard x cp, flattened, under context parallel)."""
+        if not self.cp_enabled:
+            return self.mesh[DP_REPLICATE, DP_SHARD] if self.hsdp_enabled else self.mesh[DP_SHARD]
+        if not self.hsdp_enabled:
+            return self._shard_cp_mesh
+        from fsdp_cli.compat.torch_internals import slice_beside_flattened
+
+        return slice_beside_flattened(self.mesh, (DP_REPLICATE, SHARD_CP))
 
     @property
     def tp_mesh(self) -> Any:
         return self.mesh[TP]
+
+    @property
+    def cp_mesh(self) -> Any:
+        """The ranks that split each sequence of one batch (same data, same tp position)."""
+        return self.mesh[CP]
 
     @property
     def pp_mesh(self) -> Any:
@@ -191,6 +228,21 @@ class ParallelDims:
         if self._data_parallel_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called on this rank")
         return self._data_parallel_mesh
+
+
+def _data_parallel(names: SizeNames, dp: int | None, tp: int, cp: int, world_size: int, origin: str) -> int:
+    """``dp`` (None: what the other sizes leave of ``world_size``), checked to fill it exactly."""
+    dp = world_size // (tp * cp) if dp is None else dp
+    if dp * tp * cp != world_size:
+        by, given = (f" * {names.cp}({cp})", f", {names.cp}={cp}") if cp > 1 else ("", "")
+        raise ConfigError(
+            names.dp,
+            dp,
+            f"{names.dp}({dp}) * {names.tp}({tp}){by} != world size {world_size}{origin}",
+            allowed=f"{names.dp}={world_size // (tp * cp)} for {names.tp}={tp}{given}",
+            hint=f"leave {names.dp}=auto to derive it from the world size",
+        )
+    return dp
 
 
 def _check_divides(key: str, size: int, whole: int, problem: str, *, hint: str | None = None) -> None:

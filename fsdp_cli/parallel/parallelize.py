@@ -2,6 +2,8 @@
 
 Order matters, and is the same as torchtitan's:
 1. tensor parallel — before FSDP, so ``fully_shard`` sees DTensor parameters and shards them 2-D;
+   context parallel beside it (each module that declares ``context_parallel`` gets this rank's
+   :class:`~fsdp_cli.parallel.context_parallel.ContextParallel`: it holds no parameters);
 2. activation checkpointing — wraps whole blocks, so it must see them before compile;
 3. ``torch.compile`` per block — compiles what will run, checkpoint wrapper included;
 4. ``fully_shard`` per unit, then the root — last, over whatever modules the steps above left.
@@ -77,6 +79,7 @@ class ParallelizeReport:
     """What parallelize did, for the one-time setup printout."""
 
     tp_modules: int = 0
+    cp_modules: int = 0
     ac_blocks: int = 0
     compiled_blocks: int = 0
     float8_linears: int = 0
@@ -102,10 +105,7 @@ def parallelize(
     # Units are chosen before any wrapper is inserted, from the model as the user wrote it.
     units, blocks = _units_and_blocks(model, options.wrap, called_directly=called_directly)
 
-    if dims.tp_enabled:
-        plan = tp_plan_of(model, dims, options, instead="pass strategy.parallelize_fn")
-        apply_tp(model, dims.tp_mesh, plan)
-        report.tp_modules = len(plan)
+    _split_layers_and_sequences(model, dims, options, report)
 
     if options.float8:
         # Before checkpointing and compile, which must see (and compile) the float8 layers.
@@ -142,6 +142,36 @@ def _units_and_blocks(
     block_classes = repeated_block_classes(model)
     blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
     return units, blocks
+
+
+def _split_layers_and_sequences(
+    model: nn.Module, dims: ParallelDims, options: ParallelizeOptions, report: ParallelizeReport
+) -> None:
+    """Tensor parallel (the model's plan, or the options'), and context parallel."""
+    if dims.tp_enabled:
+        plan = tp_plan_of(model, dims, options, instead="pass strategy.parallelize_fn")
+        apply_tp(model, dims.tp_mesh, plan)
+        report.tp_modules = len(plan)
+    if dims.cp_enabled:
+        report.cp_modules = apply_cp(model, dims)
+
+
+def apply_cp(model: nn.Module, dims: ParallelDims) -> int:
+    """Context parallel: this rank's :class:`ContextParallel` on every module of ``model`` that
+    declares ``context_parallel`` (how many); one line when none does (checked before launch for
+    the model kinds fsdp-train knows)."""
+    from fsdp_cli.parallel.context_parallel import ContextParallel, install
+
+    count = install(model, ContextParallel.of_mesh(dims.cp_mesh))
+    if count == 0:
+        raise ConfigError(
+            "cp",
+            dims.cp,
+            f"{type(model).__name__} has no module that declares context_parallel: its attention cannot be reached",
+            allowed="cp=1 for this model",
+            hint="see docs/context-parallel.md for the hook a model declares",
+        )
+    return count
 
 
 def _apply_float8(model: nn.Module, device_type: str, report: ParallelizeReport) -> None:

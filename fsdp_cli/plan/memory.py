@@ -159,7 +159,9 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
         raise ConfigError(
             "pp", run.cfg.pp, f"strategy={run.entry.name} has no pipeline plan", allowed="strategy=fsdp2"
         )
-    acts = spec.activations(data.seq_len, dtypes.compute)
+    # Context parallel: each rank holds seq_len / cp tokens of every sequence (the all-to-all's
+    # whole-sequence q, k, v of heads / cp are as many bytes).
+    acts = spec.activations(data.seq_len // layout.cp, dtypes.compute)
     mode, every, sp = (
         placement.activation_checkpointing,
         placement.ac_every_n_blocks,
@@ -195,6 +197,7 @@ def _layout_sizes(run: ResolvedRun, placement: Placement) -> dict[str, int]:
         **({"pp": run.cfg.pp} if placement.pipeline else {}),
         "replicate": layout.replicate,
         "shard": layout.shard,
+        **({"cp": layout.cp} if layout.cp > 1 else {}),
         "tp": layout.tp,
         "world": layout.world_size,
     }
@@ -306,7 +309,8 @@ def _fsdp2_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement
     ranks = []
     for rank in range(layout.world_size):
         pp_rank, local = divmod(rank, stage_world)  # pp is the mesh's outermost dimension
-        coordinate = ((local // layout.tp) % layout.shard, local % layout.tp)
+        # (FSDP2 shards over shard x cp: the mesh's (replicate, shard, cp, tp) order)
+        coordinate = ((local // layout.tp) % (layout.shard * layout.cp), local % layout.tp)
         ranks.append(dataclasses.replace(pipeline_ranks[pp_rank](coordinate), rank=rank))
     return Placement(
         ranks,
@@ -343,7 +347,7 @@ def _fsdp2_pipeline_rank(
 
     def memory(coordinate: tuple[int, int]) -> RankMemory:
         if coordinate not in cache:
-            mem = _fsdp2_rank(shapes, layout.shard, layout.tp, coordinate)
+            mem = _fsdp2_rank(shapes, layout.shard * layout.cp, layout.tp, coordinate)
             cache[coordinate] = dataclasses.replace(mem, buffers=buffers, stages=stages)
         return cache[coordinate]
 

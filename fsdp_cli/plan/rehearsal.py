@@ -162,12 +162,12 @@ def mesh_coordinates(built: BuiltRank) -> dict[str, int]:
     mesh = getattr(built.strategy, "run_mesh", None)
     if mesh is None:  # DDP: one data-parallel dimension
         return {"data_parallel": built.world.rank}
-    from fsdp_cli.parallel.dims import PP
+    from fsdp_cli.parallel.dims import CP, PP
 
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     coordinates = zip(names, mesh.get_coordinate() or (), mesh.shape, strict=False)
-    # The pipeline dimension is named only where there is a pipeline.
-    return {name: at for name, at, size in coordinates if name != PP or size > 1}
+    # The pipeline and context-parallel dimensions are named only where they split something.
+    return {name: at for name, at, size in coordinates if name not in (PP, CP) or size > 1}
 
 
 def fsdp_units(built: BuiltRank) -> list[str]:

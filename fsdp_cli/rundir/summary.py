@@ -35,9 +35,10 @@ class RunSummary:
     strategy: str | None = None
     accelerator: str | None = None
     world_size: int | None = None
-    pp: int | None = None
     dp: int | None = None
     tp: int | None = None
+    cp: int | None = None
+    """Context-parallel size (only when above 1)."""
     pp: int | None = None
     """Pipeline-parallel size (only when above 1)."""
     precision: str | None = None

@@ -98,6 +98,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             A plain model cut by its block list has its forward traced on meta first
             (:mod:`fsdp_cli.pipeline.cut_check`), on the LightningModule's ``example_input_array``
             when that is a tensor, else a row of token ids.
+        context_parallel_size: ranks that split each sequence (cp; the world is pp x data x cp x
+            tensor parallel): every module of the LightningModule that declares a class attribute
+            ``context_parallel`` gets this rank's
+            :class:`~fsdp_cli.parallel.context_parallel.ContextParallel` (docs/context-parallel.md);
+            parameters are sharded over the data-parallel x cp ranks.
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
@@ -118,6 +123,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         dims: ParallelDims | None = None,
         pipeline_parallel_size: int = 1,
         pipeline: PipelineOptions | None = None,
+        context_parallel_size: int = 1,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -126,7 +132,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         overrides = _parallelize_overrides(kwargs, mp_policy)
         if dims is not None:  # (Lightning's ModelParallelStrategy keeps the two sizes too)
             data_parallel_size, tensor_parallel_size, replicate_size = dims.dp, dims.tp, dims.dp_replicate
-            pipeline_parallel_size = dims.pp
+            pipeline_parallel_size, context_parallel_size = dims.pp, dims.cp
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -141,6 +147,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.parallelize_fn = parallelize_fn
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
         self.pipeline_parallel_size = pipeline_parallel_size
+        self.context_parallel_size = context_parallel_size
         self.pipeline_options = pipeline or PipelineOptions()
         if pipeline_parallel_size > 1:  # a schedule torch lacks: one line now, not at setup
             stages_per_rank_of(self.pipeline_options, schedule_of(self.pipeline_options.schedule))
@@ -178,11 +185,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self.given_dims is not None:
             return self.given_dims.for_world(self.world_size)
         dp, tp, replicate = self.requested_sizes
-        pp = self.pipeline_parallel_size
+        pp, cp = self.pipeline_parallel_size, self.context_parallel_size
         if dp == "auto" and tp == "auto":
-            dp, tp = (None, 1) if pp > 1 else (self.num_nodes, self.num_processes)
+            dp, tp = (None, 1) if pp > 1 or cp > 1 else (self.num_nodes, self.num_processes)
         elif tp == "auto":
-            tp = self.world_size // (pp * int(dp))
+            tp = self.world_size // (pp * cp * int(dp))
         try:
             return ParallelDims.resolve(
                 world_size=self.world_size,
@@ -190,10 +197,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 tp=int(tp),
                 replicate=replicate,
                 pp=pp,
+                cp=cp,
                 names=LIBRARY_NAMES,
             )
         except ConfigError as err:
-            if err.key in (LIBRARY_NAMES.replicate, LIBRARY_NAMES.pp):
+            if err.key in (LIBRARY_NAMES.replicate, LIBRARY_NAMES.pp, LIBRARY_NAMES.cp):
                 raise
             # ModelParallelStrategy's error (a RuntimeError, its words), still one of our ConfigErrors.
             sentence = (
@@ -233,6 +241,10 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             self.parallelize_report = parallelize(
                 target, self.dims, self.options, called_directly=self._root_is_module
             )
+        if self.dims.cp_enabled:  # the LightningModule's steps split the batch (its model may be the target)
+            from fsdp_cli.parallel.context_parallel import ContextParallel, install
+
+            install(self.lightning_module, ContextParallel.of_mesh(self.dims.cp_mesh))
         self._parallelized = True
 
     def _parallelize_stages(self, target: nn.Module) -> None:

@@ -1,0 +1,157 @@
+"""Test driver (run under torchrun by tests/test_context_parallel.py): context parallel against one
+process, in float64, losses and gradients.
+
+Every rank trains the built-in Llama (grouped-query attention) in one process on the whole batch
+(the reference), then the same model with the library's code: the mesh of
+:class:`~fsdp_cli.parallel.dims.ParallelDims`, :func:`~fsdp_cli.parallel.parallelize.parallelize`
+(tensor parallel, FSDP2 over data-parallel x cp ranks, context parallel installed) and the batch
+split by :class:`~fsdp_cli.parallel.context_parallel.ContextParallel`. Prints one JSON line per
+way of splitting, unpacked and packed: ``right`` (the library's), ``local_positions`` (each slice's rotary positions
+from 0) and ``shift_per_slice`` (labels shifted inside each slice): the largest relative
+difference of the per-step losses and of the whole gradients against the reference.
+
+    torchrun --nproc-per-node 4 tests/context_parallel_check.py --cp 2 --dp 2 --tp 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fsdp_cli.models.args import LlamaArgs
+from fsdp_cli.models.llama import Llama
+from fsdp_cli.parallel.context_parallel import ContextParallel
+from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
+
+VOCAB, SEQ, ROWS = 64, 16, 4
+ARGS = LlamaArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def batches(steps: int, packed: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(token ids [ROWS, SEQ + 1], packed positions [ROWS, SEQ] or None) per step."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=gen)
+        positions = None
+        if packed:  # documents of random lengths, positions restarting at each
+            rows = []
+            for _ in range(ROWS):
+                cuts = sorted(torch.randperm(SEQ - 1, generator=gen)[:2].add(1).tolist())
+                lengths = [a - b for a, b in zip([*cuts, SEQ], [0, *cuts], strict=True)]
+                rows.append(torch.cat([torch.arange(n) for n in lengths]))
+            positions = torch.stack(rows)
+        out.append((ids, positions))
+    return out
+
+
+def loss_of(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
+):
+    logits = model(inputs) if positions is None else model(inputs, position_ids=positions)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def reference(steps: list, lr: float) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    model = Llama(ARGS, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for ids, positions in steps:
+        loss = loss_of(model, ids[:, :-1], ids[:, 1:], positions)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads
+
+
+def slices(cp: ContextParallel, ids: torch.Tensor, positions: torch.Tensor | None, way: str):
+    """This rank's (inputs, targets, positions or None) of its rows of the batch."""
+    if way == "shift_per_slice":  # the trap: split the ids, then shift inside the slice
+        piece = cp.split(ids[:, :-1])
+        inputs, targets = piece[:, :-1], piece[:, 1:]
+        local = None if positions is None else cp.split(positions)[:, :-1]
+        return inputs, targets, local
+    inputs, targets, global_positions = cp.split_batch(ids)
+    if positions is not None:
+        return inputs, targets, cp.split(positions)
+    if way == "local_positions":  # the trap: each slice's positions from 0
+        return inputs, targets, global_positions - global_positions[:, :1]
+    return inputs, targets, None
+
+
+def distributed(steps: list, lr: float, dims: ParallelDims, way: str):
+    torch.manual_seed(0)
+    dims.build_mesh("cpu")
+    model = Llama(ARGS, seed=0)
+    parallelize(model, dims, ParallelizeOptions())
+    cp = ContextParallel.of_mesh(dims.cp_mesh)
+    dp_mesh = dims.data_parallel_mesh
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for ids, positions in steps:
+        rows = ROWS // dp
+        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        inputs, targets, local = slices(cp, ids[mine], None if positions is None else positions[mine], way)
+        if way == "shift_per_slice" and positions is None:
+            local = None
+        loss = loss_of(model, inputs, targets, local)
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+        grads.append({n: _whole(p.grad) for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def gap(mine: list[float], theirs: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(mine, theirs, strict=True))
+
+
+def grad_gap(mine: list[dict], theirs: list[dict]) -> float:
+    worst = 0.0
+    for step_mine, step_theirs in zip(mine, theirs, strict=True):
+        for name, ref in step_theirs.items():
+            got = step_mine[name]
+            worst = max(worst, ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item())
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ways", default="right,local_positions,shift_per_slice")
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo")
+    for packed in (False, True):
+        steps, lr = batches(args.steps, packed), 0.5
+        ref_losses, ref_grads = reference(steps, lr)
+        for way in args.ways.split(","):
+            dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, cp=args.cp)
+            losses, grads = distributed(steps, lr, dims, way)
+            if dist.get_rank() == 0:
+                row = {"way": way, "packed": packed, "loss_rel": gap(losses, ref_losses)}
+                row["grad_rel"] = grad_gap(grads, ref_grads)
+                print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

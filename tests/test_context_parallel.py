@@ -1,0 +1,235 @@
+"""Context parallel (``cp``): the sequence of every micro-batch split over cp ranks, attention
+exchanged all-to-all over heads (fsdp_cli/parallel/context_parallel.py).
+
+The library's layouts in float64 against one process, losses and gradients, with the two traps
+measured (tests/context_parallel_check.py); fsdp-train's runs (the module's batch split, the
+token-weighted chat loss, checkpoints that do not depend on cp) against one process; the layouts
+that cannot run, refused before launch in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_ok, cli_in_process, losses, read_metrics, run, run_cli
+from harness import REPO
+from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
+
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+CHECK = REPO / "tests" / "context_parallel_check.py"
+
+
+def check(nproc: int, *args: str) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(CHECK), *args]
+    result = run(cmd, timeout=300, cwd=REPO, env=CPU)
+    assert result.returncode == 0, result
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "layout", "ways"),
+    [
+        (2, ["--cp=2"], "right,local_positions,shift_per_slice"),
+        (4, ["--cp=2", "--dp=2"], "right"),
+        (4, ["--cp=2", "--tp=2"], "right"),
+    ],
+    ids=["cp2", "cp2xdp2", "cp2xtp2"],
+)
+def test_context_parallel_equals_one_process_in_float64(nproc: int, layout: list[str], ways: str) -> None:
+    """3 SGD steps of the built-in Llama (grouped-query attention: 2 key/value heads for 4 query
+    heads), unpacked and packed: losses and whole gradients equal one process's (1e-10); each
+    slice's positions counted from 0, or labels shifted inside each slice, move the gradients
+    (by far more than 1e-3): the test sees either trap."""
+    rows = check(nproc, *layout, f"--ways={ways}")
+    assert {(r["way"], r["packed"]) for r in rows} == {
+        (w, p) for w in ways.split(",") for p in (False, True)
+    }, rows
+    for row in rows:
+        if row["way"] == "right":
+            assert row["loss_rel"] < 1e-12 and row["grad_rel"] < 1e-10, row
+        elif row["way"] == "shift_per_slice" or not row["packed"]:  # (packing sets the positions)
+            assert row["grad_rel"] > 1e-3, row
+
+
+# --------------------------------------------------------------------------- fsdp-train
+
+
+COMMON = [
+    "data.global_batch_size=8",
+    "trainer.max_steps=4",
+    "accelerator=cpu",
+    "seed=5",
+    # Logs each step's gradient norm and clips nothing: AdamW's losses hide a gradient scaled by a
+    # constant (a cp factor lost), the norms do not.
+    "trainer.gradient_clip_val=1000000",
+]
+TINY = ["model=tiny", "model.vocab_size=64"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("context-parallel")
+    model = save_hf_llama(root / "model")
+    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
+        shutil.copy(file, model / file.name)
+    chats_file = write_chats(root / "train.jsonl", chats(40, seed=1))
+    return {"hf": str(model), "chats": str(chats_file), "root": str(root)}
+
+
+def _chat(files: dict[str, str], *, packing: bool) -> list[str]:
+    return [
+        "data=chat",
+        f"data.path={files['chats']}",
+        f"data.tokenizer={files['hf']}",
+        f"data.packing={packing}",
+        "data.seq_len=48",
+    ]
+
+
+def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (the cp run's overrides, its one-process reference's)."""
+    lora_chat = [*TINY, *_chat(files, packing=True), "peft=lora", "peft.r=4", "precision=32-true"]
+    bf16 = [*TINY, "data.seq_len=32", "precision=bf16-mixed", "strategy.float8=true"]
+    hf = ["model=hf", f"model.path={files['hf']}", *_chat(files, packing=False), "precision=32-true"]
+    save = ["checkpoint=full", "checkpoint.every_n_steps=2"]
+    return {
+        "hsdp": (
+            [
+                *lora_chat,
+                "devices=4",
+                "cp=2",
+                "strategy.replicate_size=2",
+                "strategy.activation_checkpointing=full",
+                *save,
+            ],
+            [*lora_chat, "devices=1"],
+        ),
+        "bf16": (
+            [*bf16, "devices=2", "cp=2", "strategy.compile=true", "strategy.cpu_offload=true"],
+            [*bf16, "devices=1"],
+        ),
+        "hf": ([*hf, "devices=2", "cp=2"], [*hf, "devices=1"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def cp_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each cp run and its one-process reference; ``hsdp_resumed``: the hsdp run's step-2 full
+    file continued at cp=1 on 2 ranks."""
+    root = tmp_path_factory.mktemp("cp-runs")
+    out: dict[str, Path] = {}
+    for name, (cp_args, reference) in _runs(files).items():
+        for label, args in ((name, cp_args), (f"{name}_one", reference)):
+            run_dir = root / label
+            assert_ok(run_cli([*COMMON, *args], run_dir, env=CPU), run_dir)
+            out[label] = run_dir
+    cp_args, _ = _runs(files)["hsdp"]
+    plain = [a for a in cp_args if a not in ("devices=4", "cp=2", "strategy.replicate_size=2")]
+    checkpoint = out["hsdp"] / "checkpoints" / "step_00000002.pt"
+    resumed = root / "hsdp_resumed"
+    assert_ok(run_cli([*COMMON, *plain, "devices=2", f"resume={checkpoint}"], resumed, env=CPU), resumed)
+    out["hsdp_resumed"] = resumed
+    return out
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) >= 2, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _norms(run_dir: Path) -> list[float]:
+    return [row["grad_norm"] for row in read_metrics(run_dir)]
+
+
+@pytest.mark.distributed
+def test_cp_with_hsdp_lora_and_packed_chat_equals_one_process(cp_runs: dict[str, Path]) -> None:
+    """cp=2 x HSDP (2 replicas) on 4 ranks, the built-in model with LoRA on packed chat data
+    (documents' positions and masks across the slices, the loss the mean over the global batch's
+    supervised tokens), activation checkpointing and a full save, fp32: one process's losses."""
+    assert _gap(losses(cp_runs["hsdp"]), losses(cp_runs["hsdp_one"])) < 1e-5
+    assert _gap(_norms(cp_runs["hsdp"]), _norms(cp_runs["hsdp_one"])) < 1e-5
+
+
+@pytest.mark.distributed
+def test_a_cp_checkpoint_resumes_at_cp1(cp_runs: dict[str, Path]) -> None:
+    """Checkpoints do not depend on cp: the cp=2 run's step-2 save continued at cp=1 (plain
+    FSDP2, 2 ranks) gives the one-process run's later losses."""
+    assert _gap(losses(cp_runs["hsdp_resumed"]), losses(cp_runs["hsdp_one"])[2:]) < 1e-5
+    assert _gap(_norms(cp_runs["hsdp_resumed"]), _norms(cp_runs["hsdp_one"])[2:]) < 1e-5
+
+
+@pytest.mark.distributed
+def test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process(cp_runs: dict[str, Path]) -> None:
+    """cp=2 in bf16-mixed with float8, compiled blocks and CPU offload: one eager bf16 float8
+    process's losses within bf16's tolerance."""
+    assert _gap(losses(cp_runs["bf16"]), losses(cp_runs["bf16_one"])) < 0.02
+    assert _gap(_norms(cp_runs["bf16"]), _norms(cp_runs["bf16_one"])) < 0.05
+
+
+@pytest.mark.distributed
+def test_cp_on_a_hugging_face_llama_equals_one_process(cp_runs: dict[str, Path]) -> None:
+    """model=hf (transformers' LlamaForCausalLM; attention through transformers' attention
+    registry, global rotary positions) at cp=2 on padded chat data, fp32: one process's losses."""
+    assert _gap(losses(cp_runs["hf"]), losses(cp_runs["hf_one"])) < 1e-5
+    assert _gap(_norms(cp_runs["hf"]), _norms(cp_runs["hf_one"])) < 1e-5
+
+
+# --------------------------------------------------------------------------- sizes and the plan
+
+
+def test_cp_is_a_dimension_of_the_mesh_between_shard_and_tp() -> None:
+    from fsdp_cli.errors import ConfigError
+    from fsdp_cli.parallel.dims import CP, DP_REPLICATE, DP_SHARD, PP, TP, ParallelDims
+
+    dims = ParallelDims.resolve(world_size=8, cp=2, tp=2)
+    assert (dims.dp, dims.cp, dims.tp, dims.world_size) == (2, 2, 2, 8)
+    assert list(dims.sizes()) == [PP, DP_REPLICATE, DP_SHARD, CP, TP]
+    assert dims.fsdp_enabled  # sharded over dp x cp
+    assert ParallelDims.resolve(world_size=2, cp=2).fsdp_enabled  # (over the cp ranks alone)
+    with pytest.raises(ConfigError, match=r"^cp=3: must divide the world size 8"):
+        ParallelDims.resolve(world_size=8, cp=3)
+
+
+def test_the_plan_holds_a_cp_slice_of_each_sequence_and_shards_over_dp_x_cp() -> None:
+    """4 ranks at dp=4, then at dp=2 x cp=2: the same parameter shard (a quarter), half the
+    activations (each rank holds half of every sequence, of twice the sequences)."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan.check import plan_for
+
+    base = ["model=tiny", "data.seq_len=256", "data.global_batch_size=8", "data.micro_batch_size=2"]
+    plans = [plan_for(resolved([*base, f"cp={cp}"], 4)) for cp in (1, 2)]
+    one, two = (p.ranks[0] for p in plans if p is not None)
+    assert two.params == one.params and 0.45 < two.activations / one.activations < 0.55
+
+
+# --------------------------------------------------------------------------- refused before launch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["devices=2", "cp=2", "strategy=ddp"], "cp"),
+        (["devices=2", "cp=2", "strategy=fsdp"], "cp"),
+        (["devices=4", "cp=3"], "cp"),
+        (["devices=2", "cp=2", "data.seq_len=33"], "data.seq_len"),
+        (["devices=4", "cp=2", "tp=2", "model.n_heads=2", "model.n_kv_heads=2", "model.dim=32"], "cp"),
+        (["devices=4", "cp=2", "pp=2"], "pp"),
+        (
+            ["devices=2", "cp=2", "model=custom", "model._target_=tests.assets.custom_models.TinyLM"],
+            "cp",
+        ),
+    ],
+    ids=["ddp", "fsdp1", "world", "seq_len", "heads", "pp", "plain-module"],
+)
+def test_a_cp_layout_that_cannot_run_is_one_line_before_launch(
+    overrides: list[str], words: str, tmp_path: Path
+) -> None:
+    result = cli_in_process(["accelerator=cpu", *overrides], tmp_path / "run", env=CPU)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, (overrides, result.stderr)
+    assert words in lines[0], lines[0]
