@@ -124,11 +124,12 @@ class DistributedCheckpointing:
         mesh = self.run_mesh
         if mesh is None or not mesh.mesh_dim_names:
             return {"data_parallel": int(self.world_size)}
-        from fsdp_cli.parallel.dims import PP
+        from fsdp_cli.parallel.dims import CP, PP
 
         sizes = zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True)
-        # The pipeline dimension is named only where there is a pipeline (as before pp existed).
-        return {name: int(size) for name, size in sizes if name != PP or size > 1}
+        # The pipeline and context-parallel dimensions are named only where they split something
+        # (as before pp and cp existed).
+        return {name: int(size) for name, size in sizes if name not in (PP, CP) or size > 1}
 
     @property
     def checkpoint_io(self) -> Any:
