@@ -165,18 +165,26 @@ def _refuse_processes(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
 # taking a whole file at a time, in the order collected. A run's start is mostly one process
 # importing torch and Lightning, single-threaded, so with one worker per core both cores stay busy.
 # The files that take longest go first, so that the last ones to finish are short: measured
-# worker time on 2 cores, 2 workers (s): checkpoints 319, precision 204, docs 193 (one test
-# 180), callbacks 138, fsdp1 123, faults 116, fsdp2 105, sweeps 95, clusters 84.
+# worker time on 2 cores, 2 workers (s, 2026-12-06): checkpoints 329, pipeline 322, lora 282,
+# docs 198, composition 174, precision 151, faults 143, callbacks 132, lightning_conformance 130,
+# fsdp1 112, own_loaders 110, loader_workers 107, fsdp2 95, rehearsal 87, sweeps 75, clusters 74.
 LONGEST_FIRST = (
     "test_checkpoints.py",
+    "test_pipeline.py",
+    "test_lora.py",
     "test_docs.py",
+    "test_composition.py",
     "test_precision.py",
-    "test_callbacks_loggers_epochs.py",
-    "test_fsdp1.py",
     "test_faults.py",
-    "test_fsdp2.py",
-    "test_sweeps.py",
+    "test_callbacks_loggers_epochs.py",
+    "test_lightning_conformance.py",
+    "test_context_parallel.py",
+    "test_fsdp1.py",
+    "test_own_loaders.py",
     "test_loader_workers.py",
+    "test_fsdp2.py",
+    "test_rehearsal.py",
+    "test_sweeps.py",
     "test_clusters.py",
 )
 MAX_WORKERS = 4

@@ -43,13 +43,10 @@ def wait_for_listener(port: int, proc: Any, timeout: float = 120) -> None:
 TWO_NODES = {
     "fsdp2": (["devices=1"], {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 1}),
     # FSDP1's hybrid strategies with their default size: shard within each node (2 processes),
-    # replicate across the nodes. (One process per node is refused: test_validation.py.)
+    # replicate across the nodes. (One process per node is refused: test_validation.py.) The
+    # ZeRO-2 hybrid takes the same groups (its one-node run: test_fsdp1.py).
     "fsdp_hybrid_shard": (
         ["devices=2", "strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD"],
-        {"replicate": 2, "shard": 2},
-    ),
-    "fsdp_hybrid_shard_zero2": (
-        ["devices=2", "strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD_ZERO2"],
         {"replicate": 2, "shard": 2},
     ),
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_ok, cli_in_process, losses, run_cli
+from conftest import assert_ok, cli_in_process, losses, read_metrics, run_cli
 from harness import REPO
 from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
 
@@ -133,6 +133,9 @@ def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
         "peft=lora",
         "peft.r=4",
         "precision=32-true",
+        # Each step's gradient norm logged, nothing clipped: AdamW's losses hide a gradient
+        # scaled by a constant, the norms do not.
+        "trainer.gradient_clip_val=1000000",
     ]
     tiny = ["model=tiny", "model.vocab_size=64", "precision=bf16-mixed"]
     fp32 = ["model=tiny", "model.vocab_size=64", "precision=32-true"]
@@ -148,7 +151,7 @@ def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
     ac_offload = ["strategy.activation_checkpointing=full", "strategy.cpu_offload=true"]
     return {
         "hf": (
-            [*hf_lora, "devices=4", "strategy.replicate_size=2", *ac_offload, *SAVE],
+            [*hf_lora, "devices=4", "strategy.replicate_size=2", "cp=2", *ac_offload, *SAVE],
             [*hf_lora, "strategy=ddp", "devices=1"],
         ),
         "pipeline": (
@@ -200,6 +203,7 @@ def composed_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactor
         not in (
             "devices=4",
             "strategy.replicate_size=2",
+            "cp=2",
             "strategy.cpu_offload=true",
         )
     ]
@@ -217,17 +221,26 @@ def _gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+def _norms(run_dir: Path) -> list[float]:
+    return [row["grad_norm"] for row in read_metrics(run_dir)]
+
+
 @pytest.mark.distributed
 def test_a_composed_hf_run_on_hsdp_equals_one_process(composed_runs: dict[str, Any]) -> None:
-    """model=hf, HSDP (2 x 2 ranks), LoRA, packed chat data, activation checkpointing, CPU offload
-    and a full save, in fp32: the losses of one process (LoRA on packed chat)."""
+    """model=hf, HSDP (2 replicas) x context parallel (cp=2) on 4 ranks, LoRA, packed chat data
+    (documents' positions and masks across the cp slices), activation checkpointing, CPU offload
+    and a full save, in fp32: the losses and gradient norms of one process (LoRA on packed chat)."""
     assert _gap(losses(composed_runs["hf"]), losses(composed_runs["hf_one"])) < 1e-5
+    assert _gap(_norms(composed_runs["hf"]), _norms(composed_runs["hf_one"])) < 1e-5
 
 
 @pytest.mark.distributed
 def test_the_composed_hf_run_resumes_at_another_layout(composed_runs: dict[str, Any]) -> None:
+    """The step-2 save of the hf run (HSDP x cp=2) continued at plain FSDP2, cp=1, on 2 ranks:
+    checkpoints do not depend on the layout."""
     one = losses(composed_runs["hf_one"])
     assert _gap(losses(composed_runs["hf_resumed"]), one[2:]) < 1e-5
+    assert _gap(_norms(composed_runs["hf_resumed"]), _norms(composed_runs["hf_one"])[2:]) < 1e-5
 
 
 @pytest.mark.distributed

@@ -3,7 +3,8 @@ exchanged all-to-all over heads (fsdp_cli/parallel/context_parallel.py).
 
 The library's layouts in float64 against one process, losses and gradients, with the two traps
 measured (tests/context_parallel_check.py); fsdp-train's runs (the module's batch split, the
-token-weighted chat loss, checkpoints that do not depend on cp) against one process; the layouts
+token-weighted chat loss) against one process (cp x HSDP, LoRA, packed chat data and a resume at
+cp=1: tests/test_composition.py's composed hf run); the layouts
 that cannot run, refused before launch in one line."""
 
 from __future__ import annotations
@@ -92,23 +93,11 @@ def _chat(files: dict[str, str], *, packing: bool) -> list[str]:
 
 
 def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
-    """name -> (the cp run's overrides, its one-process reference's)."""
-    lora_chat = [*TINY, *_chat(files, packing=True), "peft=lora", "peft.r=4", "precision=32-true"]
+    """name -> (the cp run's overrides, its one-process reference's). (cp x HSDP with LoRA on
+    packed chat data, resumed at cp=1: tests/test_composition.py's composed hf run.)"""
     bf16 = [*TINY, "data.seq_len=32", "precision=bf16-mixed", "strategy.float8=true"]
     hf = ["model=hf", f"model.path={files['hf']}", *_chat(files, packing=False), "precision=32-true"]
-    save = ["checkpoint=full", "checkpoint.every_n_steps=2"]
     return {
-        "hsdp": (
-            [
-                *lora_chat,
-                "devices=4",
-                "cp=2",
-                "strategy.replicate_size=2",
-                "strategy.activation_checkpointing=full",
-                *save,
-            ],
-            [*lora_chat, "devices=1"],
-        ),
         "bf16": (
             [*bf16, "devices=2", "cp=2", "strategy.compile=true", "strategy.cpu_offload=true"],
             [*bf16, "devices=1"],
@@ -119,8 +108,7 @@ def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
 
 @pytest.fixture(scope="module")
 def cp_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each cp run and its one-process reference; ``hsdp_resumed``: the hsdp run's step-2 full
-    file continued at cp=1 on 2 ranks."""
+    """Each cp run and its one-process reference."""
     root = tmp_path_factory.mktemp("cp-runs")
     out: dict[str, Path] = {}
     for name, (cp_args, reference) in _runs(files).items():
@@ -128,12 +116,6 @@ def cp_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
             run_dir = root / label
             assert_ok(run_cli([*COMMON, *args], run_dir, env=CPU), run_dir)
             out[label] = run_dir
-    cp_args, _ = _runs(files)["hsdp"]
-    plain = [a for a in cp_args if a not in ("devices=4", "cp=2", "strategy.replicate_size=2")]
-    checkpoint = out["hsdp"] / "checkpoints" / "step_00000002.pt"
-    resumed = root / "hsdp_resumed"
-    assert_ok(run_cli([*COMMON, *plain, "devices=2", f"resume={checkpoint}"], resumed, env=CPU), resumed)
-    out["hsdp_resumed"] = resumed
     return out
 
 
@@ -147,23 +129,6 @@ def _norms(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_cp_with_hsdp_lora_and_packed_chat_equals_one_process(cp_runs: dict[str, Path]) -> None:
-    """cp=2 x HSDP (2 replicas) on 4 ranks, the built-in model with LoRA on packed chat data
-    (documents' positions and masks across the slices, the loss the mean over the global batch's
-    supervised tokens), activation checkpointing and a full save, fp32: one process's losses."""
-    assert _gap(losses(cp_runs["hsdp"]), losses(cp_runs["hsdp_one"])) < 1e-5
-    assert _gap(_norms(cp_runs["hsdp"]), _norms(cp_runs["hsdp_one"])) < 1e-5
-
-
-@pytest.mark.distributed
-def test_a_cp_checkpoint_resumes_at_cp1(cp_runs: dict[str, Path]) -> None:
-    """Checkpoints do not depend on cp: the cp=2 run's step-2 save continued at cp=1 (plain
-    FSDP2, 2 ranks) gives the one-process run's later losses."""
-    assert _gap(losses(cp_runs["hsdp_resumed"]), losses(cp_runs["hsdp_one"])[2:]) < 1e-5
-    assert _gap(_norms(cp_runs["hsdp_resumed"]), _norms(cp_runs["hsdp_one"])[2:]) < 1e-5
-
-
-@pytest.mark.distributed
 def test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process(cp_runs: dict[str, Path]) -> None:
     """cp=2 in bf16-mixed with float8, compiled blocks and CPU offload: one eager bf16 float8
     process's losses within bf16's tolerance."""
@@ -174,7 +139,8 @@ def test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process(cp_runs: 
 @pytest.mark.distributed
 def test_cp_on_a_hugging_face_llama_equals_one_process(cp_runs: dict[str, Path]) -> None:
     """model=hf (transformers' LlamaForCausalLM; attention through transformers' attention
-    registry, global rotary positions) at cp=2 on padded chat data, fp32: one process's losses."""
+    registry, global rotary positions) at cp=2 on padded chat data (the loss the mean over the
+    global batch's supervised tokens), fp32: one process's losses and gradient norms."""
     assert _gap(losses(cp_runs["hf"]), losses(cp_runs["hf_one"])) < 1e-5
     assert _gap(_norms(cp_runs["hf"]), _norms(cp_runs["hf_one"])) < 1e-5
 

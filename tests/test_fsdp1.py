@@ -49,7 +49,6 @@ SHARDING = {
     ],
     # The default size (shard within the node, replicate across nodes): one node is one shard group,
     # still a 2-D mesh (FSDP1's hybrid strategies refuse a 1-D one). Two nodes: tests/test_clusters.py.
-    "hybrid_shard_one_node": [*FSDP1, "strategy.sharding_strategy=HYBRID_SHARD"],
     # Also wraps by size and checkpoints every block.
     "hybrid_shard_zero2_one_node": [
         *FSDP1,

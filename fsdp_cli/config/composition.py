@@ -249,14 +249,13 @@ def _test(name: str, note: str = "") -> Trained:
 
 
 # The composed runs of tests/test_composition.py (each equal to one process with the same settings).
-_A = "hf,hsdp,lora,chat,packing,ac,offload,full_ckpt"
+_A = "hf,hsdp,cp,lora,chat,packing,ac,offload,full_ckpt"
 _ALL_A = [*_A.split(","), "fsdp2"]
 _F = "builtin,pp,chat,packing,bf16,float8,ac,compile,offload,full_ckpt"
 _T = "builtin,tp,chat,packing,offload,full_ckpt"
 
 
 _M = "module,lora,chat,ac,compile,float8,bf16,offload,full_ckpt"
-_CP_HSDP = "fsdp2,builtin,cp,hsdp,lora,chat,packing,ac,full_ckpt".split(",")
 COMPOSED = {
     "test_composition.py::test_a_composed_hf_run_on_hsdp_equals_one_process": ["fsdp2", *_A.split(",")],
     "test_composition.py::test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process": [
@@ -269,8 +268,6 @@ COMPOSED = {
     ],
     "test_composition.py::test_a_composed_plain_module_run_equals_one_process": ["fsdp2", *_M.split(",")],
     "test_composition.py::test_the_composed_hf_run_resumes_at_another_layout": ["resume_layout", *_ALL_A],
-    "test_context_parallel.py::test_cp_with_hsdp_lora_and_packed_chat_equals_one_process": _CP_HSDP,
-    "test_context_parallel.py::test_a_cp_checkpoint_resumes_at_cp1": ["resume_layout", *_CP_HSDP],
     "test_context_parallel.py::test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process": [
         *"fsdp2,builtin,cp,bf16,float8,compile,offload".split(",")
     ],
