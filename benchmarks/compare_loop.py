@@ -155,9 +155,15 @@ def run_fsdp_train(cell: Cell, args: argparse.Namespace, run_dir: Path, extra: t
 
 
 def run_hand_loop(
-    cell: Cell, args: argparse.Namespace, out: Path, precision: str, script: str = "hand_loop.py"
+    cell: Cell,
+    args: argparse.Namespace,
+    out: Path,
+    precision: str,
+    script: str = "hand_loop.py",
+    **more: object,
 ) -> dict:
-    """``script``: ``hand_loop.py`` (plain PyTorch) or ``lightning_loop.py`` (plain Lightning)."""
+    """``script``: ``hand_loop.py`` (plain PyTorch) or ``lightning_loop.py`` (plain Lightning);
+    ``more``: further ``KEY=VALUE`` options of the script (``cp=2``)."""
     size = SIZES[cell.size]
     env = side_env(args)
     # fsdp-train's launcher gives each CPU rank its share of the cores; so does this side.
@@ -184,6 +190,7 @@ def run_hand_loop(
         f"log_every={cell.log_every}",
         f"precision={precision}",
         *([f"parts={out.with_suffix('.parts.json')}"] if getattr(args, "parts", False) else []),
+        *(f"{key}={value}" for key, value in more.items()),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if result.returncode != 0 and not out.is_file():

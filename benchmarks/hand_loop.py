@@ -10,7 +10,10 @@ The same model, parallelization, data and sampler, AdamW, clipping at 1.0 and lo
 * ``strategy=ddp``: ``DistributedDataParallel`` (25 MB buckets, gradients as bucket views).
 
 Every ``log_every`` steps the loss is averaged over the ranks (one all-reduce) and read on the
-host, as fsdp-train's metrics do. Started by ``compare_loop.py`` through torchrun::
+host, as fsdp-train's metrics do. ``cp=N`` (``strategy=fsdp2``, N = the world size): context
+parallel, every rank on the same batch, each on its slice of the sequence through the model's
+own all-to-all attention (``compare_context_parallel.py``). Started by ``compare_loop.py``
+through torchrun::
 
     torchrun --standalone --nproc-per-node N benchmarks/hand_loop.py OUT.json KEY=VALUE...
 """
@@ -49,7 +52,8 @@ def build_model(opts: dict[str, str]) -> tuple[nn.Module, type[nn.Module], int]:
         from fsdp_cli.config.schema import LlamaConfig
         from fsdp_cli.models.llama import Llama, TransformerBlock
 
-        cfg = LlamaConfig(vocab_size=256, n_kv_heads=int(opts["n_kv_heads"]), max_seq_len=512, **dims)
+        seq = max(512, int(opts["seq_len"]))
+        cfg = LlamaConfig(vocab_size=256, n_kv_heads=int(opts["n_kv_heads"]), max_seq_len=seq, **dims)
         return Llama(cfg, seed=1234), TransformerBlock, 256
 
 
@@ -130,12 +134,19 @@ def main(out: str, opts: dict[str, str]) -> None:
     torch.manual_seed(1234)
     model, block_cls, vocab = build_model(opts)
     model = parallelize(model, block_cls, strategy, device, bf16)
+    context = None
+    if int(opts.get("cp", 1)) > 1:  # cp = the world: one batch, split along the sequence
+        from fsdp_cli.parallel.context_parallel import ContextParallel, install
+
+        context = ContextParallel(group=dist.group.WORLD, size=world, rank=rank)
+        install(model, context)
+    dp_rank, dp_size = (0, 1) if context else (rank, world)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and strategy == "ddp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     data = SyntheticTokens(vocab_size=vocab, seq_len=seq, seed=1234)
     sampler = iter(
         StepBatchSampler(
-            global_batch_size=batch, micro_batch_size=batch // world, dp_rank=rank, dp_size=world
+            global_batch_size=batch, micro_batch_size=batch // dp_size, dp_rank=dp_rank, dp_size=dp_size
         )
     )
     times: list[float] = []
@@ -146,9 +157,12 @@ def main(out: str, opts: dict[str, str]) -> None:
         parts.step_begins(step - 1)
         tokens = torch.stack([data[i] for i in next(sampler)]).to(device, non_blocking=True)
         parts.lap("data")
+        inputs, targets = (
+            (tokens[:, :-1], tokens[:, 1:]) if context is None else context.split_batch(tokens)[:2]
+        )
         with autocast:
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         parts.lap("forward_loss")
         loss.backward()
         parts.lap("backward")

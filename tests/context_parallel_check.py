@@ -1,22 +1,25 @@
 """Test driver (run under torchrun by tests/test_context_parallel.py): context parallel against one
-process, in float64, losses and gradients.
+process, losses and gradients: the built-in Llama in float64, a Hugging Face LlamaForCausalLM
+(built from its config, attention through transformers' registry) in float32.
 
-Every rank trains the built-in Llama (grouped-query attention) in one process on the whole batch
+Every rank trains the model (grouped-query attention) in one process on the whole batch
 (the reference), then the same model with the library's code: the mesh of
 :class:`~fsdp_cli.parallel.dims.ParallelDims`, :func:`~fsdp_cli.parallel.parallelize.parallelize`
 (tensor parallel, FSDP2 over data-parallel x cp ranks, context parallel installed) and the batch
 split by :class:`~fsdp_cli.parallel.context_parallel.ContextParallel`. Prints one JSON line per
-way of splitting, unpacked and packed: ``right`` (the library's), ``local_positions`` (each slice's rotary positions
+way of splitting, unpacked and packed: ``right``, ``sequence_parallel`` (the right way with
+tensor parallel's sequence parallel on) (the library's), ``local_positions`` (each slice's rotary positions
 from 0) and ``shift_per_slice`` (labels shifted inside each slice): the largest relative
 difference of the per-step losses and of the whole gradients against the reference.
 
-    torchrun --nproc-per-node 4 tests/context_parallel_check.py --cp 2 --dp 2 --tp 1
+    torchrun --nproc-per-node 4 tests/context_parallel_check.py --cp 2 --dp 2 --tp 1 --hf-folder DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,8 +60,27 @@ def loss_of(
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def reference(steps: list, lr: float) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    model = Llama(ARGS, seed=0)
+def llama() -> torch.nn.Module:
+    return Llama(ARGS, seed=0)
+
+
+def hf(folder: str) -> torch.nn.Module:
+    """On the meta device (:func:`materialized` fills it, sharded or not: the same values)."""
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+
+    return build_hf_model(HFModelArgs(path=folder, pretrained=False), seed=0)
+
+
+def materialized(model: torch.nn.Module) -> torch.nn.Module:
+    if next(model.parameters()).device.type == "meta":
+        model.to_empty(device="cpu")
+        model.init_weights()
+    return model
+
+
+def reference(make: Callable[[], torch.nn.Module], steps: list, lr: float):
+    model = materialized(make())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], []
     for ids, positions in steps:
@@ -86,11 +108,12 @@ def slices(cp: ContextParallel, ids: torch.Tensor, positions: torch.Tensor | Non
     return inputs, targets, None
 
 
-def distributed(steps: list, lr: float, dims: ParallelDims, way: str):
+def distributed(make: Callable[[], torch.nn.Module], steps: list, lr: float, dims: ParallelDims, way: str):
     torch.manual_seed(0)
     dims.build_mesh("cpu")
-    model = Llama(ARGS, seed=0)
-    parallelize(model, dims, ParallelizeOptions())
+    model = make()
+    parallelize(model, dims, ParallelizeOptions(sequence_parallel=way == "sequence_parallel"))
+    materialized(model)
     cp = ContextParallel.of_mesh(dims.cp_mesh)
     dp_mesh = dims.data_parallel_mesh
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
@@ -137,19 +160,24 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ways", default="right,local_positions,shift_per_slice")
+    parser.add_argument("--hf-folder", default=None, help="also the Hugging Face model (the right way)")
     args = parser.parse_args()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(torch.float64)  # (the HF model is built in float32 whatever the default)
     dist.init_process_group("gloo")
-    for packed in (False, True):
-        steps, lr = batches(args.steps, packed), 0.5
-        ref_losses, ref_grads = reference(steps, lr)
-        for way in args.ways.split(","):
-            dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, cp=args.cp)
-            losses, grads = distributed(steps, lr, dims, way)
-            if dist.get_rank() == 0:
-                row = {"way": way, "packed": packed, "loss_rel": gap(losses, ref_losses)}
-                row["grad_rel"] = grad_gap(grads, ref_grads)
-                print(json.dumps(row), flush=True)
+    models = {"llama": (llama, args.ways.split(","))}
+    if args.hf_folder:
+        models["hf"] = (lambda: hf(args.hf_folder), ["right"])
+    for name, (make, ways) in models.items():
+        for packed in (False, True):
+            steps, lr = batches(args.steps, packed), 0.5
+            ref_losses, ref_grads = reference(make, steps, lr)
+            for way in ways:
+                dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, cp=args.cp)
+                losses, grads = distributed(make, steps, lr, dims, way)
+                if dist.get_rank() == 0:
+                    row = {"model": name, "way": way, "packed": packed, "loss_rel": gap(losses, ref_losses)}
+                    row["grad_rel"] = grad_gap(grads, ref_grads)
+                    print(json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 

@@ -37,21 +37,29 @@ def check(nproc: int, *args: str) -> list[dict[str, Any]]:
     [
         (2, ["--cp=2"], "right,local_positions,shift_per_slice"),
         (4, ["--cp=2", "--dp=2"], "right"),
-        (4, ["--cp=2", "--tp=2"], "right"),
+        (4, ["--cp=2", "--tp=2"], "right,sequence_parallel"),
     ],
     ids=["cp2", "cp2xdp2", "cp2xtp2"],
 )
-def test_context_parallel_equals_one_process_in_float64(nproc: int, layout: list[str], ways: str) -> None:
-    """3 SGD steps of the built-in Llama (grouped-query attention: 2 key/value heads for 4 query
-    heads), unpacked and packed: losses and whole gradients equal one process's (1e-10); each
-    slice's positions counted from 0, or labels shifted inside each slice, move the gradients
-    (by far more than 1e-3): the test sees either trap."""
-    rows = check(nproc, *layout, f"--ways={ways}")
-    assert {(r["way"], r["packed"]) for r in rows} == {
-        (w, p) for w in ways.split(",") for p in (False, True)
+def test_context_parallel_equals_one_process_in_float64(
+    nproc: int, layout: list[str], ways: str, tmp_path: Path
+) -> None:
+    """3 SGD steps of the built-in Llama in float64 (grouped-query attention: 2 key/value heads
+    for 4 query heads), unpacked and packed: losses and whole gradients equal one process's
+    (1e-10); each slice's positions counted from 0, or labels shifted inside each slice, move the
+    gradients (by far more than 1e-3): the test sees either trap. The same for a Hugging Face
+    LlamaForCausalLM in float32 (1e-5; its attention through transformers' registry)."""
+    from test_pipeline import hf_folder
+
+    rows = check(nproc, *layout, f"--ways={ways}", f"--hf-folder={hf_folder(tmp_path)}")
+    expected = {("llama", w, p) for w in ways.split(",") for p in (False, True)}
+    assert {(r["model"], r["way"], r["packed"]) for r in rows} == expected | {
+        ("hf", "right", p) for p in (False, True)
     }, rows
     for row in rows:
-        if row["way"] == "right":
+        if row["model"] == "hf":
+            assert row["loss_rel"] < 1e-5 and row["grad_rel"] < 1e-5, row
+        elif row["way"] in ("right", "sequence_parallel"):
             assert row["loss_rel"] < 1e-12 and row["grad_rel"] < 1e-10, row
         elif row["way"] == "shift_per_slice" or not row["packed"]:  # (packing sets the positions)
             assert row["grad_rel"] > 1e-3, row
@@ -61,7 +69,6 @@ def test_context_parallel_equals_one_process_in_float64(nproc: int, layout: list
 
 
 COMMON = [
-    "data.global_batch_size=8",
     "trainer.max_steps=4",
     "accelerator=cpu",
     "seed=5",
@@ -70,6 +77,12 @@ COMMON = [
     "trainer.gradient_clip_val=1000000",
 ]
 TINY = ["model=tiny", "model.vocab_size=64"]
+LIGHTNING = [
+    "model=custom",
+    "model._target_=tests.assets.context_parallel_modules.ContextParallelLM",
+    "precision=32-true",
+]
+"""(Its own loader: no data.* key.)"""
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +108,22 @@ def _chat(files: dict[str, str], *, packing: bool) -> list[str]:
 def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (the cp run's overrides, its one-process reference's). (cp x HSDP with LoRA on
     packed chat data, resumed at cp=1: tests/test_composition.py's composed hf run.)"""
-    bf16 = [*TINY, "data.seq_len=32", "precision=bf16-mixed", "strategy.float8=true"]
+    bf16 = [
+        *TINY,
+        "data.seq_len=32",
+        "data.global_batch_size=8",
+        "precision=bf16-mixed",
+        "strategy.float8=true",
+    ]
     hf = ["model=hf", f"model.path={files['hf']}", *_chat(files, packing=False), "precision=32-true"]
+    hf.append("data.global_batch_size=8")
     return {
         "bf16": (
             [*bf16, "devices=2", "cp=2", "strategy.compile=true", "strategy.cpu_offload=true"],
             [*bf16, "devices=1"],
         ),
         "hf": ([*hf, "devices=2", "cp=2"], [*hf, "devices=1"]),
+        "lightning": ([*LIGHTNING, "devices=2", "cp=2"], [*LIGHTNING, "devices=1"]),
     }
 
 
@@ -145,6 +166,13 @@ def test_cp_on_a_hugging_face_llama_equals_one_process(cp_runs: dict[str, Path])
     assert _gap(_norms(cp_runs["hf"]), _norms(cp_runs["hf_one"])) < 1e-5
 
 
+@pytest.mark.distributed
+def test_a_lightning_module_with_the_hook_equals_one_process_at_cp2(cp_runs: dict[str, Path]) -> None:
+    """A user's LightningModule (its own loader, SGD) that declares ``context_parallel`` and
+    splits its batch with it, its model the built-in Llama: cp=2 gives one process's losses."""
+    assert _gap(losses(cp_runs["lightning"]), losses(cp_runs["lightning_one"])) < 1e-5
+
+
 # --------------------------------------------------------------------------- sizes and the plan
 
 
@@ -173,6 +201,22 @@ def test_the_plan_holds_a_cp_slice_of_each_sequence_and_shards_over_dp_x_cp() ->
     assert two.params == one.params and 0.45 < two.activations / one.activations < 0.55
 
 
+def test_the_long_context_recipe_fits_only_with_cp_and_the_search_finds_it() -> None:
+    """llama_8b_128k_cp (an 8B Llama, 131,072-token sequences, 8 GPUs of 80 GB): its plan fits
+    at cp=8; every layout ``--search`` finds fitting splits the sequence (cp > 1), none of tp, pp
+    or HSDP alone does. (Its rank 0 and rank 7 rehearsed at world size 8 hold the plan's bytes:
+    tests/test_recipes.py.)"""
+    common = ["recipe=llama_8b_128k_cp", "--device-memory", "80GB", "--json"]
+    plan = cli_in_process(common, prog="fsdp-plan")
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["fits"] is True
+    found = cli_in_process([*common, "--search"], prog="fsdp-plan")
+    rows = [r for r in json.loads(found.stdout) if "skipped" not in r]
+    fitting = [r["overrides"] for r in rows if r["fits"]]
+    assert fitting and all(" cp=" in f" {o}" for o in fitting), fitting
+    assert any(" cp=" not in f" {r['overrides']}" for r in rows)  # (cp=1 layouts were tried)
+
+
 # --------------------------------------------------------------------------- refused before launch
 
 
@@ -187,10 +231,14 @@ def test_the_plan_holds_a_cp_slice_of_each_sequence_and_shards_over_dp_x_cp() ->
         (["devices=4", "cp=2", "pp=2"], "pp"),
         (
             ["devices=2", "cp=2", "model=custom", "model._target_=tests.assets.custom_models.TinyLM"],
-            "cp",
+            "TinyLM: it declares no context_parallel",
+        ),
+        (
+            ["devices=2", "cp=2", "model=custom", "model._target_=tests.assets.pipeline_modules.PipelinedLM"],
+            "PipelinedLM: a LightningModule declares no context_parallel",
         ),
     ],
-    ids=["ddp", "fsdp1", "world", "seq_len", "heads", "pp", "plain-module"],
+    ids=["ddp", "fsdp1", "world", "seq_len", "heads", "pp", "plain-module", "lightning-without-hook"],
 )
 def test_a_cp_layout_that_cannot_run_is_one_line_before_launch(
     overrides: list[str], words: str, tmp_path: Path

@@ -149,7 +149,7 @@ def test_recipe_runs_on_the_hardware_its_header_names(
     else:
         assert cfg.accelerator is Accelerator.cpu
         assert int(cfg.devices) == int(CPUS.search(recipe.hardware).group(1))  # type: ignore[union-attr]
-    assert cfg.pp * int(cfg.dp) * cfg.tp == int(cfg.devices) * cfg.num_nodes
+    assert cfg.pp * int(cfg.dp) * cfg.cp * cfg.tp == int(cfg.devices) * cfg.num_nodes
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -62,6 +62,9 @@ CLI_CASES = [
     # Another tool's name for a setting (Hugging Face's TrainingArguments): where it lives here.
     (["optim.learning_rate=1e-3"], "optim.learning_rate", ["not a key", "did you mean optim.lr?"]),
     (["num_train_epochs=2"], "num_train_epochs", ["not a key", "did you mean trainer.max_epochs?"]),
+    (["batch_size=8"], "batch_size", ["not a key", "did you mean data.global_batch_size (all ranks"]),
+    (["data.max_seq_length=64"], "data.max_seq_length", ["not a key", "did you mean data.seq_len?"]),
+    (["+peft.lora_r=8"], "peft.lora_r=8", ["not a key", "did you mean peft.r (with peft=lora)?"]),
     (["trainer.max_time=9"], "trainer.max_time", ["a Lightning Trainer argument that fsdp-train sets"]),
     # A Lightning Trainer argument: where the setting lives here.
     (

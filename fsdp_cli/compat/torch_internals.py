@@ -55,6 +55,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_funcol, "AsyncCollectiveTensor"),
     (_funcol, "wait_tensor"),
     (_funcol, "all_to_all_single_autograd"),
+    (_torch._C, "_clear_DTensor_sharding_propagator_cache"),
     (DeviceMesh, "_get_slice_mesh_layout"),
     (_python_dispatch, "is_traceable_wrapper_subclass"),
     (FSDPModule, "_get_fsdp_state"),
@@ -86,6 +87,17 @@ FSDP1_SHARDING = {"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``mesh`` (a slice of a root mesh) as one flattened dimension called ``name``."""
     return mesh._flatten(name)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (the C++ fast path's and the Python one's). They
+    are keyed by meshes compared by value, and hold the mesh they were made with: after a fake
+    process group is torn down, a later one's mesh equal by value (the same tp ranks of another
+    layout) would be handed the dead world's groups (a rehearsal after another in one process)."""
+    from torch.distributed.tensor import DTensor
+
+    _torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def slice_beside_flattened(root: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:

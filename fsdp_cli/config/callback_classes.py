@@ -53,6 +53,31 @@ def check_model_arguments(run: ResolvedRun) -> None:
     check_arguments("model", target, {"_target_": cfg.model.target, **cfg.model.kwargs})
     if cfg.pp > 1:
         check_pipeline_hooks(target, cfg.pp)
+    if cfg.cp > 1:
+        check_context_parallel_hook(target, cfg.cp)
+
+
+def check_context_parallel_hook(target: Any, cp: int) -> None:
+    """``model=custom`` under ``cp > 1``: a LightningModule class that declares
+    ``context_parallel`` (docs/context-parallel.md): it splits its batches and its attention
+    exchanges the slices. A plain module cannot: fsdp-train's steps would give it whole sequences."""
+    import lightning as L
+
+    if (
+        inspect.isclass(target)
+        and issubclass(target, L.LightningModule)
+        and hasattr(target, "context_parallel")
+    ):
+        return
+    what = "a LightningModule" if inspect.isclass(target) and issubclass(target, L.LightningModule) else "it"
+    raise ConfigError(
+        "cp",
+        cp,
+        f"model=custom {getattr(target, '__qualname__', target)}: {what} declares no context_parallel, so its "
+        "attention cannot be reached to exchange the sequence's slices",
+        allowed="cp=1, or a LightningModule that declares context_parallel",
+        hint="docs/context-parallel.md shows the hook",
+    )
 
 
 def check_pipeline_hooks(target: Any, pp: int) -> None:

@@ -442,10 +442,17 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "cp:module,lightning",
+        "cp:module",
         Refused(
             "its attention cannot be reached to exchange the sequence's slices",
-            check="config.model_kinds.check_context_parallel",
+            check="config.callback_classes.check_context_parallel_hook",
+        ),
+    ),
+    (
+        "cp:lightning",
+        _test(
+            "test_context_parallel.py::test_a_lightning_module_with_the_hook_equals_one_process_at_cp2",
+            "a module that declares context_parallel (docs/context-parallel.md)",
         ),
     ),
     # Cannot be asked for.

@@ -141,14 +141,6 @@ def check_context_parallel(run: ResolvedRun) -> None:
     cp, kind = run.layout.cp, run.model_kind
     if cp == 1:
         return
-    if not kind.attention_heads:
-        raise ConfigError(
-            "cp",
-            cp,
-            f"model={kind.name}: its attention cannot be reached to exchange the sequence's slices",
-            allowed="cp=1 for this model; cp > 1 with the built-in models or model=hf",
-            hint="docs/context-parallel.md shows the hook a model declares (then train it from Python)",
-        )
     seq = getattr(run.cfg.data, "seq_len", None)
     if isinstance(seq, int) and seq % cp:
         raise ConfigError(
@@ -157,6 +149,16 @@ def check_context_parallel(run: ResolvedRun) -> None:
             f"must divide by cp={cp}: each context-parallel rank holds an equal slice of every sequence",
             allowed=f"a multiple of {cp}",
             hint=f"data.seq_len={seq + cp - seq % cp}",
+        )
+    if kind.target_decides:  # model=custom: its class is checked once imported (check_model_arguments)
+        return
+    if not kind.attention_heads:
+        raise ConfigError(
+            "cp",
+            cp,
+            f"model={kind.name}: its attention cannot be reached to exchange the sequence's slices",
+            allowed="cp=1 for this model; cp > 1 with the built-in models or model=hf",
+            hint="docs/context-parallel.md shows the hook a LightningModule declares",
         )
     heads = kind.tp_sizes(run.cfg.model).get(kind.attention_heads)
     split = run.layout.tp * cp

@@ -155,6 +155,17 @@ class HFCausalLM(nn.Module):
         return resolved
 
 
+def _whole_sequence_mask(cp: ContextParallel, positions: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask over the whole sequence of this slice's ``positions``: None (causal)
+    where every row counts up from 0, else the documents' block-diagonal causal mask (read on
+    the host: one sync)."""
+    from fsdp_cli.models.llama import document_mask
+
+    whole = cp.whole_positions(positions)
+    plain = bool((torch.diff(whole, dim=-1) == 1).all()) and bool((whole[:, 0] == 0).all())
+    return None if plain else document_mask(whole)
+
+
 CONTEXT_PARALLEL_ATTENTION = "fsdp_cli_context_parallel"
 """The name :func:`context_parallel_attention` is registered under in transformers' ``AttentionInterface``."""
 
@@ -178,22 +189,17 @@ def context_parallel_attention(
     """transformers' attention call (``[B, heads, T / cp, d]`` each) under context parallel:
     exchanged all-to-all, causal over the whole sequence, or within each document where the
     positions restart (packed). transformers makes no mask for an attention it does not know, so
-    the mask comes from every slice's ``position_ids`` (read on the host: one sync per layer)."""
-    from fsdp_cli.models.llama import document_mask
+    the mask comes from every slice's ``position_ids`` (:func:`_whole_sequence_mask`)."""
     from fsdp_cli.parallel.context_parallel import attend
 
     cp: ContextParallel = module.context_parallel  # type: ignore[assignment]
     positions = kwargs.get("position_ids")
-    mask = None
-    if positions is not None:
-        whole = cp.whole_positions(positions)
-        steps = torch.diff(whole, dim=-1)
-        if not bool((steps == 1).all()):  # packed documents
-            mask = document_mask(whole)
+    # (once per forward: every layer asks with the same positions)
+    mask = None if positions is None else cp.remembered(positions, lambda p: _whole_sequence_mask(cp, p))
     if dropout:
         raise ValueError("context parallel attention takes no attention dropout")
-    out = attend(query, key, value, mask, cp, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, cp, scale=scaling)
+    return out, None
 
 
 def _find(module: nn.Module, name: str) -> Any:

@@ -92,8 +92,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         rope = rope if rope.dim() == 4 else rope[:seq]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.context_parallel)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        out = attend(q, k, v, mask, self.context_parallel)
+        return self.wo(out.reshape(bsz, seq, -1))
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

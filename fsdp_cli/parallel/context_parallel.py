@@ -23,7 +23,9 @@ its attention, the LightningModule whose steps split the batch). Its attention c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +45,8 @@ class ContextParallel:
     """The process group of the ranks that split one sequence."""
     size: int
     rank: int
+    _last: list[Any] = field(default_factory=list, repr=False)
+    """(a weak reference to a tensor, what :meth:`remembered` computed from it)."""
 
     @classmethod
     def of_mesh(cls, mesh: Any) -> ContextParallel:
@@ -86,6 +90,15 @@ class ContextParallel:
         torch.distributed.all_gather(slices, positions.contiguous(), group=self.group)
         return torch.cat(slices, dim=1)
 
+    def remembered(self, tensor: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+        """``compute(tensor)``, kept for the next call with the same tensor object: every attention
+        layer of one forward (and its recomputation) asks for the same positions' mask."""
+        if self._last and self._last[0]() is tensor:
+            return self._last[1]
+        value = compute(tensor)
+        self._last[:] = [weakref.ref(tensor), value]
+        return value
+
     # ------------------------------------------------------------------ attention
 
     def to_heads(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -122,20 +135,31 @@ def attend(
     cp: ContextParallel | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``q [B, H, T, d]`` over ``k, v [B, KV, T, d]`` (grouped-query: each
-    key/value head serves ``H / KV`` query heads), ``mask``: None (causal) or a boolean
-    ``[B, 1, T, T]``, True = may attend. Under context parallel ``T`` is this rank's slice and
-    ``mask`` covers the whole sequence; key/value heads fewer than cp (or not dividing by it)
-    are repeated before the exchange."""
-    repeat = q.shape[1] // k.shape[1]
-    if cp is not None and cp.size > 1:
-        if k.shape[1] % cp.size:
-            k, v, repeat = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), 1
-        q, k, v = cp.to_heads(q, k, v)
+    """Causal attention of ``q [B, T, H, d]`` over ``k, v [B, T, KV, d]`` (sequence-major, as the
+    projections give them; grouped-query: each key/value head serves ``H / KV`` query heads) ->
+    ``[B, T, H, d]``. ``mask``: None (causal) or a boolean ``[B, 1, T, T]``, True = may attend.
+    Under context parallel ``T`` is this rank's slice and ``mask`` covers the whole sequence;
+    key/value heads that do not split over cp are repeated before the exchange."""
+    repeat = q.shape[2] // k.shape[2]
+    if cp is None or cp.size == 1:
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+        return out.transpose(1, 2)
+    if k.shape[2] % cp.size:
+        k, v, repeat = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2), 1
+    q, k, v = cp.to_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-    return out if cp is None or cp.size == 1 else cp.to_sequence(out)
+    return cp.to_sequence(out).transpose(1, 2)
 
 
 def install(model: nn.Module, cp: ContextParallel) -> int:

@@ -87,5 +87,8 @@ def fake_process_group(world: FakeWorld) -> Iterator[None]:
     try:
         yield
     finally:
+        from fsdp_cli.compat.torch_internals import clear_dtensor_caches
+
         dist.destroy_process_group()
+        clear_dtensor_caches()  # (its meshes' groups are gone: the next world's must not get them)
         rank_zero.rank_zero_only.rank, utils_rank_zero_only.rank = saved

@@ -47,43 +47,58 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
-    """FSDP2 over every pipeline size x tp (within a node) x HSDP replication x activation
-    checkpointing x reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices
-    and nodes (each a config of its own layout, resolved as its own run by :func:`search`)."""
+    """FSDP2 over every pipeline size x tp (within a node) x context-parallel size (for a model
+    whose attention takes part, without pp) x HSDP replication x activation checkpointing x
+    reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices and nodes (each a
+    config of its own layout, resolved as its own run by :func:`search`)."""
     cfg, world = run.cfg, run.layout.world_size
-    base = cfg.strategy.search_base()
     out: list[tuple[str, TrainConfig]] = []
     for tp in _divisors(int(cfg.devices)):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            pp_text, staged = _pipelined(cfg, pp, dp)
-            for replicate in _divisors(dp):
-                for ac in (
-                    ActivationCheckpointing.none,
-                    ActivationCheckpointing.selective,
-                    ActivationCheckpointing.full,
-                ):
-                    for reshard in (True, False):
-                        strategy = dataclasses.replace(
-                            base,
-                            replicate_size=replicate,
-                            activation_checkpointing=ac,
-                            reshard_after_forward=reshard,
-                        )
-                        text = (
-                            f"strategy=fsdp2 {pp_text}tp={tp} strategy.replicate_size={replicate} "
-                            f"strategy.activation_checkpointing={ac.value} strategy.reshard_after_forward={str(reshard).lower()}"
-                        )
-                        out.append((text, dataclasses.replace(staged, strategy=strategy, tp=tp, dp=dp)))
+        for cp in _divisors(world // tp) if run.model_kind.attention_heads else [1]:
+            for pp in _divisors(world // (tp * cp)) if cp == 1 else [1]:
+                out += _fsdp2_candidates(cfg, tp, cp, pp, world // (tp * cp * pp))
     out.append(
         (
             "strategy=fsdp",
             dataclasses.replace(
-                cfg, strategy=FSDPConfig(sharding_strategy=ShardingStrategy.FULL_SHARD), tp=1, dp=world, pp=1
+                cfg,
+                strategy=FSDPConfig(sharding_strategy=ShardingStrategy.FULL_SHARD),
+                tp=1,
+                dp=world,
+                pp=1,
+                cp=1,
             ),
         )
     )
-    out.append(("strategy=ddp", dataclasses.replace(cfg, strategy=DDPConfig(), tp=1, dp=world, pp=1)))
+    out.append(("strategy=ddp", dataclasses.replace(cfg, strategy=DDPConfig(), tp=1, dp=world, pp=1, cp=1)))
+    return out
+
+
+def _fsdp2_candidates(cfg: TrainConfig, tp: int, cp: int, pp: int, dp: int) -> list[tuple[str, TrainConfig]]:
+    """One layout's FSDP2 candidates: each HSDP replication x activation checkpointing x
+    reshard-after-forward."""
+    base = cfg.strategy.search_base()
+    out: list[tuple[str, TrainConfig]] = []
+    pp_text, staged = _pipelined(cfg, pp, dp)
+    cp_text = f"cp={cp} " if cp > 1 else ""
+    for replicate in _divisors(dp):
+        for ac in (
+            ActivationCheckpointing.none,
+            ActivationCheckpointing.selective,
+            ActivationCheckpointing.full,
+        ):
+            for reshard in (True, False):
+                strategy = dataclasses.replace(
+                    base,
+                    replicate_size=replicate,
+                    activation_checkpointing=ac,
+                    reshard_after_forward=reshard,
+                )
+                text = (
+                    f"strategy=fsdp2 {pp_text}{cp_text}tp={tp} strategy.replicate_size={replicate} "
+                    f"strategy.activation_checkpointing={ac.value} strategy.reshard_after_forward={str(reshard).lower()}"
+                )
+                out.append((text, dataclasses.replace(staged, strategy=strategy, tp=tp, dp=dp, cp=cp)))
     return out
 
 
@@ -110,8 +125,9 @@ def search(
     run: ResolvedRun, spec: ModelSpec, device_memory: int | None
 ) -> tuple[list[Candidate], list[Skipped]]:
     """Every valid candidate's plan: the fitting ones first, least memory first among them
-    after preferring no recomputation, fewer tensor-parallel ranks (less communication) and
-    fewer pipeline stages (a smaller bubble); and the candidates the run cannot take, each with
+    after preferring no recomputation, fewer tensor-parallel ranks (less communication), fewer
+    context-parallel ranks (two all-to-alls per attention) and fewer pipeline stages (a smaller
+    bubble); and the candidates the run cannot take, each with
     its reason (pipeline sizes not dividing the model's blocks among them)."""
     found, skipped = [], []
     for text, candidate in candidates(run):
@@ -129,6 +145,7 @@ def search(
             c.plan.fits is False,
             cost[c.plan.activation_checkpointing],
             c.plan.layout["tp"],
+            c.plan.layout.get("cp", 1),
             c.plan.layout.get("pp", 1),
             c.plan.peak.total,
         ),
