@@ -331,3 +331,8 @@ if __name__ == "__main__":
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    # And the interpreter's own teardown skipped: the abort above came back once after the
+    # process group was destroyed (a C++ thread still attached at exit), every check passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
