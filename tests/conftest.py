@@ -263,6 +263,18 @@ def losses(run_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(run_dir)]
 
 
+def grad_norms(run_dir: Path) -> list[float]:
+    """Each logged step's gradient norm (logged where gradient clipping is on: a run that only
+    wants the norms sets ``trainer.gradient_clip_val`` high)."""
+    return [row["grad_norm"] for row in read_metrics(run_dir)]
+
+
+def relative_gap(a: list[float], b: list[float]) -> float:
+    """The largest per-step relative difference of ``a`` from ``b`` (the same number of steps, at least 2)."""
+    assert len(a) == len(b) >= 2, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
 def assert_ok(result: Result, run_dir: Path) -> dict[str, Any]:
     """The run exited 0 and its summary says ok; returns the summary."""
     tail = result.stdout[-3000:] + "\n" + result.stderr[-3000:]

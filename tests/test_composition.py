@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_ok, cli_in_process, losses, read_metrics, run_cli
+from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run_cli
 from harness import REPO
 from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
 
@@ -216,22 +216,13 @@ def composed_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def _gap(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) >= 2, (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-def _norms(run_dir: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_metrics(run_dir)]
-
-
 @pytest.mark.distributed
 def test_a_composed_hf_run_on_hsdp_equals_one_process(composed_runs: dict[str, Any]) -> None:
     """model=hf, HSDP (2 replicas) x context parallel (cp=2) on 4 ranks, LoRA, packed chat data
     (documents' positions and masks across the cp slices), activation checkpointing, CPU offload
     and a full save, in fp32: the losses and gradient norms of one process (LoRA on packed chat)."""
-    assert _gap(losses(composed_runs["hf"]), losses(composed_runs["hf_one"])) < 1e-5
-    assert _gap(_norms(composed_runs["hf"]), _norms(composed_runs["hf_one"])) < 1e-5
+    assert relative_gap(losses(composed_runs["hf"]), losses(composed_runs["hf_one"])) < 1e-5
+    assert relative_gap(grad_norms(composed_runs["hf"]), grad_norms(composed_runs["hf_one"])) < 1e-5
 
 
 @pytest.mark.distributed
@@ -239,8 +230,10 @@ def test_the_composed_hf_run_resumes_at_another_layout(composed_runs: dict[str, 
     """The step-2 save of the hf run (HSDP x cp=2) continued at plain FSDP2, cp=1, on 2 ranks:
     checkpoints do not depend on the layout."""
     one = losses(composed_runs["hf_one"])
-    assert _gap(losses(composed_runs["hf_resumed"]), one[2:]) < 1e-5
-    assert _gap(_norms(composed_runs["hf_resumed"]), _norms(composed_runs["hf_one"])[2:]) < 1e-5
+    assert relative_gap(losses(composed_runs["hf_resumed"]), one[2:]) < 1e-5
+    assert (
+        relative_gap(grad_norms(composed_runs["hf_resumed"]), grad_norms(composed_runs["hf_one"])[2:]) < 1e-5
+    )
 
 
 @pytest.mark.distributed
@@ -248,7 +241,10 @@ def test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process(composed_
     """pp=2 of the built-in model on packed chat data in bf16-mixed with float8, compile,
     activation checkpointing, CPU offload and a full save: one eager bf16 float8 process's losses,
     within bf16's tolerance."""
-    assert _gap(losses(composed_runs["pipeline"]), losses(composed_runs["pipeline_one"])) < BF16_TOLERANCE
+    assert (
+        relative_gap(losses(composed_runs["pipeline"]), losses(composed_runs["pipeline_one"]))
+        < BF16_TOLERANCE
+    )
 
 
 @pytest.mark.distributed
@@ -257,7 +253,7 @@ def test_a_composed_tensor_parallel_run_on_packed_chat_equals_one_process(
 ) -> None:
     """tp=2 of the built-in model on packed chat data (each rank's heads take the documents'
     mask) with CPU offload and a full save, in fp32: one process's losses."""
-    assert _gap(losses(composed_runs["tensor"]), losses(composed_runs["tensor_one"])) < 1e-5
+    assert relative_gap(losses(composed_runs["tensor"]), losses(composed_runs["tensor_one"])) < 1e-5
 
 
 @pytest.mark.distributed
@@ -265,4 +261,4 @@ def test_a_composed_plain_module_run_equals_one_process(composed_runs: dict[str,
     """A plain nn.Module with LoRA on chat data, bf16-mixed, float8, compile, activation
     checkpointing, CPU offload and a full save, on 2 ranks: one eager process's losses within
     bf16's tolerance."""
-    assert _gap(losses(composed_runs["module"]), losses(composed_runs["module_one"])) < BF16_TOLERANCE
+    assert relative_gap(losses(composed_runs["module"]), losses(composed_runs["module_one"])) < BF16_TOLERANCE

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_ok, cli_in_process, losses, read_metrics, run, run_cli
+from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run, run_cli
 from harness import REPO
 from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
 
@@ -147,21 +147,12 @@ def cp_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-def _gap(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) >= 2, (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-def _norms(run_dir: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_metrics(run_dir)]
-
-
 @pytest.mark.distributed
 def test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process(cp_runs: dict[str, Path]) -> None:
     """cp=2 in bf16-mixed with float8, compiled blocks and CPU offload: one eager bf16 float8
     process's losses within bf16's tolerance."""
-    assert _gap(losses(cp_runs["bf16"]), losses(cp_runs["bf16_one"])) < 0.02
-    assert _gap(_norms(cp_runs["bf16"]), _norms(cp_runs["bf16_one"])) < 0.05
+    assert relative_gap(losses(cp_runs["bf16"]), losses(cp_runs["bf16_one"])) < 0.02
+    assert relative_gap(grad_norms(cp_runs["bf16"]), grad_norms(cp_runs["bf16_one"])) < 0.05
 
 
 @pytest.mark.distributed
@@ -169,15 +160,15 @@ def test_cp_on_a_hugging_face_llama_equals_one_process(cp_runs: dict[str, Path])
     """model=hf (transformers' LlamaForCausalLM; attention through transformers' attention
     registry, global rotary positions) at cp=2 on padded chat data (the loss the mean over the
     global batch's supervised tokens), fp32: one process's losses and gradient norms."""
-    assert _gap(losses(cp_runs["hf"]), losses(cp_runs["hf_one"])) < 1e-5
-    assert _gap(_norms(cp_runs["hf"]), _norms(cp_runs["hf_one"])) < 1e-5
+    assert relative_gap(losses(cp_runs["hf"]), losses(cp_runs["hf_one"])) < 1e-5
+    assert relative_gap(grad_norms(cp_runs["hf"]), grad_norms(cp_runs["hf_one"])) < 1e-5
 
 
 @pytest.mark.distributed
 def test_a_lightning_module_with_the_hook_equals_one_process_at_cp2(cp_runs: dict[str, Path]) -> None:
     """A user's LightningModule (its own loader, SGD) that declares ``context_parallel`` and
     splits its batch with it, its model the built-in Llama: cp=2 gives one process's losses."""
-    assert _gap(losses(cp_runs["lightning"]), losses(cp_runs["lightning_one"])) < 1e-5
+    assert relative_gap(losses(cp_runs["lightning"]), losses(cp_runs["lightning_one"])) < 1e-5
 
 
 # --------------------------------------------------------------------------- sizes and the plan
