@@ -340,6 +340,18 @@ def hf_module(folder: Path) -> Any:
     return module.double()
 
 
+def hf_chat_files(root: Path) -> dict[str, str]:
+    """A tiny Hugging Face Llama folder with a ChatML tokenizer in it (``hf``, also ``tokenizer``),
+    and 40 conversations (``chats``), under ``root``."""
+    import shutil
+
+    model = save_hf_llama(root / "model")
+    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
+        shutil.copy(file, model / file.name)
+    chats_file = write_chats(root / "train.jsonl", chats(40, seed=1))
+    return {"hf": str(model), "chats": str(chats_file), "tokenizer": str(model), "root": str(root)}
+
+
 def save_hf_llama(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 

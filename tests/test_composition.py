@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import importlib
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run_cli
 from harness import REPO
-from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
+from test_chat_data import hf_chat_files
 
 from fsdp_cli.config import composition
 from fsdp_cli.config.composition import BY_ID, CELLS, Moot, Refused, Trained, Untested
@@ -28,12 +27,7 @@ BF16_TOLERANCE = 0.02
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A tiny Hugging Face model folder with a chat tokenizer, and conversations."""
-    root = tmp_path_factory.mktemp("composition")
-    model = save_hf_llama(root / "model")
-    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
-        shutil.copy(file, model / file.name)
-    chats_file = write_chats(root / "train.jsonl", chats(40, seed=1))
-    return {"hf": str(model), "chats": str(chats_file), "tokenizer": str(model), "root": str(root)}
+    return hf_chat_files(tmp_path_factory.mktemp("composition"))
 
 
 # --------------------------------------------------------------------------- the table

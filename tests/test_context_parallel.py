@@ -10,7 +10,6 @@ that cannot run, refused before launch in one line."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run, run_cli
 from harness import REPO
-from test_chat_data import CHATML, chats, save_chat_tokenizer, save_hf_llama, write_chats
+from test_chat_data import hf_chat_files
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
 CHECK = REPO / "tests" / "context_parallel_check.py"
@@ -94,12 +93,7 @@ LIGHTNING = [
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("context-parallel")
-    model = save_hf_llama(root / "model")
-    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
-        shutil.copy(file, model / file.name)
-    chats_file = write_chats(root / "train.jsonl", chats(40, seed=1))
-    return {"hf": str(model), "chats": str(chats_file), "root": str(root)}
+    return hf_chat_files(tmp_path_factory.mktemp("context-parallel"))
 
 
 def _chat(files: dict[str, str], *, packing: bool) -> list[str]:
