@@ -1,11 +1,12 @@
 """Context parallel (``cp``): the sequence of every micro-batch split over cp ranks, attention
 exchanged all-to-all over heads (fsdp_cli/parallel/context_parallel.py).
 
-The library's layouts in float64 against one process, losses and gradients, with the two traps
-measured (tests/context_parallel_check.py); fsdp-train's runs (the module's batch split, the
-token-weighted chat loss) against one process (cp x HSDP, LoRA, packed chat data and a resume at
-cp=1: tests/test_composition.py's composed hf run); the layouts
-that cannot run, refused before launch in one line."""
+The library's layouts against one process, losses and gradients (the built-in model in float64,
+transformers' Llama in float32), with the two traps measured (tests/context_parallel_check.py);
+fsdp-train at cp=2 in bf16 with float8, compile and offload, and a user's LightningModule through
+the hook, against one process (cp x HSDP with LoRA on packed chat data, the token-weighted loss
+and a resume at cp=1: tests/test_composition.py's composed hf run); the plan, the search and the
+long-context recipe; the layouts that cannot run, refused before launch in one line."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from typing import Any
 import pytest
 from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run, run_cli
 from harness import REPO
-from test_chat_data import hf_chat_files
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
 CHECK = REPO / "tests" / "context_parallel_check.py"
@@ -91,24 +91,10 @@ LIGHTNING = [
 """(Its own loader: no data.* key.)"""
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return hf_chat_files(tmp_path_factory.mktemp("context-parallel"))
-
-
-def _chat(files: dict[str, str], *, packing: bool) -> list[str]:
-    return [
-        "data=chat",
-        f"data.path={files['chats']}",
-        f"data.tokenizer={files['hf']}",
-        f"data.packing={packing}",
-        "data.seq_len=48",
-    ]
-
-
-def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
-    """name -> (the cp run's overrides, its one-process reference's). (cp x HSDP with LoRA on
-    packed chat data, resumed at cp=1: tests/test_composition.py's composed hf run.)"""
+def _runs() -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (the cp run's overrides, its one-process reference's). (model=hf at cp x HSDP with
+    LoRA on packed chat data, resumed at cp=1: tests/test_composition.py's composed hf run; the
+    HF model unpacked and packed at cp=2, cp x dp, cp x tp: the float64 check above.)"""
     bf16 = [
         *TINY,
         "data.seq_len=32",
@@ -116,24 +102,21 @@ def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
         "precision=bf16-mixed",
         "strategy.float8=true",
     ]
-    hf = ["model=hf", f"model.path={files['hf']}", *_chat(files, packing=False), "precision=32-true"]
-    hf.append("data.global_batch_size=8")
     return {
         "bf16": (
             [*bf16, "devices=2", "cp=2", "strategy.compile=true", "strategy.cpu_offload=true"],
             [*bf16, "devices=1"],
         ),
-        "hf": ([*hf, "devices=2", "cp=2"], [*hf, "devices=1"]),
         "lightning": ([*LIGHTNING, "devices=2", "cp=2"], [*LIGHTNING, "devices=1"]),
     }
 
 
 @pytest.fixture(scope="module")
-def cp_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def cp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each cp run and its one-process reference."""
     root = tmp_path_factory.mktemp("cp-runs")
     out: dict[str, Path] = {}
-    for name, (cp_args, reference) in _runs(files).items():
+    for name, (cp_args, reference) in _runs().items():
         for label, args in ((name, cp_args), (f"{name}_one", reference)):
             run_dir = root / label
             assert_ok(run_cli([*COMMON, *args], run_dir, env=CPU), run_dir)
@@ -147,15 +130,6 @@ def test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process(cp_runs: 
     process's losses within bf16's tolerance."""
     assert relative_gap(losses(cp_runs["bf16"]), losses(cp_runs["bf16_one"])) < 0.02
     assert relative_gap(grad_norms(cp_runs["bf16"]), grad_norms(cp_runs["bf16_one"])) < 0.05
-
-
-@pytest.mark.distributed
-def test_cp_on_a_hugging_face_llama_equals_one_process(cp_runs: dict[str, Path]) -> None:
-    """model=hf (transformers' LlamaForCausalLM; attention through transformers' attention
-    registry, global rotary positions) at cp=2 on padded chat data (the loss the mean over the
-    global batch's supervised tokens), fp32: one process's losses and gradient norms."""
-    assert relative_gap(losses(cp_runs["hf"]), losses(cp_runs["hf_one"])) < 1e-5
-    assert relative_gap(grad_norms(cp_runs["hf"]), grad_norms(cp_runs["hf_one"])) < 1e-5
 
 
 @pytest.mark.distributed

@@ -271,12 +271,6 @@ COMPOSED = {
     "test_context_parallel.py::test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process": [
         *"fsdp2,builtin,cp,bf16,float8,compile,offload".split(",")
     ],
-    "test_context_parallel.py::test_cp_on_a_hugging_face_llama_equals_one_process": [
-        "fsdp2",
-        "hf",
-        "cp",
-        "chat",
-    ],
 }
 """The runs of ``tests/test_composition.py``, by test: the features each trains together."""
 
