@@ -163,10 +163,12 @@ def attend(
 
 
 def install(model: nn.Module, cp: ContextParallel) -> int:
-    """Give ``cp`` to every module of ``model`` that declares ``context_parallel``; how many did."""
+    """Give ``cp`` to every module of ``model`` that declares ``context_parallel`` and has none yet
+    (the strategy installs on the LightningModule after parallelize installed on its model); how
+    many did."""
     count = 0
     for module in model.modules():
-        if hasattr(type(module), "context_parallel"):
+        if hasattr(type(module), "context_parallel") and module.context_parallel is None:
             module.context_parallel = cp  # type: ignore[assignment]
             count += 1
     return count
