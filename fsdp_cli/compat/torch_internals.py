@@ -117,6 +117,16 @@ def all_to_all(tensor: _torch.Tensor, group: Any) -> _torch.Tensor:
     return wait_if_async_collective(_funcol.all_to_all_single_autograd(tensor, None, None, group))
 
 
+def all_to_all_uneven(
+    tensor: _torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any
+) -> _torch.Tensor:
+    """Rows of ``tensor`` exchanged over ``group``, ``input_splits[i]`` of them to rank i and
+    ``output_splits[i]`` from it (unequal and empty splits), the gradient exchanged back."""
+    return wait_if_async_collective(
+        _funcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group)
+    )
+
+
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 """Subclass and enter to see every aten call (the public API for this, kept under a private module)."""
 

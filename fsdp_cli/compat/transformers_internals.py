@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from transformers import conversion_mapping as _conversion
 from transformers import core_model_loading as _loading
 from transformers import initialization as _init
+from transformers.integrations import moe as _moe
 
 from fsdp_cli.compat import require
 
@@ -33,6 +34,11 @@ ENTRIES: list[tuple[Any, str]] = [
     (_conversion, "get_model_conversion_mapping"),
     (_loading, "WeightRenaming"),
     (_loading, "rename_source_key"),
+    (_loading, "WeightConverter"),
+    (_loading, "MergeModulelist"),
+    (_loading, "Concatenate"),
+    (_moe, "ALL_EXPERTS_FUNCTIONS"),
+    (_moe, "use_experts_implementation"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "transformers")
@@ -74,3 +80,47 @@ def checkpoint_key_renamer(model: PreTrainedModel) -> Callable[[str], tuple[str,
     renamings = [t for t in transforms if isinstance(t, _loading.WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, _loading.WeightRenaming)]
     return lambda key: _loading.rename_source_key(key, renamings, converters)
+
+
+# ---------------------------------------------------------------------------- mixtures of experts
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A module transformers made dispatch through its experts interface (fused expert tensors,
+    ``forward(hidden, top_k_index, top_k_weights)``)."""
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+
+
+def experts_implementation(module: nn.Module, name: str | None) -> Callable[..., Any]:
+    """The experts forward ``name`` selects (``eager`` or None: the class's own)."""
+    if name in (None, "eager"):
+        return type(module).forward.__wrapped__  # (use_experts_implementation keeps it so)
+    return _moe.ALL_EXPERTS_FUNCTIONS.get_interface(name, None)
+
+
+def register_experts_implementation(name: str, forward: Callable[..., Any]) -> None:
+    _moe.ALL_EXPERTS_FUNCTIONS.register(name, forward)
+
+
+def expert_merges(model: PreTrainedModel) -> list[tuple[list[str], str, bool]]:
+    """The model's conversions that stack one checkpoint tensor per expert into a fused one:
+    (source patterns with ``*`` for the expert index, target pattern, whether the sources are
+    concatenated along the expert's first dimension), for those made only of
+    ``MergeModulelist(dim=0)`` and then, optionally, ``Concatenate(dim=1)`` (Qwen2/3-MoE,
+    Mixtral, OLMoE, DeepSeek-V2/V3 and the families transformers maps to them)."""
+    merges = []
+    for transform in _conversion.get_model_conversion_mapping(model):
+        if not isinstance(transform, _loading.WeightConverter):
+            continue
+        ops = list(transform.operations)
+        if not ops or not isinstance(ops[0], _loading.MergeModulelist) or ops[0].dim != 0:
+            continue
+        rest = ops[1:]
+        if rest and not (len(rest) == 1 and isinstance(rest[0], _loading.Concatenate) and rest[0].dim == 1):
+            continue
+        sources = list(transform.source_patterns)
+        targets = list(transform.target_patterns)
+        if len(targets) != 1 or (len(sources) > 1 and not rest):
+            continue
+        merges.append((sources, targets[0], bool(rest)))
+    return merges

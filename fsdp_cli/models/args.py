@@ -70,6 +70,10 @@ class HFModelArgs:
     (the model's own init, the same numbers on every layout for a given ``seed``)."""
     attn_implementation: str = "sdpa"
     """transformers' attention kernel: ``sdpa``, ``eager``, or ``flash_attention_2`` (GPU, if installed)."""
+    experts_implementation: str | None = None
+    """Mixture-of-experts models: transformers' experts kernel, ``eager``, ``batched_mm`` or
+    ``grouped_mm`` (null: transformers' default, ``grouped_mm``, which runs no float64). Under
+    expert parallel it computes this rank's experts on the tokens routed to them."""
     tie_embeddings: bool | None = None
     """null: the head shares the input embedding's weight as ``config.json`` says
     (``tie_word_embeddings``); false: untie a tied model on purpose, its head starting as a copy of

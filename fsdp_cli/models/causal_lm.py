@@ -80,7 +80,21 @@ class CausalLMModule(L.LightningModule):
             inputs, targets, _ = self.context_parallel.split_batch(batch)
         else:
             inputs, targets = self.pipeline_inputs(batch)
-        return self.pipeline_loss(self(inputs), targets)
+        return self._with_auxiliary(self.pipeline_loss(self(inputs), targets))
+
+    def _with_auxiliary(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus what the model's last forward adds to training (a mixture of experts'
+        load-balancing loss, times its coefficient: ``pop_auxiliary_loss()``), logged apart."""
+        pop = getattr(self.model, "pop_auxiliary_loss", None)
+        auxiliary = pop() if pop is not None else None
+        if auxiliary is None:
+            return loss
+        balance = getattr(self.model, "balance", None)
+        if balance is not None and self._trainer is not None:
+            self.log("moe_aux_loss", balance.loss.float())
+            for key, value in balance.loads().items():
+                self.log(key, value)
+        return loss + auxiliary.to(loss.dtype)
 
     # The pipeline hooks (pp > 1: the strategy runs the step through a schedule, which feeds the
     # inputs to the first stage and hands the last stage's output to the loss, micro-batch by
@@ -152,8 +166,8 @@ class CausalLMModule(L.LightningModule):
             loss = self._token_loss_sum(self._slice(batch))
             micro = batch["input_ids"].shape[0]
             cp = 1 if self.context_parallel is None else self.context_parallel.size
-            return loss * (
-                cp * batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro)
+            return self._with_auxiliary(
+                loss * (cp * batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro))
             )
         return self._loss(batch)
 

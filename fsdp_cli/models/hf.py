@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,14 @@ class HFCausalLM(nn.Module):
         # Names, owners and tied pairs are read now: fully_shard renames the model's classes.
         self.weights = WeightFiller(hf, source)
         self._context_parallel: ContextParallel | None = None
+        self.moe = MoEConfig.of(hf.config)
+        self._auxiliary_loss: torch.Tensor | None = None
+        self.balance_across_ranks = True
+        """The routing statistics of the load-balancing loss are summed over every rank (false:
+        this process's alone, as a one-process reference computes them)."""
+        self.balance: Any = None
+        """The last training forward's routing statistics (a MoE model whose config trains its
+        load-balancing loss): :class:`~fsdp_cli.parallel.expert_parallel.BalanceStats`."""
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -80,6 +89,42 @@ class HFCausalLM(nn.Module):
             if hasattr(module, "layer_idx"):
                 module.context_parallel = cp
 
+    # ------------------------------------------------------------------ mixtures of experts
+
+    def expert_modules(self) -> list[nn.Module]:
+        """The fused experts of each MoE layer (none for a dense model)."""
+        from fsdp_cli.compat.transformers_internals import is_experts_module
+
+        return [m for m in self.hf.modules() if is_experts_module(m)]
+
+    def use_expert_parallel(self, mesh: Any) -> None:
+        """Expert parallel over ``mesh`` (the experts already split over it): each experts module
+        dispatches through :data:`EXPERT_PARALLEL_EXPERTS` (registered in transformers'
+        ``ExpertsInterface``), which runs the implementation the model had on this rank's experts."""
+        from fsdp_cli.compat.transformers_internals import experts_implementation, register_experts_implementation
+        from fsdp_cli.parallel.expert_parallel import ExpertParallel
+
+        register_experts_implementation(EXPERT_PARALLEL_EXPERTS, expert_parallel_experts)
+        for module in self.expert_modules():
+            inner = module.config._experts_implementation
+            if inner == EXPERT_PARALLEL_EXPERTS:
+                continue
+            module.expert_parallel = ExpertParallel(
+                group=mesh.get_group(),
+                size=mesh.size(),
+                rank=mesh.get_local_rank(),
+                num_experts=self.moe.num_experts,
+                compute=experts_implementation(module, inner),
+            )
+        for module in self.expert_modules():
+            module.config._experts_implementation = EXPERT_PARALLEL_EXPERTS
+
+    def pop_auxiliary_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss (times the config's coefficient) of the last training forward,
+        once; None when the model trains none."""
+        loss, self._auxiliary_loss = self._auxiliary_loss, None
+        return loss
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``: packed sequences (restarting at 0 per document). With no attention mask,
         transformers 5 reads the documents from them (``find_packed_sequence_indices``) and masks
@@ -89,7 +134,17 @@ class HFCausalLM(nn.Module):
         cp = self._context_parallel
         if cp is not None and position_ids is None:
             position_ids = cp.positions(input_ids.shape[0], input_ids.shape[1] * cp.size, input_ids.device)
-        return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        moe = self.moe
+        if moe is None or not moe.balanced or not self.training:
+            return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        from fsdp_cli.parallel.expert_parallel import balance_loss
+
+        out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
+        loss, self.balance = balance_loss(
+            out.router_logits, moe.num_experts, moe.top_k, across_ranks=self.balance_across_ranks
+        )
+        self._auxiliary_loss = moe.aux_loss_coef * loss
+        return out.logits
 
     def pipeline_split(self) -> Any:
         """How pipeline parallel cuts a decoder-only model laid out as ``LlamaForCausalLM`` (its
@@ -153,6 +208,52 @@ class HFCausalLM(nn.Module):
             if module_name not in resolved and any(True for _ in module.parameters(recurse=False)):
                 resolved[module_name] = ReplicateParallel()
         return resolved
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """What a transformers MoE config says about its experts and their balance."""
+
+    num_experts: int
+    top_k: int
+    balanced: bool
+    """``output_router_logits``: the model trains its load-balancing loss."""
+    aux_loss_coef: float
+
+    @classmethod
+    def of(cls, config: Any) -> MoEConfig | None:
+        """None for a dense model's config."""
+        experts = moe_experts(config)
+        if experts is None:
+            return None
+        return cls(
+            num_experts=experts,
+            top_k=int(getattr(config, "num_experts_per_tok", 1) or 1),
+            balanced=bool(getattr(config, "output_router_logits", False)),
+            aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
+        )
+
+
+def moe_experts(config: Any) -> int | None:
+    """The routed experts per MoE layer of a transformers config (``num_experts``,
+    ``num_local_experts`` or ``n_routed_experts``, as families name it); None when dense."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+EXPERT_PARALLEL_EXPERTS = "fsdp_cli_expert_parallel"
+"""The name :func:`expert_parallel_experts` is registered under in transformers' ``ExpertsInterface``."""
+
+
+def expert_parallel_experts(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts call under expert parallel: the tokens routed to this rank's experts
+    and back (:class:`~fsdp_cli.parallel.expert_parallel.ExpertParallel`)."""
+    return module.expert_parallel(module, hidden_states, top_k_index, top_k_weights)
 
 
 def _whole_sequence_mask(cp: ContextParallel, positions: torch.Tensor) -> torch.Tensor | None:
@@ -287,10 +388,11 @@ def build_hf_model(cfg: HFModelArgs, *, seed: int) -> HFCausalLM:
     untie = cfg.tie_embeddings is False and bool(getattr(config, "tie_word_embeddings", False))
     if untie:
         config.tie_word_embeddings = False
+    kernels = {"attn_implementation": cfg.attn_implementation}
+    if cfg.experts_implementation is not None:
+        kernels["experts_implementation"] = cfg.experts_implementation
     with torch.device("meta"), meta_device_safe_creation_ops():
-        hf = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
-        )
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kernels)
     # An untied head reads the weight the folder saved once, under the embedding's name.
     copies = dict(getattr(type(hf), "_tied_weights_keys", None) or {}) if untie else {}
     return HFCausalLM(hf, HFSource(path=Path(cfg.path), pretrained=cfg.pretrained, seed=seed, copies=copies))

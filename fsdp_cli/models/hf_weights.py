@@ -210,7 +210,32 @@ class WeightFiller:
             for module in _post_order(self.hf):
                 if id(module) in ids and id(module) in self.owners:
                     torch.manual_seed(module_seed(self.source.seed, self.names.get(id(module), "")))
+                    fresh = _fresh_padding_row(module)
                     initialize_module(self.owners[id(module)], module, custom_code=self.custom_code)
+                    if fresh:
+                        _zero_padding_row(module)
+
+
+def _fresh_padding_row(module: nn.Module) -> bool:
+    """An embedding with a padding row whose sharded weight the model's init is about to draw:
+    its init zeroes ``weight[padding_idx]``, which on a DTensor writes to a copy."""
+    from fsdp_cli.compat.transformers_internals import INIT_FLAG
+
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(module, nn.Embedding)
+        and module.padding_idx is not None
+        and _is_dtensor(weight)
+        and not getattr(weight, INIT_FLAG, False)
+    )
+
+
+def _zero_padding_row(module: nn.Embedding) -> None:
+    """The padding row zeroed in this rank's part of the sharded weight, as one process's init does."""
+    weight = module.weight
+    keep = torch.ones(weight.shape[0], 1, dtype=weight.dtype, device=_local(weight).device)
+    keep[module.padding_idx] = 0
+    _local(weight).mul_(slice_of_full(keep.expand(weight.shape).contiguous(), weight))
 
 
 def module_seed(seed: int, name: str) -> int:

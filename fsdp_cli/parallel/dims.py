@@ -16,6 +16,11 @@ from typing import Any
 
 from fsdp_cli.errors import ConfigError
 
+EXPERT_SHARD, EP = "expert_data_parallel_shard", "expert_parallel"
+"""Under expert parallel (ep > 1) the shard dimension is built as these two, outermost first
+(ep ranks are neighbours), and flattened back into :data:`DP_SHARD` for everything else: the
+experts of each MoE layer split over ``ep``, their parameters sharded by FSDP2 over what remains
+(``expert_data_parallel_shard``, and the replicas under HSDP) — torchtitan's dp -> ep borrowing."""
 PP, DP_REPLICATE, DP_SHARD, CP, TP = (
     "pipeline_parallel",
     "data_parallel_replicate",
@@ -43,6 +48,7 @@ class SizeNames:
     replicate: str = "strategy.replicate_size"
     pp: str = "pp"
     cp: str = "cp"
+    ep: str = "ep"
 
 
 LIBRARY_NAMES = SizeNames(
@@ -51,6 +57,7 @@ LIBRARY_NAMES = SizeNames(
     "replicate_size",
     "pipeline_parallel_size",
     "context_parallel_size",
+    "expert_parallel_size",
 )
 
 
@@ -61,9 +68,13 @@ class ParallelDims:
     tp: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Ranks the experts of each MoE layer are split over, borrowed from ``dp_shard`` (they see
+    different batches and exchange tokens all-to-all); 1: every rank computes every expert."""
     _mesh: Any = field(default=None, init=False, repr=False, compare=False)
     _data_parallel_mesh: Any = field(default=None, init=False, repr=False, compare=False)
     _shard_cp_mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _shard_mesh: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def resolve(
@@ -75,6 +86,7 @@ class ParallelDims:
         replicate: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         names: SizeNames = SizeNames(),
         world: str = "",
     ) -> ParallelDims:
@@ -101,7 +113,15 @@ class ParallelDims:
             f"must divide {names.dp}={dp} (HSDP: replicate x shard = dp)",
             hint=f"{names.replicate}=1 is plain FSDP; {names.replicate}=num_nodes shards within each node",
         )
-        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, pp=pp, cp=cp)
+        if ep > 1:
+            _check_divides(
+                names.ep,
+                ep,
+                dp // replicate,
+                f"must divide the data-parallel shard size {dp // replicate} "
+                f"(= {names.dp}={dp} / {names.replicate}={replicate}): expert parallel borrows its ranks from it",
+            )
+        return cls(dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, pp=pp, cp=cp, ep=ep)
 
     def for_world(self, world_size: int) -> ParallelDims:
         """These sizes as given (a fresh copy: each strategy builds its mesh on its own), after
@@ -117,7 +137,12 @@ class ParallelDims:
                 hint="decide the sizes for the world the processes form",
             )
         return ParallelDims(
-            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
         )
 
     @property
@@ -138,6 +163,21 @@ class ParallelDims:
             zip(DIMENSIONS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp), strict=True)
         )
 
+    def mesh_sizes(self) -> dict[str, int]:
+        """The built mesh's dimensions: :meth:`sizes`, with the shard dimension as (expert shard,
+        ep) under expert parallel."""
+        sizes = self.sizes()
+        if not self.ep_enabled:
+            return sizes
+        return {
+            PP: self.pp,
+            DP_REPLICATE: self.dp_replicate,
+            EXPERT_SHARD: self.dp_shard // self.ep,
+            EP: self.ep,
+            CP: self.cp,
+            TP: self.tp,
+        }
+
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
@@ -145,6 +185,10 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -165,13 +209,16 @@ class ParallelDims:
 
             from fsdp_cli.compat.torch_internals import flatten_mesh
 
-            sizes = self.sizes()
+            sizes = self.mesh_sizes()
             mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
             # Flattened once and kept: slicing a flattened dimension out of the root mesh is
             # deprecated in torch.
-            self._data_parallel_mesh = flatten_mesh(mesh[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
+            shard_dims = (EXPERT_SHARD, EP) if self.ep_enabled else (DP_SHARD,)
+            if self.ep_enabled:
+                self._shard_mesh = flatten_mesh(mesh[shard_dims], DP_SHARD)
+            self._data_parallel_mesh = flatten_mesh(mesh[(DP_REPLICATE, *shard_dims)], DATA_PARALLEL)
             if self.cp_enabled:
-                self._shard_cp_mesh = flatten_mesh(mesh[DP_SHARD, CP], SHARD_CP)
+                self._shard_cp_mesh = flatten_mesh(mesh[(*shard_dims, CP)], SHARD_CP)
             self._mesh = mesh
         return self._mesh
 
@@ -200,13 +247,25 @@ class ParallelDims:
     def fsdp_mesh(self) -> Any:
         """What ``fully_shard`` shards over: (replicate, shard) for HSDP, else the shard dimension
         (shard x cp, flattened, under context parallel)."""
-        if not self.cp_enabled:
+        shard = SHARD_CP if self.cp_enabled else DP_SHARD
+        if not self.cp_enabled and not self.ep_enabled:
             return self.mesh[DP_REPLICATE, DP_SHARD] if self.hsdp_enabled else self.mesh[DP_SHARD]
         if not self.hsdp_enabled:
-            return self._shard_cp_mesh
+            return self._shard_cp_mesh if self.cp_enabled else self._shard_mesh
         from fsdp_cli.compat.torch_internals import slice_beside_flattened
 
-        return slice_beside_flattened(self.mesh, (DP_REPLICATE, SHARD_CP))
+        return slice_beside_flattened(self.mesh, (DP_REPLICATE, shard))
+
+    @property
+    def ep_mesh(self) -> Any:
+        """The ranks one MoE layer's experts are split over (they exchange tokens all-to-all)."""
+        return self.mesh[EP]
+
+    @property
+    def expert_fsdp_mesh(self) -> Any:
+        """What ``fully_shard`` shards the experts over (each already split over ep): the rest of
+        the data-parallel ranks (replicate x expert shard under HSDP)."""
+        return self.mesh[DP_REPLICATE, EXPERT_SHARD] if self.hsdp_enabled else self.mesh[EXPERT_SHARD]
 
     @property
     def tp_mesh(self) -> Any:

@@ -80,6 +80,8 @@ class ParallelizeReport:
 
     tp_modules: int = 0
     cp_modules: int = 0
+    expert_modules: int = 0
+    """MoE layers whose experts are split over the ep ranks (expert parallel)."""
     ac_blocks: int = 0
     compiled_blocks: int = 0
     float8_linears: int = 0
@@ -106,6 +108,8 @@ def parallelize(
     units, blocks = _units_and_blocks(model, options.wrap, called_directly=called_directly)
 
     _split_layers_and_sequences(model, dims, options, report)
+    experts = apply_ep(model, dims) if dims.ep_enabled else []
+    report.expert_modules = len(experts)
 
     if options.float8:
         # Before checkpointing and compile, which must see (and compile) the float8 layers.
@@ -125,6 +129,8 @@ def parallelize(
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=options.mp_policy,
         offload_policy=options.offload_policy,
+        experts=experts,
+        experts_mesh=dims.expert_fsdp_mesh if experts else None,
     )
     report.fsdp_units = _unit_names(model, units)
     return report
@@ -172,6 +178,29 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> int:
             hint="see docs/context-parallel.md for the hook a model declares",
         )
     return count
+
+
+def apply_ep(model: nn.Module, dims: ParallelDims) -> list[nn.Module]:
+    """Expert parallel: each MoE layer's experts split over the ep ranks
+    (:func:`~fsdp_cli.parallel.expert_parallel.split_experts`) and dispatched to by all-to-all
+    (the model's ``use_expert_parallel(mesh)``); returns the experts modules (FSDP2 shards them
+    over :attr:`ParallelDims.expert_fsdp_mesh`). One line when the model has no experts (checked
+    before launch for the model kinds fsdp-train knows)."""
+    from fsdp_cli.parallel.expert_parallel import split_experts
+
+    find = getattr(model, "expert_modules", None)
+    modules = find() if find is not None else []
+    if not modules:
+        raise ConfigError(
+            "ep",
+            dims.ep,
+            f"{type(model).__name__} has no mixture-of-experts layers to split",
+            allowed="ep=1 for this model",
+            hint="expert parallel splits the experts of a MoE model (model=hf with a MoE config.json)",
+        )
+    split_experts(modules, dims.ep_mesh)
+    model.use_expert_parallel(dims.ep_mesh)  # type: ignore[operator]
+    return modules
 
 
 def _apply_float8(model: nn.Module, device_type: str, report: ParallelizeReport) -> None:

@@ -1,0 +1,188 @@
+"""Test driver (run under torchrun by tests/test_expert_parallel.py): expert parallel against one
+process, per-step losses (the load-balancing loss included) and whole gradients, for tiny
+transformers MoE models built from their configs: Qwen3-MoE in float64 (the ``eager`` experts),
+Mixtral and OLMoE in float32 (transformers' default experts kernel).
+
+Every rank trains the model in one process on the whole batch (the reference), then the same model
+with the library's code: the mesh of :class:`~fsdp_cli.parallel.dims.ParallelDims` (ep borrowed
+from the data-parallel ranks), :func:`~fsdp_cli.parallel.parallelize.parallelize` (the experts
+split over ep, FSDP2 over the rest) and this rank's rows of the batch. Prints one JSON line per
+(layout, family, way): ``right`` (the library's), ``per_rank_balance`` (the load-balancing
+statistics of each rank's tokens alone) and ``unscaled`` (the experts' gradients not divided by
+ep): the largest relative difference of the losses and of the gradients against the reference.
+
+    torchrun --nproc-per-node 4 tests/expert_parallel_check.py --layouts ep2xdp2,ep2xhsdp --folder DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
+
+VOCAB, SEQ, ROWS = 64, 8, 4
+LAYOUTS = {"dp4": (1, 4, 1), "ep2": (1, 2, 2), "ep2xdp2": (1, 4, 2), "ep2xhsdp": (2, 2, 2), "ep4": (1, 4, 4)}
+"""(replicate, shard, ep) of each layout."""
+FAMILIES = {
+    # experts, top-k and a load-balancing coefficient large enough to move the router
+    "qwen3_moe": (torch.float64, "eager"),
+    "mixtral": (torch.float32, None),
+    "olmoe": (torch.float32, None),
+}
+
+
+def write_config(folder: Path, family: str) -> Path:
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        tie_word_embeddings=False,
+    )
+    experts = {"mixtral": {"num_local_experts": 4}}.get(family, {"num_experts": 4, "moe_intermediate_size": 8})
+    config = AutoConfig.for_model(family, **common, **experts)
+    path = folder / family
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    return path
+
+
+def build(path: Path, family: str):
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+
+    _, kernel = FAMILIES[family]
+    return build_hf_model(HFModelArgs(path=str(path), pretrained=False, experts_implementation=kernel), seed=0)
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=gen) for _ in range(steps)]
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).to(torch.float64), ids[:, 1:].flatten())
+    return loss + model.pop_auxiliary_loss().to(loss.dtype)
+
+
+def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, grads = [], []
+    for ids in steps:
+        loss = loss_of(model, ids[rows])
+        loss.backward()
+        mean = loss.detach().clone()
+        if reduce_losses:
+            dist.all_reduce(mean)
+            mean /= dist.get_world_size()
+        losses.append(mean.item())
+        grads.append({n: _whole(p.grad).double() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads
+
+
+def reference(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor]):
+    model = build(path, family)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.to(dtype).train()
+    model.balance_across_ranks = False
+    return train(model, steps, slice(None), reduce_losses=False)
+
+
+def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor], layout: str, way: str):
+    from fsdp_cli.parallel import expert_parallel
+
+    replicate, shard, ep = LAYOUTS[layout]
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=1, ep=ep)
+    dims.build_mesh("cpu")
+    model = build(path, family)
+    parallelize(model, dims, ParallelizeOptions())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.to(dtype).train()
+    model.balance_across_ranks = way != "per_rank_balance"
+    scale = expert_parallel._ScaleGrad.apply
+    if way == "unscaled":
+        expert_parallel._ScaleGrad.apply = staticmethod(lambda t, factor: t)
+    try:
+        dp_mesh = dims.data_parallel_mesh
+        per = ROWS // dp_mesh.size()
+        mine = slice(dp_mesh.get_local_rank() * per, (dp_mesh.get_local_rank() + 1) * per)
+        return train(model, steps, mine, reduce_losses=True)
+    finally:
+        expert_parallel._ScaleGrad.apply = scale
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def gap(mine: list[float], theirs: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(mine, theirs, strict=True))
+
+
+def grad_gap(mine: list[dict], theirs: list[dict]) -> float:
+    worst = 0.0
+    for step_mine, step_theirs in zip(mine, theirs, strict=True):
+        for name, ref in step_theirs.items():
+            got = step_mine[name]
+            worst = max(worst, float((got - ref).norm() / ref.norm().clamp(min=1e-30)))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True)
+    parser.add_argument("--families", default="qwen3_moe")
+    parser.add_argument("--ways", default="right")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--folder", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    folder = Path(args.folder)
+    paths = {}
+    for family in args.families.split(","):
+        if dist.get_rank() == 0:
+            write_config(folder, family)
+        paths[family] = folder / family
+    dist.barrier()
+    steps = batches(args.steps)
+    for family in args.families.split(","):
+        dtype = FAMILIES[family][0]
+        ref_losses, ref_grads = reference(paths[family], family, dtype, steps)
+        for layout in args.layouts.split(","):
+            for way in args.ways.split(","):
+                losses, grads = distributed(paths[family], family, dtype, steps, layout, way)
+                row = {
+                    "layout": layout,
+                    "family": family,
+                    "way": way,
+                    "loss_gap": gap(losses, ref_losses),
+                    "grad_gap": grad_gap(grads, ref_grads),
+                    "losses": losses,
+                }
+                if dist.get_rank() == 0:
+                    print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
