@@ -98,6 +98,9 @@ class MetricsCallback(L.Callback):
         mean_loss = self._step_loss(trainer, step, logged)
         if mean_loss is not None:
             row = self._row(trainer, step, mean_loss)
+            extra = getattr(pl_module, "step_metrics", None)
+            if callable(extra):
+                row.update(extra())
             self._write(trainer, row)
             self._share(trainer, row)
 

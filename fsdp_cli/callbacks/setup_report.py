@@ -57,6 +57,8 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
         "float8_linears": report.float8_linears if report is not None else None,
         "float8_emulated": report.float8_emulated if report is not None else None,
     }
+    if report is not None and report.expert_modules:
+        info["expert_parallel_modules"] = report.expert_modules
     if any(not p.requires_grad for p in params):  # a LoRA run (or a model that froze its own)
         info["trainable"] = _trainable(params)
     # A model filled in place after sharding (model=hf) says what this rank read and held.
@@ -176,6 +178,12 @@ def format_setup(info: dict[str, Any]) -> str:
     ]
     if info.get("tensor_parallel_modules"):
         lines.append(f"tensor parallel: {info['tensor_parallel_modules']} modules")
+    if info.get("expert_parallel_modules"):
+        ep = info["mesh"].get("expert_parallel", "?")
+        lines.append(
+            f"expert parallel: {info['expert_parallel_modules']} MoE layers, experts split over ep={ep} "
+            "(tokens routed all-to-all)"
+        )
     if info.get("compiled_blocks"):
         lines.append(f"torch.compile: {info['compiled_blocks']} blocks")
     if info.get("float8_linears"):

@@ -69,8 +69,9 @@ def run_config(folder: Path, manifest: dict[str, Any] | None) -> Any:
 def hf_weights(
     state_dict: dict[str, torch.Tensor], folder: Path, config: Any = None
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the transformers model's own names, tied copies dropped,
-    checked against the model ``config`` (default: ``folder/config.json``) describes."""
+    """The checkpoint's tensors under the names ``save_pretrained`` writes (a mixture of experts'
+    fused experts as one tensor per expert, the hub's layout), tied copies dropped, checked
+    against the model ``config`` (default: ``folder/config.json``) describes."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
@@ -95,7 +96,9 @@ def hf_weights(
             )
     for target in tied:  # saved once, under the name the model ties the other to
         tensors.pop(target, None)
-    return tensors
+    from fsdp_cli.compat.transformers_internals import to_checkpoint_layout
+
+    return to_checkpoint_layout(reference, tensors)
 
 
 def save_hf(

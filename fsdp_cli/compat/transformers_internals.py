@@ -35,6 +35,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_loading, "WeightRenaming"),
     (_loading, "rename_source_key"),
     (_loading, "WeightConverter"),
+    (_loading, "revert_weight_conversion"),
     (_loading, "MergeModulelist"),
     (_loading, "Concatenate"),
     (_moe, "ALL_EXPERTS_FUNCTIONS"),
@@ -79,7 +80,14 @@ def checkpoint_key_renamer(model: PreTrainedModel) -> Callable[[str], tuple[str,
     transforms = _conversion.get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, _loading.WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, _loading.WeightRenaming)]
-    return lambda key: _loading.rename_source_key(key, renamings, converters)
+    # (it answers with the source pattern that matched: the converter is looked up by it)
+    by_pattern = {p: c for c in converters for p in getattr(c, "source_patterns", ())}
+
+    def rename(key: str) -> tuple[str, Any]:
+        name, pattern = _loading.rename_source_key(key, renamings, converters)
+        return name, (None if pattern is None else by_pattern.get(pattern, pattern))
+
+    return rename
 
 
 # ---------------------------------------------------------------------------- mixtures of experts
@@ -102,25 +110,32 @@ def register_experts_implementation(name: str, forward: Callable[..., Any]) -> N
     _moe.ALL_EXPERTS_FUNCTIONS.register(name, forward)
 
 
-def expert_merges(model: PreTrainedModel) -> list[tuple[list[str], str, bool]]:
-    """The model's conversions that stack one checkpoint tensor per expert into a fused one:
-    (source patterns with ``*`` for the expert index, target pattern, whether the sources are
-    concatenated along the expert's first dimension), for those made only of
-    ``MergeModulelist(dim=0)`` and then, optionally, ``Concatenate(dim=1)`` (Qwen2/3-MoE,
-    Mixtral, OLMoE, DeepSeek-V2/V3 and the families transformers maps to them)."""
-    merges = []
-    for transform in _conversion.get_model_conversion_mapping(model):
-        if not isinstance(transform, _loading.WeightConverter):
-            continue
-        ops = list(transform.operations)
-        if not ops or not isinstance(ops[0], _loading.MergeModulelist) or ops[0].dim != 0:
-            continue
-        rest = ops[1:]
-        if rest and not (len(rest) == 1 and isinstance(rest[0], _loading.Concatenate) and rest[0].dim == 1):
-            continue
-        sources = list(transform.source_patterns)
-        targets = list(transform.target_patterns)
-        if len(targets) != 1 or (len(sources) > 1 and not rest):
-            continue
-        merges.append((sources, targets[0], bool(rest)))
-    return merges
+def expert_part(converter: Any, key: str) -> tuple[int, int, int] | None:
+    """Where checkpoint ``key`` goes in a fused experts tensor, for the conversions that stack one
+    tensor per expert (``MergeModulelist(dim=0)``, then optionally ``Concatenate(dim=1)``: Qwen2/3-MoE,
+    Mixtral, OLMoE, DeepSeek-V2/V3 and the families transformers maps to them): (expert, part,
+    parts) — row ``expert`` of the fused tensor is its ``parts`` source tensors concatenated,
+    this key being number ``part``. None for any other conversion."""
+    import re
+
+    if not isinstance(converter, _loading.WeightConverter):
+        return None
+    ops = list(converter.operations)
+    if not ops or not isinstance(ops[0], _loading.MergeModulelist) or ops[0].dim != 0:
+        return None
+    rest = ops[1:]
+    concatenated = len(rest) == 1 and isinstance(rest[0], _loading.Concatenate) and rest[0].dim == 1
+    sources = list(converter.source_patterns)
+    if (rest and not concatenated) or (len(sources) > 1 and not concatenated):
+        return None
+    for index, pattern in enumerate(sources):
+        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        if found is not None:
+            return int(found.group(1)), index, len(sources)
+    return None
+
+
+def to_checkpoint_layout(model: PreTrainedModel, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` under the model's names as ``save_pretrained`` writes them: the conversions of
+    loading reversed (a MoE model's fused experts as one tensor per expert, the hub's layout)."""
+    return dict(_loading.revert_weight_conversion(model, tensors))

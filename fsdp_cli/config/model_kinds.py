@@ -100,6 +100,9 @@ class ModelKind(NamedTuple):
     yaml_node: Callable[[Any], dict[str, Any]] | None = None
     """Its ``config.yaml`` node, where the structured dump would not read back (``_target_``)."""
     tied_embeddings: Callable[[Any], bool] = lambda model: False
+    experts: Callable[[Any], tuple[int, int] | None] = lambda model: None
+    """A mixture of experts: (routed experts per MoE layer, experts per token), which expert
+    parallel splits (ep > 1 refused where None: a dense model)."""
     """Whether the head shares the input embedding's weight (a plain module's ties are found when
     its cut is traced)."""
 
@@ -171,6 +174,54 @@ def check_context_parallel(run: ResolvedRun) -> None:
             "ranks: the all-to-all gives each rank whole heads",
             allowed="cp in " + ", ".join(map(str, good)),
             hint=f"use cp={max(good)} (or a smaller tp)",
+        )
+
+
+def check_expert_parallel(run: ResolvedRun) -> None:
+    """A mixture of experts' sizes (experts per token within the experts; a kernel that runs the
+    precision) and, under ep > 1, a model with experts that split evenly over ep ranks."""
+    ep, kind = run.layout.ep, run.model_kind
+    moe = None if kind.target_decides else kind.experts(run.cfg.model)
+    if moe is not None:
+        _check_moe_sizes(run, *moe)
+    if ep == 1:
+        return
+    if moe is None:
+        raise ConfigError(
+            "ep",
+            ep,
+            f"model={kind.name} ({run.model_label}) is not a mixture of experts: it has no experts to split",
+            allowed="ep=1 for this model",
+            hint="expert parallel splits a MoE model=hf (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...)",
+        )
+    experts = moe[0]
+    if experts % ep:
+        good = [d for d in range(1, run.layout.shard + 1) if experts % d == 0 and run.layout.shard % d == 0]
+        raise ConfigError(
+            "ep",
+            ep,
+            f"the {experts} experts of each MoE layer (config.json) do not split evenly over ep={ep} ranks",
+            allowed="ep in " + ", ".join(map(str, good)),
+            hint=f"use ep={max(good)}",
+        )
+
+
+def _check_moe_sizes(run: ResolvedRun, experts: int, top_k: int) -> None:
+    if top_k > experts:
+        raise ConfigError(
+            "model.path",
+            run.cfg.model.path,
+            f"config.json routes each token to num_experts_per_tok={top_k} of only {experts} experts",
+            allowed=f"num_experts_per_tok in 1..{experts}",
+        )
+    kernel = getattr(run.cfg.model, "experts_implementation", None)
+    if run.precision.param == "float64" and kernel in (None, "grouped_mm"):
+        raise ConfigError(
+            "model.experts_implementation",
+            kernel,
+            "transformers' grouped_mm experts kernel (its default) runs no float64",
+            allowed="eager or batched_mm under precision=64-true",
+            hint="model.experts_implementation=eager",
         )
 
 
@@ -515,6 +566,7 @@ HF = ModelKind(
     default_vocab=hf_folder_vocab,
     without_weights=hf_without_weights,
     tied_embeddings=hf_tied_embeddings,
+    experts=lambda model: read_model_folder(model.path).experts,
 )
 MODULE = ModelKind(
     name="module",

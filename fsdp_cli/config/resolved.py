@@ -42,6 +42,8 @@ class Layout:
     """Pipeline stages' ranks: the model is cut into pp x ``pipeline.stages_per_rank`` stages."""
     cp: int = 1
     """Ranks that split each sequence (context parallel); parameters are sharded over shard x cp."""
+    ep: int = 1
+    """Ranks each MoE layer's experts are split over (expert parallel), out of the shard ranks."""
 
     @property
     def world_size(self) -> int:
@@ -56,6 +58,8 @@ class Layout:
         columns = {"world_size": self.world_size, "dp": self.dp, "tp": self.tp}
         if self.cp > 1:
             columns["cp"] = self.cp
+        if self.ep > 1:
+            columns["ep"] = self.ep
         return {**columns, "pp": self.pp} if self.pp > 1 else columns
 
 
@@ -88,6 +92,7 @@ class ResolvedRun:
             shard=split.shard,
             pp=cfg.pp,
             cp=cfg.cp,
+            ep=cfg.ep,
         )
         precision = resolve_precision(cfg.precision.name, policy_dtypes(cfg.strategy.explicit_policy()))
         return cls(
@@ -105,7 +110,12 @@ class ResolvedRun:
         replicate x shard x tp.)"""
         layout = self.layout
         return ParallelDims(
-            dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, pp=layout.pp, cp=layout.cp
+            dp_replicate=layout.replicate,
+            dp_shard=layout.shard,
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            ep=layout.ep,
         )
 
     def with_config(self, cfg: TrainConfig) -> ResolvedRun:

@@ -891,6 +891,10 @@ class TrainConfig:
     cp: int = field(default=1, metadata=at_least(1))
     """Context-parallel size: each sequence split over cp ranks, attention exchanged all-to-all
     over heads (``strategy=fsdp2``; docs/context-parallel.md); world = pp x dp x cp x tp."""
+    ep: int = field(default=1, metadata=at_least(1))
+    """Expert-parallel size: each MoE layer's experts split over ep of the data-parallel ranks,
+    tokens routed to them all-to-all (``strategy=fsdp2``, a MoE ``model=hf``;
+    docs/expert-parallel.md); ep divides dp / ``strategy.replicate_size`` and the experts."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     """With pp > 1: the schedule, micro-batches, stages per rank and where the model is cut."""
     peft: AdapterOptions = field(default_factory=AdapterOptions)

@@ -99,6 +99,7 @@ FOREIGN_NAMES: dict[str, str] = {
     "lora_target_modules": "peft.targets (with peft=lora)",
     "gradient_checkpointing": "strategy.activation_checkpointing=full",
     "context_parallel_size": "cp",
+    "expert_parallel_size": "ep",
     "tensor_parallel_size": "tp",
     "pipeline_parallel_size": "pp",
 }

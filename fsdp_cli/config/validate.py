@@ -33,7 +33,7 @@ from fsdp_cli.config.data_checks import (
     check_validation_data,
     check_vocabulary,
 )
-from fsdp_cli.config.model_kinds import check_context_parallel, check_model, kind_of
+from fsdp_cli.config.model_kinds import check_context_parallel, check_expert_parallel, check_model, kind_of
 from fsdp_cli.config.pipeline_checks import check_pipeline_layout
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import Accelerator, DataModuleConfig, TrainConfig
@@ -128,6 +128,7 @@ CHECKS: tuple[Callable[[ResolvedRun], None], ...] = (
     check_strategy,
     check_composition,
     check_context_parallel,
+    check_expert_parallel,
     check_pipeline_layout,
     check_model,
     check_adapters,

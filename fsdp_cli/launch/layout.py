@@ -82,6 +82,7 @@ def parallel_dims(cfg: TrainConfig, *, devices: int, num_nodes: int) -> Parallel
         tp=tp,
         pp=_positive_int("pp", cfg.pp),
         cp=_positive_int("cp", cfg.cp),
+        ep=_positive_int("ep", cfg.ep),
         replicate=cfg.strategy.replicas(),
         world=f"devices={devices} x num_nodes={num_nodes}",
     )

@@ -84,17 +84,19 @@ class CausalLMModule(L.LightningModule):
 
     def _with_auxiliary(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` plus what the model's last forward adds to training (a mixture of experts'
-        load-balancing loss, times its coefficient: ``pop_auxiliary_loss()``), logged apart."""
+        load-balancing loss, times its coefficient: ``pop_auxiliary_loss()``; metrics.jsonl shows
+        it apart, :meth:`step_metrics`)."""
         pop = getattr(self.model, "pop_auxiliary_loss", None)
         auxiliary = pop() if pop is not None else None
-        if auxiliary is None:
-            return loss
+        return loss if auxiliary is None else loss + auxiliary.to(loss.dtype)
+
+    def step_metrics(self) -> dict[str, float]:
+        """What metrics.jsonl adds to a logged step's row (read only then: a host sync): a mixture
+        of experts' load-balancing loss and its experts' load, over every rank's tokens."""
         balance = getattr(self.model, "balance", None)
-        if balance is not None and self._trainer is not None:
-            self.log("moe_aux_loss", balance.loss.float())
-            for key, value in balance.loads().items():
-                self.log(key, value)
-        return loss + auxiliary.to(loss.dtype)
+        if balance is None:
+            return {}
+        return {"moe_aux_loss": float(balance.loss), **balance.loads()}
 
     # The pipeline hooks (pp > 1: the strategy runs the step through a schedule, which feeds the
     # inputs to the first stage and hands the last stage's output to the loss, micro-batch by

@@ -25,6 +25,8 @@ _ALIASES = {
     "heads": ("num_attention_heads", "n_head"),
     "kv_heads": ("num_key_value_heads",),
     "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
+    "experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "experts_per_token": ("num_experts_per_tok",),
 }
 
 
@@ -52,6 +54,15 @@ class ModelFolder:
     def tied_embeddings(self) -> bool:
         tied = self.get("tie_word_embeddings")
         return True if tied is None else bool(tied)  # transformers' default is to tie
+
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """A mixture of experts' (routed experts per MoE layer, experts per token); None when dense."""
+        experts = self.get("experts")
+        if not isinstance(experts, int) or experts < 2:
+            return None
+        top_k = self.get("experts_per_token")
+        return experts, int(top_k) if isinstance(top_k, int) else 1
 
     def tp_sizes(self) -> dict[str, int]:
         """Sizes each tensor-parallel rank needs an equal share of (those the config declares)."""

@@ -84,6 +84,9 @@ class WeightFiller:
         self.ignore_unexpected = [re.compile(p) for p in (*unexpected, *ALWAYS_IGNORED)]
         self.ignore_missing = [re.compile(p) for p in missing]
         self._locations: dict[str, tuple[Path, str]] | None = None
+        self._experts: dict[str, dict[tuple[int, int], tuple[Path, str]]] = {}
+        """Fused experts tensors the checkpoint holds one tensor per expert for (the hub's layout):
+        name -> (expert, part) -> (file, key)."""
 
     # ------------------------------------------------------------------ the entry point
 
@@ -143,6 +146,8 @@ class WeightFiller:
         by_file: dict[Path, list[tuple[str, str]]] = {}
         missing = []
         for name in targets:
+            if name in self._experts:
+                continue
             if name in locations:
                 file, key = locations[name]
                 by_file.setdefault(file, []).append((name, key))
@@ -151,6 +156,12 @@ class WeightFiller:
         if missing:
             raise RuntimeError(f"{self.source.path}: the checkpoint lacks {', '.join(sorted(missing)[:8])}")
         filled: set[int] = set()
+        for name, parts in self._experts.items():
+            if name in targets:
+                _copy_experts(targets[name], parts, self.report)
+                mark_initialized(targets[name])
+        expert_files = {file for name in targets for file, _ in self._experts.get(name, {}).values()}
+        self.report.files += len(expert_files - set(by_file))
         for file, pairs in by_file.items():
             # safetensors memory-maps the file; get_slice reads only the bytes asked for.
             with safe_open(str(file), framework="pt", device="cpu") as reader:
@@ -179,6 +190,11 @@ class WeightFiller:
             with safe_open(str(file), framework="pt", device="cpu") as reader:
                 keys = list(reader.keys())
             for key in keys:
+                name, part = to_name.expert_part(key)
+                if part is not None and name in self.expected:
+                    expert, index, _ = part
+                    self._experts.setdefault(name, {})[(expert, index)] = (file, key)
+                    continue
                 name = to_name(key)
                 if name in self.expected:
                     locations[name] = (file, key)
@@ -253,13 +269,26 @@ class KeyMapper:
         self.expected = expected
         self.prefix = prefix or ""
 
+    def expert_part(self, key: str) -> tuple[str, tuple[int, int, int] | None]:
+        """A key of one expert's tensor that the model fuses (the hub's MoE layout): (the fused
+        tensor's name, (expert, part, parts)); else (key, None)."""
+        from fsdp_cli.compat.transformers_internals import expert_part
+
+        name, converter = self.rename(key)
+        part = None if converter is None else expert_part(converter, key)
+        return (self._prefixed(name), part) if part is not None else (key, None)
+
     def __call__(self, key: str) -> str:
         name, converter = self.rename(key)
         if converter is not None:
             raise RuntimeError(
-                f"checkpoint key {key!r} needs transformers' conversion {converter!r}, which combines "
+                f"checkpoint key {key!r} needs transformers' conversion "
+                f"{getattr(converter, 'source_patterns', converter)!r}, which combines "
                 "tensors and cannot be read shard by shard; save the model with current transformers first"
             )
+        return self._prefixed(name)
+
+    def _prefixed(self, name: str) -> str:
         if name in self.expected or not self.prefix:
             return name
         if name.startswith(self.prefix + ".") and name[len(self.prefix) + 1 :] in self.expected:
@@ -344,6 +373,63 @@ def _copy_into(target: torch.Tensor, reader: Any, key: str, report: LoadReport) 
     report.tensors_read += 1
     report.bytes_read += piece.numel() * piece.element_size()
     local.copy_(piece.to(target.dtype).reshape(local.shape))
+
+
+def _copy_experts(
+    target: torch.Tensor, parts: dict[tuple[int, int], tuple[Path, str]], report: LoadReport
+) -> None:
+    """A fused experts tensor ``[experts, ...]`` from one checkpoint tensor per expert (and part:
+    ``gate_proj`` and ``up_proj`` concatenated into ``gate_up_proj``): only the experts this
+    rank holds are read."""
+    from safetensors import safe_open
+
+    experts = target.shape[0]
+    count = 1 + max(part for _, part in parts)
+    wanted = [(e, p) for e in range(experts) for p in range(count)]
+    lacking = [f"expert {e} part {p}" for e, p in wanted if (e, p) not in parts]
+    if lacking or len(parts) != len(wanted):
+        raise RuntimeError(
+            f"the checkpoint's experts do not fill a tensor of {experts} experts "
+            f"(lacking {', '.join(lacking[:4]) or 'nothing'}; {len(parts)} tensors for {len(wanted)})"
+        )
+    rows = _expert_rows(target)
+    local = _local(target)
+    readers: dict[Path, Any] = {}
+    with contextlib.ExitStack() as stack:
+        for row, expert in enumerate(rows):
+            pieces = []
+            for part in range(count):
+                file, key = parts[(expert, part)]
+                if file not in readers:
+                    readers[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                pieces.append(readers[file].get_tensor(key))
+            whole = torch.cat(pieces, dim=0)
+            if tuple(whole.shape) != tuple(target.shape[1:]):
+                raise RuntimeError(
+                    f"{parts[(expert, 0)][1]}: the checkpoint's expert {expert} is {tuple(whole.shape)}, "
+                    f"the model's {tuple(target.shape[1:])}"
+                )
+            local[row].copy_(whole.to(local.dtype))
+            report.tensors_read += count
+            report.bytes_read += whole.numel() * whole.element_size()
+
+
+def _expert_rows(target: torch.Tensor) -> list[int]:
+    """The experts (rows of dim 0) this rank's part of ``target`` holds, in order: all of them
+    unsharded, else those a sharding of dim 0 alone (FSDP2, expert parallel) gives it."""
+    experts = target.shape[0]
+    if not _is_dtensor(target):
+        return list(range(experts))
+    if any(p.is_shard() and getattr(p, "dim", 0) != 0 for p in target.placements):
+        raise RuntimeError(f"experts sharded along {target.placements}: only their first dimension may be")
+    index = torch.arange(experts, dtype=torch.float64).view(experts, *([1] * (target.dim() - 1)))
+    from torch.distributed.tensor import distribute_tensor
+
+    local = distribute_tensor(index, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    rows = [int(i) for i in local.flatten().tolist()]
+    if len(rows) != _local(target).shape[0]:
+        raise RuntimeError(f"experts: {len(rows)} rows found for a local part of {_local(target).shape[0]}")
+    return rows
 
 
 def _box(tensor: torch.Tensor) -> tuple[slice, ...] | None:

@@ -132,7 +132,7 @@ def parallelize(
         experts=experts,
         experts_mesh=dims.expert_fsdp_mesh if experts else None,
     )
-    report.fsdp_units = _unit_names(model, units)
+    report.fsdp_units = _unit_names(model, [*experts, *units])
     return report
 
 

@@ -39,6 +39,8 @@ class RunSummary:
     tp: int | None = None
     cp: int | None = None
     """Context-parallel size (only when above 1)."""
+    ep: int | None = None
+    """Expert-parallel size (only when above 1)."""
     pp: int | None = None
     """Pipeline-parallel size (only when above 1)."""
     precision: str | None = None

@@ -41,7 +41,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: Path, console: Console | 
 
 
 def _rows(summary: Mapping[str, Any], run_dir: Path) -> list[tuple[str, Any]]:
-    pp = f" pp={summary['pp']}" if summary.get("pp") else ""
+    pp = "".join(f" {k}={summary[k]}" for k in ("cp", "ep") if summary.get(k))
+    pp += f" pp={summary['pp']}" if summary.get("pp") else ""
     layout = f"{summary.get('strategy')}  dp={summary.get('dp')} tp={summary.get('tp')}{pp}  world={summary.get('world_size')}"
     rows = [
         ("layout", layout),

@@ -103,6 +103,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             ``context_parallel`` gets this rank's
             :class:`~fsdp_cli.parallel.context_parallel.ContextParallel` (docs/context-parallel.md);
             parameters are sharded over the data-parallel x cp ranks.
+        expert_parallel_size: ranks each mixture-of-experts layer's experts are split over (ep),
+            borrowed from the data-parallel shard ranks: the model answers ``expert_modules()``
+            and ``use_expert_parallel(mesh)`` (``model=hf`` MoE models do;
+            docs/expert-parallel.md); the experts' parameters are sharded over the other
+            data-parallel ranks.
         save_distributed_checkpoint: ``False`` (default, as NeMo): :meth:`save_checkpoint` writes one
             unsharded file through ``checkpoint_io``; ``True``: a sharded DCP folder.
         **kwargs: ``process_group_backend``, ``timeout`` as for ModelParallelStrategy.
@@ -124,6 +129,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         pipeline_parallel_size: int = 1,
         pipeline: PipelineOptions | None = None,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -133,6 +139,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if dims is not None:  # (Lightning's ModelParallelStrategy keeps the two sizes too)
             data_parallel_size, tensor_parallel_size, replicate_size = dims.dp, dims.tp, dims.dp_replicate
             pipeline_parallel_size, context_parallel_size = dims.pp, dims.cp
+            expert_parallel_size = dims.ep
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -148,6 +155,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.context_parallel_size = context_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.pipeline_options = pipeline or PipelineOptions()
         if pipeline_parallel_size > 1:  # a schedule torch lacks: one line now, not at setup
             stages_per_rank_of(self.pipeline_options, schedule_of(self.pipeline_options.schedule))
@@ -198,10 +206,11 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 replicate=replicate,
                 pp=pp,
                 cp=cp,
+                ep=self.expert_parallel_size,
                 names=LIBRARY_NAMES,
             )
         except ConfigError as err:
-            if err.key in (LIBRARY_NAMES.replicate, LIBRARY_NAMES.pp, LIBRARY_NAMES.cp):
+            if err.key in (LIBRARY_NAMES.replicate, LIBRARY_NAMES.pp, LIBRARY_NAMES.cp, LIBRARY_NAMES.ep):
                 raise
             # ModelParallelStrategy's error (a RuntimeError, its words), still one of our ConfigErrors.
             sentence = (
