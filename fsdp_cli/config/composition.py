@@ -130,6 +130,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("tp", "tp > 1", "tp", lambda run: run.layout.tp > 1, ("tp=2",)),
     Feature("pp", "pp > 1", "pp", lambda run: run.layout.pp > 1, ("pp=2",)),
     Feature("cp", "cp > 1 (context parallel)", "cp", lambda run: run.layout.cp > 1, ("cp=2",)),
+    Feature("ep", "ep > 1 (expert parallel)", "ep", lambda run: run.layout.ep > 1, ("ep=2", "devices=4")),
     Feature("lora", "peft=lora", "peft", lambda run: run.cfg.peft.enabled, ("peft=lora",)),
     Feature("chat", "data=chat", "data", _chat, CHATS),
     Feature(
@@ -256,6 +257,7 @@ _T = "builtin,tp,chat,packing,offload,full_ckpt"
 
 
 _M = "module,lora,chat,ac,compile,float8,bf16,offload,full_ckpt"
+_E = "fsdp2,hf,ep,hsdp,chat,packing,ac,offload,bf16,float8,full_ckpt"
 COMPOSED = {
     "test_composition.py::test_a_composed_hf_run_on_hsdp_equals_one_process": ["fsdp2", *_A.split(",")],
     "test_composition.py::test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process": [
@@ -268,6 +270,8 @@ COMPOSED = {
     ],
     "test_composition.py::test_a_composed_plain_module_run_equals_one_process": ["fsdp2", *_M.split(",")],
     "test_composition.py::test_the_composed_hf_run_resumes_at_another_layout": ["resume_layout", *_ALL_A],
+    "test_expert_parallel.py::test_fsdp_train_at_ep2_on_hsdp_equals_one_process": _E.split(","),
+    "test_expert_parallel.py::test_an_ep2_checkpoint_resumes_at_ep1": ["resume_layout", *_E.split(",")],
     "test_context_parallel.py::test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process": [
         *"fsdp2,builtin,cp,bf16,float8,compile,offload".split(",")
     ],
@@ -448,6 +452,64 @@ EXPLICIT = _table(
             "test_context_parallel.py::test_a_lightning_module_with_the_hook_equals_one_process_at_cp2",
             "a module that declares context_parallel (docs/context-parallel.md)",
         ),
+    ),
+    (
+        "ep:fsdp,ddp,model_parallel",
+        Refused(
+            "expert parallel splits the experts over FSDP2's data-parallel ranks",
+            allowed="strategy=fsdp2 with ep > 1",
+            hint="use strategy=fsdp2, or ep=1",
+            lead="ep",
+        ),
+    ),
+    (
+        "ep:tp",
+        Refused(
+            "the experts are not split by tensor parallel (no plan for the fused experts is applied)",
+            allowed="tp=1 with ep > 1",
+            hint="split the experts over ep and the rest over dp (FSDP2)",
+            lead="ep",
+        ),
+    ),
+    (
+        "ep:pp",
+        Refused(
+            "pipeline stages with the experts' all-to-all inside them are not built",
+            allowed="pp=1 with ep > 1",
+            hint="shard a large MoE model with FSDP2 over dp and its experts over ep",
+            lead="ep",
+        ),
+    ),
+    (
+        "ep:cp",
+        Refused(
+            "expert parallel with context parallel is not built (ep borrows the data-parallel ranks only)",
+            allowed="cp=1 with ep > 1",
+            hint="long sequences of a MoE model: cp with dp alone (ep=1)",
+            lead="ep",
+        ),
+    ),
+    (
+        "ep:lora",
+        Refused(
+            "adapters on a mixture of experts' fused experts are not built; the experts would stay frozen",
+            allowed="peft=none with ep > 1",
+            hint="LoRA of a MoE model's attention at ep=1, or full fine-tuning at ep > 1",
+            lead="ep",
+        ),
+    ),
+    (
+        "ep:compile",
+        Refused(
+            "the experts' token exchange has data-dependent sizes: torch.compile would break its graph at every MoE layer",
+            allowed="strategy.compile=false with ep > 1",
+            hint="strategy.compile=false",
+            lead="ep",
+        ),
+    ),
+    (
+        "ep:builtin,module,lightning",
+        Refused("not a mixture of experts: no experts to split", check="config.model_kinds.check_expert_parallel"),
     ),
     # Cannot be asked for.
     ("ddp:hsdp,ac,compile,float8,offload", Moot(_NO_KEY.format("ddp"))),

@@ -93,6 +93,7 @@ class WeightFiller:
     def fill(self, modules: Sequence[nn.Module] | None = None) -> None:
         """Fill the tensors that ``modules`` (default: every module) hold themselves."""
         started = time.perf_counter()
+        self._learn_swapped_modules()
         selected = list(self.hf.modules()) if modules is None else list(modules)
         ids = {id(m) for m in selected}
         self._retie(ids)
@@ -113,6 +114,16 @@ class WeightFiller:
             _local(p).numel() * p.element_size() for p in self.hf.parameters()
         )
         self.report.seconds += time.perf_counter() - started
+
+    def _learn_swapped_modules(self) -> None:
+        """Modules put in place of the model's own since it was built (float8's ``Float8Linear``
+        for an ``nn.Linear``) are known by their place: filled and initialised like the ones they
+        replaced (known only by object, they were skipped: left as ``to_empty`` made them)."""
+        for name, module in self.hf.named_modules(remove_duplicate=False):
+            if id(module) not in self.names:
+                self.names[id(module)] = canonical_name(name)
+                self.modules[canonical_name(name)] = module
+        self.owners.update({k: v for k, v in _owners(self.hf).items() if k not in self.owners})
 
     # ------------------------------------------------------------------ ties
 
