@@ -10,6 +10,9 @@ split over ep, FSDP2 over the rest) and this rank's rows of the batch. Prints on
 (layout, family, way): ``right`` (the library's), ``per_rank_balance`` (the load-balancing
 statistics of each rank's tokens alone) and ``unscaled`` (the experts' gradients not divided by
 ep): the largest relative difference of the losses and of the gradients against the reference.
+The first family runs on every layout, the others on the first; ``--round-trip`` saves the first
+layout's trained model with DCP, loads it at ep=1 (every rank data-parallel) and prints whether
+every weight came back bit for bit (``round_trip_equal``).
 
     torchrun --nproc-per-node 4 tests/expert_parallel_check.py --layouts ep2xdp2,ep2xhsdp --folder DIR
 """
@@ -28,7 +31,7 @@ from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
 
 VOCAB, SEQ, ROWS = 64, 8, 4
-LAYOUTS = {"dp4": (1, 4, 1), "ep2": (1, 2, 2), "ep2xdp2": (1, 4, 2), "ep2xhsdp": (2, 2, 2), "ep4": (1, 4, 4)}
+LAYOUTS = {"dp2": (1, 2, 1), "dp4": (1, 4, 1), "ep2": (1, 2, 2), "ep2xdp2": (1, 4, 2), "ep2xhsdp": (2, 2, 2), "ep4": (1, 4, 4)}
 """(replicate, shard, ep) of each layout."""
 FAMILIES = {
     # experts, top-k and a load-balancing coefficient large enough to move the router
@@ -107,9 +110,7 @@ def reference(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Ten
     return train(model, steps, slice(None), reduce_losses=False)
 
 
-def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor], layout: str, way: str):
-    from fsdp_cli.parallel import expert_parallel
-
+def parallel_model(path: Path, family: str, dtype: torch.dtype, layout: str):
     replicate, shard, ep = LAYOUTS[layout]
     dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=1, ep=ep)
     dims.build_mesh("cpu")
@@ -117,7 +118,28 @@ def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.T
     parallelize(model, dims, ParallelizeOptions())
     model.to_empty(device="cpu")
     model.init_weights()
-    model.to(dtype).train()
+    return model.to(dtype).train(), dims
+
+
+def round_trip(model, path: Path, family: str, dtype: torch.dtype, folder: Path) -> bool:
+    """``model``'s weights saved with DCP, loaded into the model at ep=1 (a fresh init first):
+    every weight equal, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
+    other, _ = parallel_model(path, family, dtype, "dp4" if dist.get_world_size() == 4 else "dp2")
+    state = get_model_state_dict(other)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(other, state)
+    mine = dict(model.named_parameters())
+    return all(torch.equal(_whole(p.detach()), _whole(mine[n].detach())) for n, p in other.named_parameters())
+
+
+def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor], layout: str, way: str):
+    from fsdp_cli.parallel import expert_parallel
+
+    model, dims = parallel_model(path, family, dtype, layout)
     model.balance_across_ranks = way != "per_rank_balance"
     scale = expert_parallel._ScaleGrad.apply
     if way == "unscaled":
@@ -126,7 +148,7 @@ def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.T
         dp_mesh = dims.data_parallel_mesh
         per = ROWS // dp_mesh.size()
         mine = slice(dp_mesh.get_local_rank() * per, (dp_mesh.get_local_rank() + 1) * per)
-        return train(model, steps, mine, reduce_losses=True)
+        return (*train(model, steps, mine, reduce_losses=True), model)
     finally:
         expert_parallel._ScaleGrad.apply = scale
 
@@ -155,6 +177,7 @@ def main() -> None:
     parser.add_argument("--ways", default="right")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--folder", required=True)
+    parser.add_argument("--round-trip", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     folder = Path(args.folder)
@@ -165,12 +188,13 @@ def main() -> None:
         paths[family] = folder / family
     dist.barrier()
     steps = batches(args.steps)
-    for family in args.families.split(","):
+    families, layouts = args.families.split(","), args.layouts.split(",")
+    for family in families:
         dtype = FAMILIES[family][0]
         ref_losses, ref_grads = reference(paths[family], family, dtype, steps)
-        for layout in args.layouts.split(","):
-            for way in args.ways.split(","):
-                losses, grads = distributed(paths[family], family, dtype, steps, layout, way)
+        for layout in layouts if family == families[0] else layouts[:1]:
+            for way in args.ways.split(",") if family == families[0] else ["right"]:
+                losses, grads, model = distributed(paths[family], family, dtype, steps, layout, way)
                 row = {
                     "layout": layout,
                     "family": family,
@@ -179,6 +203,8 @@ def main() -> None:
                     "grad_gap": grad_gap(grads, ref_grads),
                     "losses": losses,
                 }
+                if args.round_trip and family == families[0] and layout == layouts[0] and way == "right":
+                    row["round_trip_equal"] = round_trip(model, paths[family], family, dtype, folder / "dcp")
                 if dist.get_rank() == 0:
                     print(json.dumps(row), flush=True)
     dist.destroy_process_group()

@@ -534,16 +534,12 @@ EXPLICIT = _table(
         "lightning:hsdp,ac,compile,float8,offload",
         Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
-    ("module:hsdp,resume_layout fsdp:module ddp:module float8:resume_layout", Untested()),
+    ("module:hsdp,resume_layout fsdp:module ddp:module", Untested()),
     (
         "compile:hf,hsdp,resume_layout",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
     ),
-    (
-        "hsdp:tp,pp,bf16,float8",
-        Untested("needs 8 ranks (hsdp x tp or pp), or bf16 beside the fp32 composed run"),
-    ),
-    ("hf:bf16,float8", Untested("the composed hf run is fp32")),
+    ("hsdp:tp,pp", Untested("needs 8 ranks (hsdp x tp or pp)")),
     ("tp:bf16", Untested("the composed tensor-parallel run is fp32")),
 )
 

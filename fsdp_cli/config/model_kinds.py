@@ -190,7 +190,7 @@ def check_expert_parallel(run: ResolvedRun) -> None:
         raise ConfigError(
             "ep",
             ep,
-            f"model={kind.name} ({run.model_label}) is not a mixture of experts: it has no experts to split",
+            f"the model ({run.model_label}) is not a mixture of experts: it has no experts to split",
             allowed="ep=1 for this model",
             hint="expert parallel splits a MoE model=hf (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...)",
         )

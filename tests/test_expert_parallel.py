@@ -1,0 +1,329 @@
+"""Expert parallel (``ep``): each MoE layer's experts split over ep of the data-parallel ranks,
+tokens routed all-to-all (fsdp_cli/parallel/expert_parallel.py).
+
+The library's layouts against one process, losses and gradients (Qwen3-MoE in float64 at ep=2 on
+2 and 4 ranks, HSDP and ep=4; Mixtral and OLMoE in float32), the two traps measured (routing
+statistics per rank, expert gradients not divided by ep) and a DCP round trip to ep=1
+(tests/expert_parallel_check.py); fsdp-train at ep=2 on HSDP with packed chat data, bf16, float8,
+activation checkpointing and offload against one process, its checkpoint resumed at ep=1 and
+exported in the hub's layout (one tensor per expert) that transformers loads; hub-format folders
+read as transformers reads them; the load-balancing loss as transformers computes it; the layouts
+that cannot run, refused before launch in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_ok, cli_in_process, losses, read_metrics, read_summary, relative_gap, run, run_cli
+from harness import REPO
+
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+CHECK = REPO / "tests" / "expert_parallel_check.py"
+BF16_TOLERANCE = 0.02
+"""Relative, per step, between a bf16-mixed layout and one bf16-mixed process (as test_composition's)."""
+
+
+def moe_folder(folder: Path, family: str = "qwen3_moe", *, experts: int = 4, weights: bool = True) -> Path:
+    """A tiny MoE model folder as transformers saves it (the hub's layout: one tensor per
+    expert), or its config.json alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {"num_local_experts": experts} if family == "mixtral" else {"num_experts": experts, "moe_intermediate_size": 8}
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        **sizes,
+    )
+    if not weights:
+        folder.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(folder)
+        return folder
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- sizes and parts
+
+
+def test_ep_is_borrowed_from_the_shard_dimension_of_the_mesh() -> None:
+    from fsdp_cli.errors import ConfigError
+    from fsdp_cli.parallel.dims import CP, DP_REPLICATE, EP, EXPERT_SHARD, PP, TP, ParallelDims
+
+    dims = ParallelDims.resolve(world_size=8, replicate=2, ep=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.ep) == (2, 4, 2)
+    assert dims.mesh_sizes() == {PP: 1, DP_REPLICATE: 2, EXPERT_SHARD: 2, EP: 2, CP: 1, TP: 1}
+    assert dims.world_size == 8
+    with pytest.raises(ConfigError) as error:
+        ParallelDims.resolve(world_size=8, replicate=2, ep=8)
+    assert error.value.key == "ep" and "shard size 4" in str(error.value)
+
+
+def test_the_balance_loss_is_transformers_own_at_one_process() -> None:
+    """At one process the load-balancing loss is transformers' (its float32 sums)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from fsdp_cli.parallel.expert_parallel import balance_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(24, 6, generator=gen) for _ in range(3))
+    ours, stats = balance_loss(logits, 6, 2)
+    theirs = load_balancing_loss_func(logits, 6, 2)
+    assert torch.allclose(ours, theirs, rtol=1e-6), (ours, theirs)
+    assert torch.allclose(stats.loss, theirs, rtol=1e-6)
+    assert int(stats.tokens.sum()) == 3 * 24 * 2  # every layer's top-2 assignments
+    loads = stats.loads()
+    assert loads["moe_tokens_min"] <= 24 * 2 / 6 <= loads["moe_tokens_max"] and loads["moe_imbalance"] >= 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_hub_layout_moe_folder_loads_as_transformers_loads_it(family: str, tmp_path: Path) -> None:
+    """One tensor per expert in the files, fused in the model: each fused tensor filled from its
+    experts' tensors (Mixtral's renamed ones too), bit for bit as ``from_pretrained``."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+
+    folder = moe_folder(tmp_path / family, family)
+    with safe_open(str(folder / "model.safetensors"), "pt") as reader:
+        assert any(".experts.3." in key for key in reader.keys())  # the hub's layout
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = build_hf_model(HFModelArgs(path=str(folder)), seed=0)
+    ours.to_empty(device="cpu")
+    ours.init_weights()
+    mine = dict(ours.hf.named_parameters())
+    for name, param in theirs.named_parameters():
+        assert torch.equal(mine[name], param), name
+
+
+def test_a_model_hf_under_float8_is_filled_like_without_it(tmp_path: Path) -> None:
+    """float8 swaps each block's nn.Linear for a new Float8Linear before the weights are read:
+    the swapped layers get the folder's weights too (they were left as ``to_empty`` made them,
+    and the run went non-finite at step 1)."""
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+    from fsdp_cli.parallel.float8 import apply_float8
+
+    folder = moe_folder(tmp_path / "moe")
+    plain, swapped = (build_hf_model(HFModelArgs(path=str(folder)), seed=0) for _ in range(2))
+    assert apply_float8(swapped, emulate=True) > 0
+    for model in (plain, swapped):
+        model.to_empty(device="cpu")
+        model.init_weights()
+    mine = dict(swapped.named_parameters())
+    for name, param in plain.named_parameters():
+        assert torch.equal(mine[name], param), name
+
+
+# --------------------------------------------------------------------------- refused before launch
+
+
+@pytest.fixture(scope="module")
+def moe_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe-configs")
+    return {
+        "four": str(moe_folder(root / "four", weights=False)),
+        "six": str(moe_folder(root / "six", experts=6, weights=False)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model=tiny", "ep=2", "devices=4"], "ep=2: the model (llama) is not a mixture of experts"),
+        (["model.path={four}", "ep=3", "devices=4"], "must divide the data-parallel shard size 4"),
+        (["model.path={six}", "ep=4", "devices=4"], "the 6 experts of each MoE layer"),
+        (["model.path={four}", "ep=2", "devices=4", "strategy=fsdp"], "ep=2: not with strategy=fsdp"),
+        (["model.path={four}", "ep=2", "devices=4", "tp=2"], "ep=2: not with tp > 1"),
+        (["model.path={four}", "strategy=ddp", "precision=64-true"], "model.experts_implementation"),
+    ],
+    ids=["dense", "shard", "experts", "fsdp1", "tp", "float64-kernel"],
+)
+def test_an_ep_layout_that_cannot_run_is_one_line_before_launch(
+    overrides: list[str], words: str, moe_configs: dict[str, str], tmp_path: Path
+) -> None:
+    args = [o.format(**moe_configs) for o in overrides]
+    if any(a.startswith("model.path") for a in args):
+        args = ["model=hf", "model.pretrained=false", *args]
+    result = cli_in_process(["accelerator=cpu", *args], tmp_path / "run", env=CPU)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, (args, result.stderr)
+    assert words in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------- the library's layouts
+
+
+def check(nproc: int, *args: str) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(CHECK), *args]
+    result = run(cmd, timeout=300, cwd=REPO, env=CPU)
+    assert result.returncode == 0, result
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "layouts", "families", "ways"),
+    [
+        (2, "ep2", "qwen3_moe", "right,per_rank_balance,unscaled"),
+        (4, "ep2xdp2,ep2xhsdp,ep4", "qwen3_moe,mixtral,olmoe", "right"),
+    ],
+    ids=["ep2", "ep2xdp2_hsdp_ep4"],
+)
+def test_expert_parallel_equals_one_process_in_float64(
+    nproc: int, layouts: str, families: str, ways: str, tmp_path: Path
+) -> None:
+    """5 SGD steps of a tiny Qwen3-MoE (4 experts, top-2, load-balancing loss at 0.1) in float64
+    with the eager experts: the per-step losses (balance loss included) and whole gradients of
+    ep=2 on 2 ranks, ep=2 x dp=2, ep=2 x HSDP and ep=4 on 4 equal one process's within 1e-10;
+    Mixtral and OLMoE (transformers' default experts kernel) in float32 within 1e-5. Each rank's
+    own routing statistics in the balance loss (seen: 3.0), or expert gradients not divided by ep
+    (seen: 1.0 — AdamW's losses would hide it), move the gradients by far more than 1e-3. The
+    ep=2 x dp=2 model saved with DCP loads at ep=1 bit for bit."""
+    rows = check(
+        nproc,
+        f"--layouts={layouts}",
+        f"--families={families}",
+        f"--ways={ways}",
+        f"--folder={tmp_path}",
+        *(["--round-trip"] if nproc == 4 else []),
+    )
+    first, *others = families.split(",")
+    expected = {(layout, first, way) for layout in layouts.split(",") for way in ways.split(",")}
+    expected |= {(layouts.split(",")[0], family, "right") for family in others}
+    assert {(r["layout"], r["family"], r["way"]) for r in rows} == expected, rows
+    for row in rows:
+        if row["way"] != "right":
+            assert row["grad_gap"] > 1e-3, row
+            continue
+        bound = 1e-10 if row["family"] == "qwen3_moe" else 1e-5
+        assert row["loss_gap"] < bound and row["grad_gap"] < bound, row
+    if nproc == 4:
+        assert [r["round_trip_equal"] for r in rows if "round_trip_equal" in r] == [True], rows
+
+
+# --------------------------------------------------------------------------- fsdp-train
+
+
+COMMON = [
+    "model=hf",
+    "data=chat",
+    "data.packing=true",
+    "data.seq_len=48",
+    "data.global_batch_size=8",
+    "trainer.max_steps=4",
+    "accelerator=cpu",
+    "seed=5",
+    "precision=bf16-mixed",
+    "strategy.float8=true",
+]
+AC_OFFLOAD = ["strategy.activation_checkpointing=full", "strategy.cpu_offload=true"]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """fsdp-train at ep=2 on 4 ranks (HSDP: 2 replicas x 2 shard ranks, each pair splitting the
+    experts), one process, and the ep run's step-2 full file resumed at ep=1 on 2 ranks."""
+    from test_chat_data import CHATML, chats, save_chat_tokenizer, write_chats
+
+    root = tmp_path_factory.mktemp("moe")
+    model = moe_folder(root / "model")
+    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
+        shutil.copy(file, model / file.name)
+    conversations = write_chats(root / "train.jsonl", chats(40, seed=1))
+    common = [
+        *COMMON,
+        f"model.path={model}",
+        f"data.path={conversations}",
+        f"data.tokenizer={model}",
+        f"data.cache_dir={root / 'cache'}",
+    ]
+    runs = {
+        "ep": [
+            *common,
+            "devices=4",
+            "ep=2",
+            "strategy.replicate_size=2",
+            *AC_OFFLOAD,
+            "checkpoint=full",
+            "checkpoint.every_n_steps=2",
+        ],
+        "one": [*common, "devices=1"],
+    }
+    out = {}
+    for name, args in runs.items():
+        out[name] = root / name
+        assert_ok(run_cli(args, out[name], env=CPU), out[name])
+    checkpoint = out["ep"] / "checkpoints" / "step_00000002.pt"
+    out["resumed"] = root / "resumed"
+    resumed = [*common, "devices=2", *AC_OFFLOAD, f"resume={checkpoint}"]
+    assert_ok(run_cli(resumed, out["resumed"], env=CPU), out["resumed"])
+    out["model"] = model
+    return out
+
+
+@pytest.mark.distributed
+def test_fsdp_train_at_ep2_on_hsdp_equals_one_process(moe_runs: dict[str, Path]) -> None:
+    """A Qwen3-MoE folder in the hub's layout (pretrained), packed chat data, bf16-mixed with
+    float8, activation checkpointing and CPU offload, ep=2 within HSDP on 4 ranks: one bf16 float8
+    process's losses and load-balancing loss, within bf16's tolerance (as the other bf16 composed
+    runs; the gradients' exactness at ep is the float64 check's: bf16 and float8 alone move these
+    gradient norms by 2-3%); metrics.jsonl shows the experts' load, the summary ep=2, the setup
+    report the split MoE layers."""
+    ep, one = moe_runs["ep"], moe_runs["one"]
+    assert relative_gap(losses(ep), losses(one)) < BF16_TOLERANCE
+    aux = [[row["moe_aux_loss"] for row in read_metrics(run_dir)] for run_dir in (ep, one)]
+    assert relative_gap(*aux) < BF16_TOLERANCE
+    row = read_metrics(ep)[-1]
+    assert row["moe_tokens_min"] <= row["moe_tokens_max"] and row["moe_imbalance"] >= 1
+    summary = read_summary(ep)
+    assert summary["ep"] == 2 and summary["setup"]["expert_parallel_modules"] == 2
+    assert summary["setup"]["mesh"]["expert_parallel"] == 2
+
+
+@pytest.mark.distributed
+def test_an_ep2_checkpoint_resumes_at_ep1(moe_runs: dict[str, Path]) -> None:
+    """The ep run's step-2 full file continued at ep=1 on 2 ranks: one process's steps 3 and 4,
+    within bf16's tolerance (the weights' bit-exact DCP round trip to ep=1 is the float64 check's)."""
+    resumed = moe_runs["resumed"]
+    assert relative_gap(losses(resumed), losses(moe_runs["one"])[2:]) < BF16_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_an_ep2_checkpoint_exports_in_the_hub_layout(moe_runs: dict[str, Path], tmp_path: Path) -> None:
+    """``fsdp-ckpt convert --to hf`` of the ep run's last file: one tensor per expert, as the
+    folder it started from, and transformers loads the trained weights bit for bit."""
+    from safetensors import safe_open
+    from test_checkpoints import fsdp_ckpt
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = moe_runs["ep"] / "checkpoints" / "step_00000004.pt"
+    out = tmp_path / "hf"
+    assert fsdp_ckpt("convert", str(checkpoint), str(out), "--to", "hf") == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as exported, safe_open(
+        str(moe_runs["model"] / "model.safetensors"), "pt"
+    ) as original:
+        assert sorted(exported.keys()) == sorted(original.keys())
+    trained = torch.load(checkpoint, weights_only=True, mmap=True)["state_dict"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, trained[f"model.hf.{name}"].float()), name
