@@ -17,14 +17,8 @@ def apply_fsdp(
     reshard_after_forward: bool | int = True,
     mp_policy: object | None = None,
     offload_policy: object | None = None,
-    experts: list[nn.Module] = (),  # type: ignore[assignment]
-    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """``fully_shard`` each unit (children first) and then ``model`` itself.
-
-    ``experts`` (expert parallel): modules whose parameters are already split over the ep ranks,
-    sharded first, over ``experts_mesh`` (the other data-parallel ranks), so that the units
-    holding them leave them alone.
 
     A 2-D ``dp_mesh`` (replicate x shard) gives HSDP: parameters are sharded along the second
     dimension and replicated along the first. ``reshard_after_forward`` applies to the units; the
@@ -38,8 +32,6 @@ def apply_fsdp(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": offload_policy or OffloadPolicy(),
     }
-    for module in experts:
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": experts_mesh})
     for index, unit in enumerate(units):
         # The last unit runs first in backward, so resharding it after forward would only make
         # backward gather it again straight away.
@@ -55,6 +47,21 @@ def apply_fsdp(
     # again at the start of backward; torch's default (None) keeps the root gathered instead.
     root = None if reshard_after_forward is True else reshard_after_forward
     fully_shard(model, reshard_after_forward=root, **kwargs)
+
+
+def apply_fsdp_to_experts(experts: list[nn.Module], mesh: DeviceMesh, **kwargs: object) -> None:
+    """Expert parallel: ``fully_shard`` each experts module (its parameters already split over the
+    ep ranks) over ``mesh``, the other data-parallel ranks; before :func:`apply_fsdp`, so that the
+    units holding them leave them alone. ``kwargs``: :func:`apply_fsdp`'s settings."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    reshard = kwargs.get("reshard_after_forward", True)
+    mp_policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
+    offload_policy = kwargs.get("offload_policy") or OffloadPolicy()
+    for module in experts:
+        fully_shard(
+            module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy
+        )
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from torch import nn
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
-from fsdp_cli.parallel.fsdp2 import apply_fsdp
+from fsdp_cli.parallel.fsdp2 import apply_fsdp, apply_fsdp_to_experts
 from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions
 from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
@@ -122,16 +122,14 @@ def parallelize(
 
         report.compiled_blocks = compile_blocks(model, blocks, tensor_parallel=dims.tp_enabled)
 
-    apply_fsdp(
-        model,
-        dims.fsdp_mesh,
-        in_place_of(model, units),
-        reshard_after_forward=options.reshard_after_forward,
-        mp_policy=options.mp_policy,
-        offload_policy=options.offload_policy,
-        experts=experts,
-        experts_mesh=dims.expert_fsdp_mesh if experts else None,
-    )
+    settings = {
+        "reshard_after_forward": options.reshard_after_forward,
+        "mp_policy": options.mp_policy,
+        "offload_policy": options.offload_policy,
+    }
+    if experts:
+        apply_fsdp_to_experts(experts, dims.expert_fsdp_mesh, **settings)
+    apply_fsdp(model, dims.fsdp_mesh, in_place_of(model, units), **settings)
     report.fsdp_units = _unit_names(model, [*experts, *units])
     return report
 

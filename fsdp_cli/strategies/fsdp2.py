@@ -138,8 +138,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         overrides = _parallelize_overrides(kwargs, mp_policy)
         if dims is not None:  # (Lightning's ModelParallelStrategy keeps the two sizes too)
             data_parallel_size, tensor_parallel_size, replicate_size = dims.dp, dims.tp, dims.dp_replicate
-            pipeline_parallel_size, context_parallel_size = dims.pp, dims.cp
-            expert_parallel_size = dims.ep
+            pipeline_parallel_size, context_parallel_size, expert_parallel_size = dims.pp, dims.cp, dims.ep
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -153,8 +152,7 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.options = dataclasses.replace(options or ParallelizeOptions(), **overrides)
         self.parallelize_fn = parallelize_fn
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.context_parallel_size = context_parallel_size
+        self.pipeline_parallel_size, self.context_parallel_size = pipeline_parallel_size, context_parallel_size
         self.expert_parallel_size = expert_parallel_size
         self.pipeline_options = pipeline or PipelineOptions()
         if pipeline_parallel_size > 1:  # a schedule torch lacks: one line now, not at setup
