@@ -1,7 +1,8 @@
 """Test driver (run under torchrun by tests/test_expert_parallel.py): expert parallel against one
 process, per-step losses (the load-balancing loss included) and whole gradients, for tiny
-transformers MoE models built from their configs: Qwen3-MoE in float64 (the ``eager`` experts),
-Mixtral and OLMoE in float32 (transformers' default experts kernel).
+transformers MoE models: Qwen3-MoE in float64 (the ``eager`` experts) read from a folder in the
+hub's layout (one tensor per expert), with 4 experts and with 2 (FSDP2 then shards each expert's
+rows), Mixtral and OLMoE in float32 (transformers' default experts kernel) from a fresh init.
 
 Every rank trains the model in one process on the whole batch (the reference), then the same model
 with the library's code: the mesh of :class:`~fsdp_cli.parallel.dims.ParallelDims` (ep borrowed
@@ -34,16 +35,20 @@ VOCAB, SEQ, ROWS = 64, 8, 4
 LAYOUTS = {"dp2": (1, 2, 1), "dp4": (1, 4, 1), "ep2": (1, 2, 2), "ep2xdp2": (1, 4, 2), "ep2xhsdp": (2, 2, 2), "ep4": (1, 4, 4)}
 """(replicate, shard, ep) of each layout."""
 FAMILIES = {
-    # experts, top-k and a load-balancing coefficient large enough to move the router
-    "qwen3_moe": (torch.float64, "eager"),
-    "mixtral": (torch.float32, None),
-    "olmoe": (torch.float32, None),
+    # model type, dtype, experts kernel, experts, experts per token, weights saved (the hub's
+    # layout, read by every rank) or a fresh init
+    "qwen3_moe": ("qwen3_moe", torch.float64, "eager", 4, 2, True),
+    # 2 experts at ep=2 x dp=2: one expert per rank and 2 shard ranks, so FSDP2 shards dim 1
+    "qwen3_moe_2": ("qwen3_moe", torch.float64, "eager", 2, 1, True),
+    "mixtral": ("mixtral", torch.float32, None, 4, 2, False),
+    "olmoe": ("olmoe", torch.float32, None, 4, 2, False),
 }
 
 
-def write_config(folder: Path, family: str) -> Path:
-    from transformers import AutoConfig
+def write_folder(folder: Path, family: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    model_type, _, _, experts, top_k, weights = FAMILIES[family]
     common = dict(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -52,16 +57,20 @@ def write_config(folder: Path, family: str) -> Path:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
-        num_experts_per_tok=2,
+        num_experts_per_tok=top_k,
         output_router_logits=True,
         router_aux_loss_coef=0.1,
         tie_word_embeddings=False,
     )
-    experts = {"mixtral": {"num_local_experts": 4}}.get(family, {"num_experts": 4, "moe_intermediate_size": 8})
-    config = AutoConfig.for_model(family, **common, **experts)
+    sizes = {"num_local_experts": experts} if model_type == "mixtral" else {"num_experts": experts, "moe_intermediate_size": 8}
+    config = AutoConfig.for_model(model_type, **common, **sizes)
     path = folder / family
     path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
+    if weights:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
     return path
 
 
@@ -69,8 +78,8 @@ def build(path: Path, family: str):
     from fsdp_cli.models.args import HFModelArgs
     from fsdp_cli.models.hf import build_hf_model
 
-    _, kernel = FAMILIES[family]
-    return build_hf_model(HFModelArgs(path=str(path), pretrained=False, experts_implementation=kernel), seed=0)
+    _, _, kernel, _, _, weights = FAMILIES[family]
+    return build_hf_model(HFModelArgs(path=str(path), pretrained=weights, experts_implementation=kernel), seed=0)
 
 
 def batches(steps: int) -> list[torch.Tensor]:
@@ -184,13 +193,13 @@ def main() -> None:
     paths = {}
     for family in args.families.split(","):
         if dist.get_rank() == 0:
-            write_config(folder, family)
+            write_folder(folder, family)
         paths[family] = folder / family
     dist.barrier()
     steps = batches(args.steps)
     families, layouts = args.families.split(","), args.layouts.split(",")
     for family in families:
-        dtype = FAMILIES[family][0]
+        dtype = FAMILIES[family][1]
         ref_losses, ref_grads = reference(paths[family], family, dtype, steps)
         for layout in layouts if family == families[0] else layouts[:1]:
             for way in args.ways.split(",") if family == families[0] else ["right"]:
@@ -202,6 +211,8 @@ def main() -> None:
                     "loss_gap": gap(losses, ref_losses),
                     "grad_gap": grad_gap(grads, ref_grads),
                     "losses": losses,
+                    # how FSDP2 and ep split the experts (``Shard(dim=1)`` first: along their rows)
+                    "expert_placements": str(model.expert_modules()[0].down_proj.placements),
                 }
                 if args.round_trip and family == families[0] and layout == layouts[0] and way == "right":
                     row["round_trip_equal"] = round_trip(model, paths[family], family, dtype, folder / "dcp")

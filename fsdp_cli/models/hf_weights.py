@@ -403,11 +403,12 @@ def _copy_experts(
             f"the checkpoint's experts do not fill a tensor of {experts} experts "
             f"(lacking {', '.join(lacking[:4]) or 'nothing'}; {len(parts)} tensors for {len(wanted)})"
         )
-    rows = _expert_rows(target)
-    local = _local(target)
+    experts_at, rows_at = _expert_coordinates(target)
+    needed = sorted(set(experts_at.flatten().tolist()))
     readers: dict[Path, Any] = {}
+    wholes = []
     with contextlib.ExitStack() as stack:
-        for row, expert in enumerate(rows):
+        for expert in needed:
             pieces = []
             for part in range(count):
                 file, key = parts[(expert, part)]
@@ -420,27 +421,36 @@ def _copy_experts(
                     f"{parts[(expert, 0)][1]}: the checkpoint's expert {expert} is {tuple(whole.shape)}, "
                     f"the model's {tuple(target.shape[1:])}"
                 )
-            local[row].copy_(whole.to(local.dtype))
+            wholes.append(whole)
             report.tensors_read += count
             report.bytes_read += whole.numel() * whole.element_size()
+    local = _local(target)
+    if not needed:  # an empty shard
+        return
+    position = {expert: i for i, expert in enumerate(needed)}
+    which = experts_at.clone().apply_(position.__getitem__)
+    local.copy_(torch.stack(wholes)[which, rows_at].to(local.dtype).reshape(local.shape))
 
 
-def _expert_rows(target: torch.Tensor) -> list[int]:
-    """The experts (rows of dim 0) this rank's part of ``target`` holds, in order: all of them
-    unsharded, else those a sharding of dim 0 alone (FSDP2, expert parallel) gives it."""
-    experts = target.shape[0]
+def _expert_coordinates(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of dim 1 of this rank's part of ``target`` (``[experts, rows, ...]``), the
+    expert and the row of it it holds: all of them unsharded, else what a sharding along dims 0
+    and 1 (expert parallel, FSDP2) gives this rank — so that only its experts are read."""
+    experts, rows = target.shape[0], target.shape[1]
+    grid = (
+        torch.arange(experts).view(experts, 1).expand(experts, rows),
+        torch.arange(rows).view(1, rows).expand(experts, rows),
+    )
     if not _is_dtensor(target):
-        return list(range(experts))
-    if any(p.is_shard() and getattr(p, "dim", 0) != 0 for p in target.placements):
-        raise RuntimeError(f"experts sharded along {target.placements}: only their first dimension may be")
-    index = torch.arange(experts, dtype=torch.float64).view(experts, *([1] * (target.dim() - 1)))
+        return grid
+    if any(p.is_shard() and getattr(p, "dim", 0) > 1 for p in target.placements):
+        raise RuntimeError(f"experts sharded along {target.placements}: only their first two dimensions may be")
     from torch.distributed.tensor import distribute_tensor
 
-    local = distribute_tensor(index, target.device_mesh, target.placements, src_data_rank=None).to_local()
-    rows = [int(i) for i in local.flatten().tolist()]
-    if len(rows) != _local(target).shape[0]:
-        raise RuntimeError(f"experts: {len(rows)} rows found for a local part of {_local(target).shape[0]}")
-    return rows
+    return tuple(  # type: ignore[return-value]
+        distribute_tensor(g.contiguous(), target.device_mesh, target.placements, src_data_rank=None).to_local()
+        for g in grid
+    )
 
 
 def _box(tensor: torch.Tensor) -> tuple[slice, ...] | None:

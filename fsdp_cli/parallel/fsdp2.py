@@ -52,16 +52,33 @@ def apply_fsdp(
 def apply_fsdp_to_experts(experts: list[nn.Module], mesh: DeviceMesh, **kwargs: object) -> None:
     """Expert parallel: ``fully_shard`` each experts module (its parameters already split over the
     ep ranks) over ``mesh``, the other data-parallel ranks; before :func:`apply_fsdp`, so that the
-    units holding them leave them alone. ``kwargs``: :func:`apply_fsdp`'s settings."""
+    units holding them leave them alone. ``kwargs``: :func:`apply_fsdp`'s settings.
+
+    Along the experts (dim 0) while each shard rank gets one at least; past that (more shard ranks
+    than this rank's experts: 128 experts, ep=8, 64 shard ranks) along dim 1, or most ranks would
+    hold no expert and a few a whole one each (torchtitan does the same)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     reshard = kwargs.get("reshard_after_forward", True)
     mp_policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
     offload_policy = kwargs.get("offload_policy") or OffloadPolicy()
     for module in experts:
+        local = next(module.parameters()).to_local().shape[0]  # (this rank's experts)
+        dim = expert_shard_dim(local, mesh.shape[-1])
         fully_shard(
-            module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            shard_placement_fn=lambda param, dim=dim: Shard(dim),
         )
+
+
+def expert_shard_dim(local_experts: int, shard_ranks: int) -> int:
+    """The dimension FSDP2 shards a rank's fused experts ``[local_experts, ...]`` along."""
+    return 0 if shard_ranks <= local_experts else 1
 
 
 @contextmanager

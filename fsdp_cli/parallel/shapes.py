@@ -21,6 +21,8 @@ class ParamShape:
     """The dimension tensor parallel shards (None: replicated on tensor-parallel ranks)."""
     trainable: bool = True
     """Gets a gradient and optimizer state (False: frozen, e.g. a LoRA run's base weights)."""
+    expert: bool = False
+    """A mixture of experts' fused experts (``[experts, ...]``): split over the ep ranks by dim 0."""
 
     @property
     def numel(self) -> int:
@@ -35,6 +37,19 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     """Sizes of ``torch.chunk`` of a length-``n`` dimension into ``parts``, padded with empty chunks."""
     size = math.ceil(n / parts) if n else 0
     return [max(0, min(size, n - i * size)) for i in range(parts)]
+
+
+def expert_rows(shape: tuple[int, ...], ep: int, shard: int) -> tuple[int, int, list[int]]:
+    """A fused experts tensor under expert parallel: (the dimension FSDP2 shards, elements per row
+    of it, each expert-shard rank's rows of it). ``shard``: the data-parallel shard ranks, ep of
+    them splitting the experts (:func:`fsdp_cli.parallel.fsdp2.expert_shard_dim` decides)."""
+    from fsdp_cli.parallel.fsdp2 import expert_shard_dim
+
+    local = (shape[0] // ep, *shape[1:])
+    ranks = shard // ep
+    dim = expert_shard_dim(local[0], ranks)
+    rest = math.prod(local) // local[dim] if local[dim] else 0
+    return dim, rest, chunk_sizes(local[dim], ranks)
 
 
 def tp_local_shape(param: ParamShape, tp: int, tp_rank: int) -> tuple[int, ...]:

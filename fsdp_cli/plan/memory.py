@@ -31,7 +31,7 @@ from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.options import ActivationCheckpointing
-from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, tp_local_shape
+from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, expert_rows, tp_local_shape
 from fsdp_cli.pipeline.sizes import PipelineSizes
 from fsdp_cli.plan.model import FP32, Activations, ModelSpec
 
@@ -198,6 +198,7 @@ def _layout_sizes(run: ResolvedRun, placement: Placement) -> dict[str, int]:
         "replicate": layout.replicate,
         "shard": layout.shard,
         **({"cp": layout.cp} if layout.cp > 1 else {}),
+        **({"ep": layout.ep} if layout.ep > 1 else {}),
         "tp": layout.tp,
         "world": layout.world_size,
     }
@@ -286,15 +287,17 @@ def _tp_block_bytes(acts: Activations, tp: int, sequence_parallel: bool) -> list
 # --------------------------------------------------------------------------- strategies
 
 
-def _unit_sizes(spec: ModelSpec, tp: int) -> dict[str, int]:
-    """Elements per FSDP unit on one tensor-parallel rank (rank 0's share), cached per spec."""
-    if tp not in spec.unit_sizes:
+def _unit_sizes(spec: ModelSpec, tp: int, ep: int = 1) -> dict[str, int]:
+    """Elements per FSDP unit on one tensor-parallel rank (rank 0's share; a unit's experts: this
+    rank's 1 / ep of them, gathered with it), cached per spec."""
+    if (tp, ep) not in spec.unit_sizes:
         sizes: dict[str, int] = {}
         for p in spec.params:
             unit = spec.unit_of(p)
-            sizes[unit] = sizes.get(unit, 0) + math.prod(tp_local_shape(p, tp, 0))
-        spec.unit_sizes[tp] = sizes
-    return spec.unit_sizes[tp]
+            numel = math.prod(tp_local_shape(p, tp, 0)) // (ep if p.expert else 1)
+            sizes[unit] = sizes.get(unit, 0) + numel
+        spec.unit_sizes[(tp, ep)] = sizes
+    return spec.unit_sizes[(tp, ep)]
 
 
 def _fsdp2_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
@@ -328,7 +331,7 @@ def _fsdp2_pipeline_rank(
     (the whole model without pipeline parallel), each stage an FSDP root of its own."""
     layout, keep_all = run.layout, run.cfg.strategy.reshard_after_forward is False
     if sizes is None:
-        params, stages, units = spec.params, [], [_unit_sizes(spec, layout.tp)]
+        params, stages, units = spec.params, [], [_unit_sizes(spec, layout.tp, layout.ep)]
     else:
         from fsdp_cli.plan.stages import stage_params, stage_units
 
@@ -342,12 +345,12 @@ def _fsdp2_pipeline_rank(
     buffers = sum(gathered) if keep_all else max(gathered)
     # Parameters of one shape split alike: count them once per shape (an 8B model has ~10 shapes).
     stored = stored_bytes(run, spec, dtypes)
-    shapes = Counter((p.shape, p.tp_dim, p.trainable, stored(p)) for p in params)
+    shapes = Counter((p.shape, p.tp_dim, p.trainable, stored(p), p.expert and layout.ep > 1) for p in params)
     cache: dict[tuple[int, int], RankMemory] = {}
 
     def memory(coordinate: tuple[int, int]) -> RankMemory:
         if coordinate not in cache:
-            mem = _fsdp2_rank(shapes, layout.shard * layout.cp, layout.tp, coordinate)
+            mem = _fsdp2_rank(shapes, layout.shard * layout.cp, layout.tp, coordinate, ep=layout.ep)
             cache[coordinate] = dataclasses.replace(mem, buffers=buffers, stages=stages)
         return cache[coordinate]
 
@@ -370,22 +373,29 @@ def _fsdp2_hint(run: ResolvedRun, plan: MemoryPlan, limit: float) -> str | None:
 
 
 def _fsdp2_rank(
-    shapes: Counter[tuple[tuple[int, ...], int | None, bool, int]],
+    shapes: Counter[tuple[tuple[int, ...], int | None, bool, int, bool]],
     shard: int,
     tp: int,
     coordinate: tuple[int, int],
+    *,
+    ep: int = 1,
 ) -> RankMemory:
+    """``shapes``: (shape, tp dim, trainable, bytes per element, split over ep) -> how many."""
     shard_rank, tp_rank = coordinate
     mem = RankMemory(0)
-    for (shape, tp_dim, trainable, stored), count in shapes.items():
+    for (shape, tp_dim, trainable, stored, expert), count in shapes.items():
         local = tp_local_shape(ParamShape("", shape, tp_dim), tp, tp_rank)
         rest = math.prod(local[1:])
         rows = chunk_sizes(local[0], shard) if local[0] else [0] * shard
+        index = shard_rank
+        if expert:  # this rank's experts, sharded over the expert-shard ranks (mesh: (expert shard, ep))
+            _, rest, rows = expert_rows(local, ep, shard)
+            index = shard_rank // ep
         mem.params += count * rows[0] * rest * stored  # every rank allocates the longest chunk
         if not trainable:  # frozen (LoRA's base): no gradient, no optimizer state
             continue
         mem.grads += count * rows[0] * rest * stored
-        mem.optimizer += count * (2 * rows[shard_rank] * rest * stored + ADAM_STEP_BYTES)
+        mem.optimizer += count * (2 * rows[index] * rest * stored + ADAM_STEP_BYTES)
     return mem
 
 

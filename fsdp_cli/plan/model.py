@@ -63,8 +63,8 @@ class ModelSpec:
     """``activations(seq_len, compute_dtype_bytes)`` per sequence."""
     source: str = "analytic"
     notes: list[str] = field(default_factory=list)
-    unit_sizes: dict[int, dict[str, int]] = field(default_factory=dict)
-    """Cache: elements per unit on a tensor-parallel rank, by tp."""
+    unit_sizes: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    """Cache: elements per unit on a tensor-parallel rank, by (tp, ep)."""
 
     def unit_of(self, param: ParamShape) -> str:
         """The innermost unit holding ``param`` ("" = the root)."""
@@ -142,8 +142,16 @@ def module_spec(
     block_classes = repeated_block_classes(model)
     blocks = [n for n, m in model.named_modules() if block_classes and isinstance(m, block_classes)]
     modules = dict(model.named_modules())
+    find = getattr(model, "expert_modules", None)
+    experts = {names[id(m)] for m in find()} if callable(find) else set()
     params = [
-        ParamShape(name, tuple(p.shape), _tp_dim(name, p, tp_plan, modules), trainable=p.requires_grad)
+        ParamShape(
+            name,
+            tuple(p.shape),
+            _tp_dim(name, p, tp_plan, modules),
+            trainable=p.requires_grad,
+            expert=name.rpartition(".")[0] in experts,
+        )
         for name, p in model.named_parameters()
     ]
     cache: dict[tuple[int, int], Activations] = {}

@@ -49,14 +49,19 @@ def _divisors(n: int) -> list[int]:
 def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
     """FSDP2 over every pipeline size x tp (within a node) x context-parallel size (for a model
     whose attention takes part, without pp) x HSDP replication x activation checkpointing x
-    reshard-after-forward, plus FSDP1 FULL_SHARD and DDP, for the run's devices and nodes (each a
-    config of its own layout, resolved as its own run by :func:`search`)."""
+    reshard-after-forward (x expert-parallel size for a mixture of experts, with tp = cp = pp = 1),
+    plus FSDP1 FULL_SHARD and DDP, for the run's devices and nodes (each a config of its own
+    layout, resolved as its own run by :func:`search`)."""
     cfg, world = run.cfg, run.layout.world_size
+    kind = run.model_kind
+    experts = None if kind.target_decides else kind.experts(cfg.model)
     out: list[tuple[str, TrainConfig]] = []
     for tp in _divisors(int(cfg.devices)):
-        for cp in _divisors(world // tp) if run.model_kind.attention_heads else [1]:
+        for cp in _divisors(world // tp) if kind.attention_heads else [1]:
             for pp in _divisors(world // (tp * cp)) if cp == 1 else [1]:
-                out += _fsdp2_candidates(cfg, tp, cp, pp, world // (tp * cp * pp))
+                dp = world // (tp * cp * pp)
+                eps = [e for e in _divisors(dp) if experts[0] % e == 0] if experts and tp * cp * pp == 1 else [1]
+                out += _fsdp2_candidates(dataclasses.replace(cfg, ep=1), tp, cp, pp, dp, eps)
     out.append(
         (
             "strategy=fsdp",
@@ -67,21 +72,28 @@ def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
                 dp=world,
                 pp=1,
                 cp=1,
+                ep=1,
             ),
         )
     )
-    out.append(("strategy=ddp", dataclasses.replace(cfg, strategy=DDPConfig(), tp=1, dp=world, pp=1, cp=1)))
+    out.append(
+        ("strategy=ddp", dataclasses.replace(cfg, strategy=DDPConfig(), tp=1, dp=world, pp=1, cp=1, ep=1))
+    )
     return out
 
 
-def _fsdp2_candidates(cfg: TrainConfig, tp: int, cp: int, pp: int, dp: int) -> list[tuple[str, TrainConfig]]:
-    """One layout's FSDP2 candidates: each HSDP replication x activation checkpointing x
-    reshard-after-forward."""
+def _fsdp2_candidates(
+    cfg: TrainConfig, tp: int, cp: int, pp: int, dp: int, eps: list[int]
+) -> list[tuple[str, TrainConfig]]:
+    """One layout's FSDP2 candidates: each HSDP replication x expert-parallel size (of ``eps``,
+    those dividing the shard ranks) x activation checkpointing x reshard-after-forward."""
     base = cfg.strategy.search_base()
     out: list[tuple[str, TrainConfig]] = []
     pp_text, staged = _pipelined(cfg, pp, dp)
     cp_text = f"cp={cp} " if cp > 1 else ""
-    for replicate in _divisors(dp):
+    layouts = [(r, e) for r in _divisors(dp) for e in eps if (dp // r) % e == 0]
+    for replicate, ep in layouts:
+        ep_text = f"ep={ep} " if ep > 1 else ""
         for ac in (
             ActivationCheckpointing.none,
             ActivationCheckpointing.selective,
@@ -95,10 +107,10 @@ def _fsdp2_candidates(cfg: TrainConfig, tp: int, cp: int, pp: int, dp: int) -> l
                     reshard_after_forward=reshard,
                 )
                 text = (
-                    f"strategy=fsdp2 {pp_text}{cp_text}tp={tp} strategy.replicate_size={replicate} "
+                    f"strategy=fsdp2 {pp_text}{cp_text}{ep_text}tp={tp} strategy.replicate_size={replicate} "
                     f"strategy.activation_checkpointing={ac.value} strategy.reshard_after_forward={str(reshard).lower()}"
                 )
-                out.append((text, dataclasses.replace(staged, strategy=strategy, tp=tp, dp=dp, cp=cp)))
+                out.append((text, dataclasses.replace(staged, strategy=strategy, tp=tp, dp=dp, cp=cp, ep=ep)))
     return out
 
 
@@ -148,6 +160,7 @@ def search(
             c.plan.layout.get("cp", 1),
             c.plan.layout.get("pp", 1),
             c.plan.peak.total,
+            c.plan.layout.get("ep", 1),  # (at equal memory: fewer ranks in each token exchange)
         ),
     )
     return ranked, _one_per_reason(skipped)
