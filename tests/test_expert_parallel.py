@@ -134,6 +134,62 @@ def test_a_model_hf_under_float8_is_filled_like_without_it(tmp_path: Path) -> No
         assert torch.equal(mine[name], param), name
 
 
+QWEN3_235B_A22B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "output_router_logits": True,
+}
+"""Qwen3-235B-A22B's sizes (its config.json's, as published)."""
+
+
+def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(tmp_path: Path) -> None:
+    """Rank 511 of 64 nodes x 8 GPUs at ep=8, built on the fake backend: its mesh place, its held
+    bytes as the plan says, and the experts sharded along their rows (128 experts over 8 ep ranks
+    leave 16 per rank for 64 shard ranks): about 1.8 GB of bf16-mixed fp32 parameters per rank,
+    where sharding the experts along dim 0 would leave every rank one whole expert per layer (7 GB)."""
+    from fsdp_cli.plan.rehearsal import HELD
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_235B_A22B))
+    args = [
+        "--rehearse",
+        "model=hf",
+        f"model.path={tmp_path}",
+        "model.pretrained=false",
+        "num_nodes=64",
+        "ep=8",
+        "precision=bf16-mixed",
+        "data.seq_len=4096",
+        "data.global_batch_size=512",
+    ]
+    r = cli_in_process([*args, "--gpus", "8", "--rank", "511", "--json"], prog="fsdp-plan")
+    assert r.returncode == 0, r
+    out = json.loads(r.stdout)
+    rehearsal = out["rehearsal"]
+    assert (rehearsal["world_size"], rehearsal["rank"]) == (512, 511)
+    assert rehearsal["mesh_coordinates"] == {
+        "data_parallel_replicate": 0,
+        "expert_data_parallel_shard": 63,
+        "expert_parallel": 7,
+        "tensor_parallel": 0,
+    }
+    assert sum(u.endswith("mlp.experts") for u in rehearsal["fsdp_units"]) == 94
+    assert rehearsal["disagreements"] == []
+    assert rehearsal["held_bytes"] == {k: out["ranks"][511][k] for k in HELD}
+    assert 1.7e9 < rehearsal["held_bytes"]["params"] < 1.9e9
+
+
 # --------------------------------------------------------------------------- refused before launch
 
 

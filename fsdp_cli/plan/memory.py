@@ -395,7 +395,8 @@ def _fsdp2_rank(
         if not trainable:  # frozen (LoRA's base): no gradient, no optimizer state
             continue
         mem.grads += count * rows[0] * rest * stored
-        mem.optimizer += count * (2 * rows[index] * rest * stored + ADAM_STEP_BYTES)
+        # (a rank whose shard is empty gets no gradient, so no optimizer state, not even a step)
+        mem.optimizer += count * (2 * rows[index] * rest * stored + (ADAM_STEP_BYTES if rows[index] else 0))
     return mem
 
 
