@@ -134,6 +134,26 @@ def test_a_model_hf_under_float8_is_filled_like_without_it(tmp_path: Path) -> No
         assert torch.equal(mine[name], param), name
 
 
+def test_flops_of_a_mixture_of_experts_count_the_active_experts(tmp_path: Path) -> None:
+    """tokens/s -> TFLOP/s and MFU for a MoE: 6 x (the dense matmul weights + each layer's experts
+    x top-k / experts) + 12 L d T per token; counting every expert would overstate it."""
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.flops import active_flops_per_token
+    from fsdp_cli.models.hf import build_hf_model
+
+    folder = moe_folder(tmp_path / "moe", weights=False)
+
+    def build():
+        return build_hf_model(HFModelArgs(path=str(folder), pretrained=False), seed=0)
+
+    model = build()
+    experts = sum(p.numel() for m in model.expert_modules() for p in m.parameters())
+    dense = sum(p.numel() for p in model.parameters() if p.dim() > 1) - experts - 64 * 16  # (embedding)
+    expected = 6.0 * (dense + experts * 2 / 4) + 12.0 * 2 * 16 * 32
+    assert active_flops_per_token(build, 32) == pytest.approx(expected)
+    assert experts > 0 and active_flops_per_token(build, 32) < 6.0 * (dense + experts) + 12.0 * 2 * 16 * 32
+
+
 QWEN3_235B_A22B = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -211,8 +231,9 @@ def moe_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         (["model.path={four}", "ep=2", "devices=4", "strategy=fsdp"], "ep=2: not with strategy=fsdp"),
         (["model.path={four}", "ep=2", "devices=4", "tp=2"], "ep=2: not with tp > 1"),
         (["model.path={four}", "strategy=ddp", "precision=64-true"], "model.experts_implementation"),
+        (["model.path={four}", "pp=2", "devices=2"], "pp=2: the model trains a load-balancing loss"),
     ],
-    ids=["dense", "shard", "experts", "fsdp1", "tp", "float64-kernel"],
+    ids=["dense", "shard", "experts", "fsdp1", "tp", "float64-kernel", "pp-balance-loss"],
 )
 def test_an_ep_layout_that_cannot_run_is_one_line_before_launch(
     overrides: list[str], words: str, moe_configs: dict[str, str], tmp_path: Path

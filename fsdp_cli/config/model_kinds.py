@@ -29,8 +29,14 @@ from fsdp_cli.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig
 from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.extras import install_hint
-from fsdp_cli.models.flops import counted_flops_per_token, llama_flops_per_token
-from fsdp_cli.models.folder import check_model_type, check_weight_headers, read_model_folder, weight_files
+from fsdp_cli.models.flops import active_flops_per_token, counted_flops_per_token, llama_flops_per_token
+from fsdp_cli.models.folder import (
+    Experts,
+    check_model_type,
+    check_weight_headers,
+    read_model_folder,
+    weight_files,
+)
 from fsdp_cli.models.llama_shapes import llama_block_names
 
 if TYPE_CHECKING:  # (type-only: the resolved run asks its entry; torch only where a model is built)
@@ -100,8 +106,8 @@ class ModelKind(NamedTuple):
     yaml_node: Callable[[Any], dict[str, Any]] | None = None
     """Its ``config.yaml`` node, where the structured dump would not read back (``_target_``)."""
     tied_embeddings: Callable[[Any], bool] = lambda model: False
-    experts: Callable[[Any], tuple[int, int] | None] = lambda model: None
-    """A mixture of experts: (routed experts per MoE layer, experts per token), which expert
+    experts: Callable[[Any], Experts | None] = lambda model: None
+    """A mixture of experts' sizes (:class:`~fsdp_cli.models.folder.Experts`), which expert
     parallel splits (ep > 1 refused where None: a dense model)."""
     """Whether the head shares the input embedding's weight (a plain module's ties are found when
     its cut is traced)."""
@@ -183,7 +189,7 @@ def check_expert_parallel(run: ResolvedRun) -> None:
     ep, kind = run.layout.ep, run.model_kind
     moe = None if kind.target_decides else kind.experts(run.cfg.model)
     if moe is not None:
-        _check_moe_sizes(run, *moe)
+        _check_moe_sizes(run, moe)
     if ep == 1:
         return
     if moe is None:
@@ -194,7 +200,7 @@ def check_expert_parallel(run: ResolvedRun) -> None:
             allowed="ep=1 for this model",
             hint="expert parallel splits a MoE model=hf (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...)",
         )
-    experts = moe[0]
+    experts = moe.count
     if experts % ep:
         good = [d for d in range(1, run.layout.shard + 1) if experts % d == 0 and run.layout.shard % d == 0]
         raise ConfigError(
@@ -206,13 +212,24 @@ def check_expert_parallel(run: ResolvedRun) -> None:
         )
 
 
-def _check_moe_sizes(run: ResolvedRun, experts: int, top_k: int) -> None:
-    if top_k > experts:
+def _check_moe_sizes(run: ResolvedRun, moe: Experts) -> None:
+    if moe.per_token > moe.count:
         raise ConfigError(
             "model.path",
             run.cfg.model.path,
-            f"config.json routes each token to num_experts_per_tok={top_k} of only {experts} experts",
-            allowed=f"num_experts_per_tok in 1..{experts}",
+            f"config.json routes each token to num_experts_per_tok={moe.per_token} of only {moe.count} experts",
+            allowed=f"num_experts_per_tok in 1..{moe.count}",
+        )
+    if moe.balance_loss and run.layout.pp > 1:
+        # (the stages run the decoder layers themselves: the router logits the loss is formed
+        # from are never collected, and the model would train without it)
+        raise ConfigError(
+            "pp",
+            run.layout.pp,
+            "the model trains a load-balancing loss (output_router_logits: true in config.json), "
+            "which pipeline stages do not compute",
+            allowed="pp=1 for this model",
+            hint="shard a mixture of experts with FSDP2 and ep instead",
         )
     kernel = getattr(run.cfg.model, "experts_implementation", None)
     if run.precision.param == "float64" and kernel in (None, "grouped_mm"):
@@ -357,11 +374,14 @@ def llama_flops(run: ResolvedRun, module: Any) -> float:
 
 
 def counted_flops(run: ResolvedRun, module: Any) -> float | None:
-    """Counted on a meta build of the factory :class:`CausalLMModule` holds (None for a module
-    that trains itself: it has no factory)."""
+    """Counted on a meta build of the factory :class:`CausalLMModule` holds (a mixture of experts,
+    whose routing needs values: from its active parameters); None for a module that trains itself
+    (it has no factory)."""
     seq = getattr(run.cfg.data, "seq_len", None)
-    if seq and callable(getattr(module, "model_factory", None)):
-        return counted_flops_per_token(module.model_factory, seq, run.cfg.data.vocab_size)
+    factory = getattr(module, "model_factory", None)
+    if seq and callable(factory):
+        counted = counted_flops_per_token(factory, seq, run.cfg.data.vocab_size)
+        return counted if counted is not None else active_flops_per_token(factory, seq)
     return None
 
 

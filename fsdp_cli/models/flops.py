@@ -46,3 +46,26 @@ def counted_flops_per_token(build: Callable[[], Any], seq_len: int, vocab_size: 
     except Exception:  # noqa: BLE001 - a model that cannot run on meta tensors simply gets no mfu
         return None
     return counter.get_total_flops() / seq_len
+
+
+def active_flops_per_token(build: Callable[[], Any], seq_len: int) -> float | None:
+    """A mixture of experts (``model=hf``, whose routing cannot run on meta tensors): ``6 * N_active +
+    12 * L * d * T``, N_active counting each MoE layer's experts times (experts per token / experts)
+    — the work a token does, not all experts. None for any other model."""
+    import torch
+
+    with torch.device("meta"):
+        model = build()
+    moe, hf = getattr(model, "moe", None), getattr(model, "hf", None)
+    if moe is None or hf is None:
+        return None
+    experts = {id(p) for m in model.expert_modules() for p in m.parameters()}
+    embedding = hf.get_input_embeddings().weight
+    active = 0.0
+    for p in model.parameters():
+        if p.dim() > 1 and p is not embedding:
+            active += p.numel() * (moe.top_k / moe.num_experts if id(p) in experts else 1)
+    if getattr(hf.get_output_embeddings(), "weight", None) is embedding:  # tied: the head's matmul
+        active += embedding.numel()
+    config = hf.config
+    return 6.0 * active + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len

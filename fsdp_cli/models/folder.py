@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fsdp_cli.compat import installed_version
 from fsdp_cli.compat.transformers_names import ModelTypes, model_type_tables
@@ -28,6 +28,17 @@ _ALIASES = {
     "experts": ("num_experts", "num_local_experts", "n_routed_experts"),
     "experts_per_token": ("num_experts_per_tok",),
 }
+
+
+class Experts(NamedTuple):
+    """A mixture of experts, as its config.json says."""
+
+    count: int
+    """Routed experts per MoE layer."""
+    per_token: int
+    """Experts each token is routed to (top-k)."""
+    balance_loss: bool
+    """``output_router_logits``: the model trains its load-balancing loss."""
 
 
 @dataclass(frozen=True)
@@ -56,13 +67,13 @@ class ModelFolder:
         return True if tied is None else bool(tied)  # transformers' default is to tie
 
     @property
-    def experts(self) -> tuple[int, int] | None:
-        """A mixture of experts' (routed experts per MoE layer, experts per token); None when dense."""
+    def experts(self) -> Experts | None:
+        """A mixture of experts' sizes; None when dense."""
         experts = self.get("experts")
         if not isinstance(experts, int) or experts < 2:
             return None
         top_k = self.get("experts_per_token")
-        return experts, int(top_k) if isinstance(top_k, int) else 1
+        return Experts(experts, int(top_k) if isinstance(top_k, int) else 1, bool(self.get("output_router_logits")))
 
     def tp_sizes(self) -> dict[str, int]:
         """Sizes each tensor-parallel rank needs an equal share of (those the config declares)."""
