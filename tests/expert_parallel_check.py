@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fsdp_cli.models.args import LlamaArgs
+from fsdp_cli.models.llama import Llama
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
 
@@ -42,13 +44,31 @@ FAMILIES = {
     "qwen3_moe_2": ("qwen3_moe", torch.float64, "eager", 2, 1, True),
     "mixtral": ("mixtral", torch.float32, None, 4, 2, False),
     "olmoe": ("olmoe", torch.float32, None, 4, 2, False),
+    # fsdp_cli's own Llama with 4 experts (top-2) and a shared expert in every block
+    "builtin": ("", torch.float64, None, 4, 2, False),
 }
+BUILTIN = LlamaArgs(
+    vocab_size=VOCAB,
+    dim=16,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    max_seq_len=64,
+    n_experts=4,
+    experts_per_token=2,
+    moe_hidden_dim=8,
+    shared_experts=1,
+    aux_loss_coef=0.1,
+    init_std=0.3,
+)
 
 
 def write_folder(folder: Path, family: str) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, _, _, experts, top_k, weights = FAMILIES[family]
+    if not model_type:  # the built-in model: nothing to write
+        return folder
     common = dict(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -79,6 +99,9 @@ def build(path: Path, family: str):
     from fsdp_cli.models.hf import build_hf_model
 
     _, _, kernel, _, _, weights = FAMILIES[family]
+    if family == "builtin":
+        with torch.device("meta"):
+            return Llama(BUILTIN, seed=0)
     return build_hf_model(HFModelArgs(path=str(path), pretrained=weights, experts_implementation=kernel), seed=0)
 
 
@@ -150,16 +173,26 @@ def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.T
 
     model, dims = parallel_model(path, family, dtype, layout)
     model.balance_across_ranks = way != "per_rank_balance"
-    scale = expert_parallel._ScaleGrad.apply
+    scale, compute = expert_parallel._ScaleGrad.apply, expert_parallel.ExpertParallel._compute
+    empty = torch.zeros((), dtype=torch.int64)
+
+    def counting(self, module, received, local_ids):  # how often a rank receives no row at all
+        empty.add_(int(received.shape[0] == 0))
+        return compute(self, module, received, local_ids)
+
+    expert_parallel.ExpertParallel._compute = counting
     if way == "unscaled":
         expert_parallel._ScaleGrad.apply = staticmethod(lambda t, factor: t)
     try:
         dp_mesh = dims.data_parallel_mesh
         per = ROWS // dp_mesh.size()
         mine = slice(dp_mesh.get_local_rank() * per, (dp_mesh.get_local_rank() + 1) * per)
-        return (*train(model, steps, mine, reduce_losses=True), model)
+        losses, grads = train(model, steps, mine, reduce_losses=True)
+        dist.all_reduce(empty)
+        return losses, grads, model, int(empty)
     finally:
         expert_parallel._ScaleGrad.apply = scale
+        expert_parallel.ExpertParallel._compute = compute
 
 
 def _whole(grad: torch.Tensor) -> torch.Tensor:
@@ -203,7 +236,7 @@ def main() -> None:
         ref_losses, ref_grads = reference(paths[family], family, dtype, steps)
         for layout in layouts if family == families[0] else layouts[:1]:
             for way in args.ways.split(",") if family == families[0] else ["right"]:
-                losses, grads, model = distributed(paths[family], family, dtype, steps, layout, way)
+                losses, grads, model, empty = distributed(paths[family], family, dtype, steps, layout, way)
                 row = {
                     "layout": layout,
                     "family": family,
@@ -211,8 +244,9 @@ def main() -> None:
                     "loss_gap": gap(losses, ref_losses),
                     "grad_gap": grad_gap(grads, ref_grads),
                     "losses": losses,
+                    "empty_receives": empty,  # forwards in which a rank received no token
                     # how FSDP2 and ep split the experts (``Shard(dim=1)`` first: along their rows)
-                    "expert_placements": str(model.expert_modules()[0].down_proj.placements),
+                    "expert_placements": str(next(model.expert_modules()[0].parameters()).placements),
                 }
                 if args.round_trip and family == families[0] and layout == layouts[0] and way == "right":
                     row["round_trip_equal"] = round_trip(model, paths[family], family, dtype, folder / "dcp")

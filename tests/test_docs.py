@@ -289,6 +289,8 @@ TRAINED_BY = {
     "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
     "peft=lora": "tests/test_lora.py (LoRA under fsdp2, fsdp and ddp against one process)",
     "recipe=cpu_pp": "tests/test_pipeline.py (the cpu_pp recipe against one process, resumed at pp=1 and tp=2)",
+    "recipe=moe_cpu": "tests/test_expert_parallel.py (the moe_cpu recipe at ep=2 against one process)",
+    "ep=": "tests/test_expert_parallel.py (ep=2 on 2 and 4 ranks, ep x HSDP, against one process)",
     "cp=": "tests/test_context_parallel.py (cp=2, cp x HSDP, cp x tp against one process, in fp32 and float64)",
     "pp=": "tests/test_pipeline.py (every schedule at pp=2, pp=2 x dp=2, pp=2 x tp=2 against one process)",
 }

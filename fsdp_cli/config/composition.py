@@ -508,8 +508,15 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "ep:builtin,module,lightning",
+        "ep:module,lightning",
         Refused("not a mixture of experts: no experts to split", check="config.model_kinds.check_expert_parallel"),
+    ),
+    (
+        "ep:builtin",
+        _test(
+            "test_expert_parallel.py::test_expert_parallel_equals_one_process_in_float64",
+            "the built-in model with model.n_experts, losses and gradients in float64",
+        ),
     ),
     # Cannot be asked for.
     ("ddp:hsdp,ac,compile,float8,offload", Moot(_NO_KEY.format("ddp"))),

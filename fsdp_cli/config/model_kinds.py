@@ -214,11 +214,12 @@ def check_expert_parallel(run: ResolvedRun) -> None:
 
 def _check_moe_sizes(run: ResolvedRun, moe: Experts) -> None:
     if moe.per_token > moe.count:
+        key = "model.experts_per_token" if run.model_kind.name == "llama" else "model.path"
         raise ConfigError(
-            "model.path",
-            run.cfg.model.path,
-            f"config.json routes each token to num_experts_per_tok={moe.per_token} of only {moe.count} experts",
-            allowed=f"num_experts_per_tok in 1..{moe.count}",
+            key,
+            moe.per_token if key != "model.path" else run.cfg.model.path,
+            f"each token is routed to {moe.per_token} experts of only {moe.count}",
+            allowed=f"1..{moe.count} experts per token",
         )
     if moe.balance_loss and run.layout.pp > 1:
         # (the stages run the decoder layers themselves: the router logits the loss is formed
@@ -226,12 +227,12 @@ def _check_moe_sizes(run: ResolvedRun, moe: Experts) -> None:
         raise ConfigError(
             "pp",
             run.layout.pp,
-            "the model trains a load-balancing loss (output_router_logits: true in config.json), "
-            "which pipeline stages do not compute",
+            "the model trains a load-balancing loss (output_router_logits in config.json, "
+            "model.aux_loss_coef of the built-in model), which pipeline stages do not compute",
             allowed="pp=1 for this model",
             hint="shard a mixture of experts with FSDP2 and ep instead",
         )
-    kernel = getattr(run.cfg.model, "experts_implementation", None)
+    kernel = getattr(run.cfg.model, "experts_implementation", "eager")
     if run.precision.param == "float64" and kernel in (None, "grouped_mm"):
         raise ConfigError(
             "model.experts_implementation",
@@ -261,6 +262,25 @@ def check_llama_sizes(run: ResolvedRun) -> None:
             f"must divide model.n_heads={model.n_heads} (grouped-query attention)",
             allowed=", ".join(str(d) for d in range(1, model.n_heads + 1) if model.n_heads % d == 0),
         )
+
+
+def check_llama_experts(run: ResolvedRun) -> None:
+    """The built-in mixture of experts: no tensor-parallel plan for its experts (refused at tp > 1)."""
+    model: LlamaConfig = run.cfg.model
+    if model.n_experts and run.layout.tp > 1:
+        raise ConfigError(
+            "tp",
+            run.layout.tp,
+            f"the built-in model's mixture of experts (model.n_experts={model.n_experts}) has no tensor-parallel plan",
+            allowed="tp=1 with model.n_experts > 0",
+            hint="split its experts over ep instead",
+        )
+
+
+def llama_experts(model: LlamaConfig) -> Experts | None:
+    if not model.n_experts:
+        return None
+    return Experts(model.n_experts, model.experts_per_token, model.aux_loss_coef > 0)
 
 
 def check_llama_tied_tp(run: ResolvedRun) -> None:
@@ -552,7 +572,7 @@ LLAMA = ModelKind(
     name="llama",
     schema=LlamaConfig,
     label=lambda model: model.name,
-    checks=(check_llama_sizes, check_tp_sizes, check_llama_tied_tp),
+    checks=(check_llama_sizes, check_tp_sizes, check_llama_tied_tp, check_llama_experts),
     build=build_llama,
     meta_model=llama_on_meta,
     tp_sizes=llama_tp_sizes,
@@ -566,6 +586,7 @@ LLAMA = ModelKind(
     document_masks=True,  # position_ids -> models.llama.document_mask (SDPA, boolean mask)
     recomputes_buffers=True,  # RoPE tables
     tied_embeddings=lambda model: bool(model.tie_embeddings),
+    experts=llama_experts,
 )
 HF = ModelKind(
     name="hf",

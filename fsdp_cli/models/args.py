@@ -44,6 +44,31 @@ class LlamaArgs:
     """Share the input embedding with the output head (not with tp > 1)."""
     init_std: float = field(default=0.02, metadata=positive())
     """Standard deviation of the normal initialisation of weights."""
+    n_experts: int = field(default=0, metadata=at_least(0))
+    """Mixture of experts: routed experts per block in place of the SwiGLU MLP (0: dense). Each
+    token goes to its ``experts_per_token`` best (softmax router, top-k, weights renormalised),
+    dropless; expert parallel (``ep``) splits them over ranks (docs/expert-parallel.md)."""
+    experts_per_token: int = field(default=2, metadata=at_least(1))
+    """Top-k: experts each token is routed to (at most ``n_experts``)."""
+    moe_hidden_dim: int | None = field(default=None, metadata=at_least(1))
+    """Each expert's SwiGLU hidden size; null = the dense MLP's (``feed_forward_dim``)."""
+    shared_experts: int = field(default=0, metadata=at_least(0))
+    """Experts every token goes through besides the routed ones (one SwiGLU MLP of
+    ``shared_experts x moe_hidden_dim``, DeepSeek's shared experts)."""
+    aux_loss_coef: float = field(default=0.01, metadata=at_least(0))
+    """Weight of the load-balancing loss added to training (Switch Transformer's, from routing
+    statistics summed over every rank); 0: none."""
+
+    def expert_dim(self) -> int:
+        """Each routed expert's SwiGLU hidden size."""
+        return self.moe_hidden_dim or self.feed_forward_dim()
+
+    def active_ffn_dim(self) -> int:
+        """The SwiGLU hidden size a token passes through: the dense MLP's, or its top-k experts'
+        and the shared experts' together (what activations and FLOPs per token scale with)."""
+        if not self.n_experts:
+            return self.feed_forward_dim()
+        return (self.experts_per_token + self.shared_experts) * self.expert_dim()
 
     def feed_forward_dim(self) -> int:
         """SwiGLU hidden size: ``ffn_hidden_dim``, or 8/3 * dim rounded up to ``multiple_of`` (Llama's rule)."""

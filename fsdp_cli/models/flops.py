@@ -12,11 +12,15 @@ from fsdp_cli.models.args import LlamaArgs
 
 
 def llama_flops_per_token(cfg: LlamaArgs, seq_len: int) -> float:
-    """``6 * N + 12 * L * d * T`` for the built-in model (see the module docstring)."""
+    """``6 * N + 12 * L * d * T`` for the built-in model (see the module docstring); N counts a
+    mixture of experts' active parameters (each block's experts x top-k / experts)."""
     from fsdp_cli.models.llama_shapes import llama_params
 
+    active = cfg.experts_per_token / cfg.n_experts if cfg.n_experts else 1.0
     matmul_params = sum(
-        p.numel for p in llama_params(cfg) if len(p.shape) > 1 and p.name != "tok_embeddings.weight"
+        p.numel * (active if p.expert else 1)
+        for p in llama_params(cfg)
+        if len(p.shape) > 1 and p.name != "tok_embeddings.weight"
     )
     if cfg.tie_embeddings:  # the shared matrix is the LM head's too
         matmul_params += cfg.vocab_size * cfg.dim

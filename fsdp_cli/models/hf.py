@@ -28,6 +28,7 @@ from fsdp_cli.errors import ConfigError
 from fsdp_cli.models.args import HFModelArgs
 from fsdp_cli.models.hf_weights import HFSource, LoadReport, WeightFiller
 from fsdp_cli.parallel.context_parallel import ContextParallel
+from fsdp_cli.parallel.expert_parallel import TrainsBalanceLoss
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
 # transformers' plan styles that torch's ParallelStyles express exactly. Others (packed or fused
@@ -48,7 +49,7 @@ _STYLES = {
 }
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(TrainsBalanceLoss, nn.Module):
     """A transformers causal LM as fsdp_cli trains it.
 
     Arguments:
@@ -63,13 +64,6 @@ class HFCausalLM(nn.Module):
         self.weights = WeightFiller(hf, source)
         self._context_parallel: ContextParallel | None = None
         self.moe = MoEConfig.of(hf.config)
-        self._auxiliary_loss: torch.Tensor | None = None
-        self.balance_across_ranks = True
-        """The routing statistics of the load-balancing loss are summed over every rank (false:
-        this process's alone, as a one-process reference computes them)."""
-        self.balance: Any = None
-        """The last training forward's routing statistics (a MoE model whose config trains its
-        load-balancing loss): :class:`~fsdp_cli.parallel.expert_parallel.BalanceStats`."""
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -119,12 +113,6 @@ class HFCausalLM(nn.Module):
         for module in self.expert_modules():
             module.config._experts_implementation = EXPERT_PARALLEL_EXPERTS
 
-    def pop_auxiliary_loss(self) -> torch.Tensor | None:
-        """The load-balancing loss (times the config's coefficient) of the last training forward,
-        once; None when the model trains none."""
-        loss, self._auxiliary_loss = self._auxiliary_loss, None
-        return loss
-
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``: packed sequences (restarting at 0 per document). With no attention mask,
         transformers 5 reads the documents from them (``find_packed_sequence_indices``) and masks
@@ -137,13 +125,8 @@ class HFCausalLM(nn.Module):
         moe = self.moe
         if moe is None or not moe.balanced or not self.training:
             return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        from fsdp_cli.parallel.expert_parallel import balance_loss
-
         out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
-        loss, self.balance = balance_loss(
-            out.router_logits, moe.num_experts, moe.top_k, across_ranks=self.balance_across_ranks
-        )
-        self._auxiliary_loss = moe.aux_loss_coef * loss
+        self.record_balance(out.router_logits, moe.num_experts, moe.top_k, moe.aux_loss_coef)
         return out.logits
 
     def pipeline_split(self) -> Any:

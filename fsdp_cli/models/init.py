@@ -48,6 +48,24 @@ def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> 
     local.copy_(out.view(local.shape).to(local.dtype))
 
 
+@torch.no_grad()
+def seeded_normal_whole_(param: torch.Tensor, *, std: float, seed: int, name: str) -> None:
+    """Fill ``param`` with N(0, std^2) drawn whole from a generator seeded by (seed, name), keeping
+    this rank's part: for tensors :func:`seeded_normal_` cannot draw by rows (a mixture of
+    experts' fused experts, split over ep and sharded by FSDP2 along either of two dimensions). One
+    full tensor at a time is drawn on the host."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    key = zlib.crc32(canonical_name(name).encode())
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919) % (2**63))
+    full = torch.randn(tuple(param.shape), generator=gen, dtype=torch.float32, device="cpu") * std
+    target = param.data if isinstance(param, nn.Parameter) else param
+    if isinstance(target, DTensor):
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target = target.to_local()
+    target.copy_(full.to(target.dtype))
+
+
 def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     """The local tensor of ``param`` and the (row, column) offset of its first element in the full tensor."""
     from torch.distributed.tensor import DTensor

@@ -22,8 +22,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_cli.models.args import LlamaArgs
-from fsdp_cli.models.init import seeded_normal_
+from fsdp_cli.models.init import seeded_normal_, seeded_normal_whole_
 from fsdp_cli.parallel.context_parallel import ContextParallel, attend
+from fsdp_cli.parallel.expert_parallel import TrainsBalanceLoss
 from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
@@ -120,13 +121,73 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Experts(nn.Module):
+    """A mixture of experts' SwiGLU experts, fused: ``w13 [experts, 2 x hidden, dim]`` (gate and up
+    projections), ``w2 [experts, dim, hidden]``. Under expert parallel (``expert_parallel`` set)
+    this rank holds some of them and the tokens are routed to them all-to-all."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = n_experts
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.expert_parallel: Any = None
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [N, dim]`` routed to ``index [N, k]`` with ``weights [N, k]`` -> ``[N, dim]``."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self, x, index, weights)
+        return experts_forward(self, x, index, weights)
+
+
+def experts_forward(experts: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each expert of ``experts`` (its ``w13``, ``w2``, ``num_experts``) on the tokens routed to it,
+    weighted and summed per token (dropless)."""
+    out = torch.zeros_like(x)
+    for expert in range(experts.num_experts):
+        rows, slot = torch.where(index == expert)
+        if rows.numel() == 0:
+            continue
+        gate, up = (x[rows] @ experts.w13[expert].t()).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ experts.w2[expert].t()
+        out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+    return out
+
+
+class MoE(nn.Module):
+    """The MLP of a mixture-of-experts block: a softmax router picks each token's top-k experts
+    (their weights renormalised to sum to 1), plus the shared experts every token goes through."""
+
+    def __init__(self, cfg: LlamaArgs) -> None:
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_dim())
+        self.shared = FeedForward(cfg.dim, cfg.shared_experts * cfg.expert_dim()) if cfg.shared_experts else None
+        self.router_logits: torch.Tensor | None = None  # the last forward's, for the balance loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        self.router_logits = logits
+        probs = torch.softmax(at_least_fp32(logits), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = self.experts(flat, index, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.feed_forward_dim())
+        self.feed_forward: nn.Module = (
+            MoE(cfg) if cfg.n_experts else FeedForward(cfg.dim, cfg.feed_forward_dim())
+        )
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # The mask goes positionally, always: the sequence-parallel plan prepares three inputs.
@@ -134,8 +195,9 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Llama(nn.Module):
-    """Decoder-only transformer: ``forward(input_ids[B, T]) -> logits[B, T, vocab]``."""
+class Llama(TrainsBalanceLoss, nn.Module):
+    """Decoder-only transformer: ``forward(input_ids[B, T]) -> logits[B, T, vocab]``; with
+    ``n_experts`` a mixture of experts (:class:`MoE` blocks, their load-balancing loss trained)."""
 
     context_parallel: ContextParallel | None = None
     """Set under context parallel (cp > 1): ``input_ids`` is this rank's slice of each sequence."""
@@ -171,7 +233,28 @@ class Llama(nn.Module):
             rope = cp.split(self.rope[: input_ids.shape[1] * cp.size], dim=0)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
+        cfg = self.cfg
+        if cfg.n_experts and cfg.aux_loss_coef and self.training:
+            logits = [m.router_logits for m in self.modules() if isinstance(m, MoE)]
+            self.record_balance(logits, cfg.n_experts, cfg.experts_per_token, cfg.aux_loss_coef)
         return self.output(self.norm(h))
+
+    def expert_modules(self) -> list[nn.Module]:
+        """The fused experts of each MoE block (none for a dense model)."""
+        return [m for m in self.modules() if isinstance(m, Experts)]
+
+    def use_expert_parallel(self, mesh: Any) -> None:
+        """Expert parallel over ``mesh`` (the experts already split over it): tokens routed all-to-all."""
+        from fsdp_cli.parallel.expert_parallel import ExpertParallel
+
+        for experts in self.expert_modules():
+            experts.expert_parallel = ExpertParallel(
+                group=mesh.get_group(),
+                size=mesh.size(),
+                rank=mesh.get_local_rank(),
+                num_experts=self.cfg.n_experts,
+                compute=experts_forward,
+            )
 
     def pipeline_split(self) -> Any:
         """How pipeline parallel cuts it: the blocks, the embedding on the first stage, the norm
@@ -200,6 +283,10 @@ class Llama(nn.Module):
         for name, param in self.named_parameters():
             if param.dim() == 1:
                 nn.init.ones_(param)
+                continue
+            if param.dim() == 3:  # fused experts: drawn whole, this rank's part kept
+                std = depth_std if name.endswith("w2") else self.cfg.init_std
+                seeded_normal_whole_(param, std=std, seed=self.seed, name=name)
                 continue
             # (canonical: a LoRA layer's base_layer keeps the init of the layer it wraps)
             std = (

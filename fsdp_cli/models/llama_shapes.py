@@ -27,6 +27,8 @@ def llama_params(cfg: LlamaArgs) -> list[ParamShape]:
             ParamShape(f"{p}.attention.wv.weight", (kv_dim, dim), COLWISE),
             ParamShape(f"{p}.attention.wo.weight", (dim, cfg.n_heads * head_dim), ROWWISE),
             ParamShape(f"{p}.ffn_norm.weight", (dim,)),
+        ]
+        params += _moe_params(cfg, p) if cfg.n_experts else [
             ParamShape(f"{p}.feed_forward.w1.weight", (hidden, dim), COLWISE),
             ParamShape(f"{p}.feed_forward.w2.weight", (dim, hidden), ROWWISE),
             ParamShape(f"{p}.feed_forward.w3.weight", (hidden, dim), COLWISE),
@@ -34,6 +36,25 @@ def llama_params(cfg: LlamaArgs) -> list[ParamShape]:
     params.append(ParamShape("norm.weight", (dim,)))
     if not cfg.tie_embeddings:  # tied: the head is tok_embeddings.weight, named once
         params.append(ParamShape("output.weight", (cfg.vocab_size, dim), COLWISE))
+    return params
+
+
+def _moe_params(cfg: LlamaArgs, block: str) -> list[ParamShape]:
+    """A mixture-of-experts block's MLP: the router, the fused experts, the shared experts' MLP."""
+    dim, expert = cfg.dim, cfg.expert_dim()
+    p = f"{block}.feed_forward"
+    params = [
+        ParamShape(f"{p}.router.weight", (cfg.n_experts, dim)),
+        ParamShape(f"{p}.experts.w13", (cfg.n_experts, 2 * expert, dim), expert=True),
+        ParamShape(f"{p}.experts.w2", (cfg.n_experts, dim, expert), expert=True),
+    ]
+    if cfg.shared_experts:
+        shared = cfg.shared_experts * expert
+        params += [
+            ParamShape(f"{p}.shared.w1.weight", (shared, dim)),
+            ParamShape(f"{p}.shared.w2.weight", (dim, shared)),
+            ParamShape(f"{p}.shared.w3.weight", (shared, dim)),
+        ]
     return params
 
 

@@ -92,9 +92,10 @@ class ExpertParallel:
         ones = torch.ones(received.shape[0], 1, dtype=received.dtype, device=received.device)
         out = self.compute(view, scaled_in, local_ids.unsqueeze(1), ones)
         if received.shape[0] == 0:
-            # No row here: the weights still join the graph (a zero gradient), or this rank's
-            # FSDP group would reduce different sets of gradients and hang.
-            out = out + sum(t.sum() for t in tensors.values()) * 0
+            # No row here: the rows and the weights still join the graph (zero gradients), or
+            # this rank would skip the token exchange's backward its ep peers run (a hang), and
+            # its FSDP group would reduce different sets of gradients (another).
+            out = out + (scaled_in.sum() + sum(t.sum() for t in tensors.values())) * 0
         return _ScaleGrad.apply(out, 1.0 / self.size)
 
 
@@ -201,3 +202,28 @@ def balance_loss(
     loss = num_experts * (share * prob_sums.sum(dim=0)).sum() * world / total_rows
     whole = num_experts * (share * total_probs.sum(dim=0) / total_rows).sum()
     return loss, BalanceStats(tokens=total_counts, loss=whole.detach())
+
+
+class TrainsBalanceLoss:
+    """What a mixture-of-experts model exposes about its load-balancing loss (a mixin for
+    ``nn.Module`` classes): :meth:`record_balance` in a training forward, ``pop_auxiliary_loss()``
+    for the step (the LightningModule adds it to the loss) and ``balance`` for metrics.jsonl."""
+
+    balance: BalanceStats | None = None
+    """The last training forward's routing statistics, summed over every rank."""
+    balance_across_ranks: bool = True
+    """The routing statistics are summed over every rank (false: this process's alone, as a
+    one-process reference computes them)."""
+    _auxiliary_loss: torch.Tensor | None = None
+
+    def record_balance(
+        self, router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int, coef: float
+    ) -> None:
+        loss, self.balance = balance_loss(router_logits, num_experts, top_k, across_ranks=self.balance_across_ranks)
+        self._auxiliary_loss = coef * loss
+
+    def pop_auxiliary_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss (times its coefficient) of the last training forward, once;
+        None when the model trains none."""
+        loss, self._auxiliary_loss = self._auxiliary_loss, None
+        return loss

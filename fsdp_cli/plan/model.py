@@ -109,7 +109,7 @@ def _rms_norm(dim: int, act: int) -> int:
 def llama_activations(cfg: LlamaArgs, seq: int, act: int) -> Activations:
     """Saved bytes per sequence of :class:`fsdp_cli.models.llama.Llama` as its code runs (a closed
     form of what :func:`probe_activations` measures; a test holds the two within 5%)."""
-    d, f, v = cfg.dim, cfg.feed_forward_dim(), cfg.vocab_size
+    d, f, v = cfg.dim, cfg.active_ffn_dim(), cfg.vocab_size
     # Attention: the fused kernel keeps rotated q, k and v repeated to all heads, its output and
     # the per-head log-sum-exp; the heads are merged into a copy for wo. MLP: w1 and w3 outputs,
     # SiLU output and the product w2 reads.
