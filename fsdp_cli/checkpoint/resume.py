@@ -34,6 +34,9 @@ SHAPE_KEYS = (
     "model.ffn_hidden_dim",
     "model.multiple_of",
     "model.tie_embeddings",
+    "model.n_experts",
+    "model.moe_hidden_dim",
+    "model.shared_experts",
 )
 # Keys that differ between any two runs and say nothing about compatibility.
 IGNORED = (

@@ -142,8 +142,7 @@ def module_spec(
     block_classes = repeated_block_classes(model)
     blocks = [n for n, m in model.named_modules() if block_classes and isinstance(m, block_classes)]
     modules = dict(model.named_modules())
-    find = getattr(model, "expert_modules", None)
-    experts = {names[id(m)] for m in find()} if callable(find) else set()
+    experts = _expert_module_names(model, names)
     params = [
         ParamShape(
             name,
@@ -177,6 +176,12 @@ def module_spec(
     return ModelSpec(
         params=params, units=units, blocks=blocks, activations=activations, source="meta build", notes=notes
     )
+
+
+def _expert_module_names(model: Any, names: dict[int, str]) -> set[str]:
+    """The modules holding a mixture of experts' fused experts (``model.expert_modules()``)."""
+    find = getattr(model, "expert_modules", None)
+    return {names[id(m)] for m in find()} if callable(find) else set()
 
 
 def _tp_dim(name: str, param: Any, plan: dict[str, Any] | None, modules: dict[str, Any]) -> int | None:
