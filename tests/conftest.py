@@ -174,6 +174,7 @@ LONGEST_FIRST = (
     "test_lora.py",
     "test_docs.py",
     "test_composition.py",
+    "test_expert_parallel.py",
     "test_precision.py",
     "test_faults.py",
     "test_callbacks_loggers_epochs.py",

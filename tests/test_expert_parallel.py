@@ -226,9 +226,13 @@ def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(tmp_path: Path) -> 
 @pytest.fixture(scope="module")
 def moe_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("moe-configs")
+    mismatch = moe_folder(root / "mismatch")  # weights of 4 experts, a config.json saying 6
+    config = json.loads((mismatch / "config.json").read_text())
+    (mismatch / "config.json").write_text(json.dumps({**config, "num_experts": 6}))
     return {
         "four": str(moe_folder(root / "four", weights=False)),
         "six": str(moe_folder(root / "six", experts=6, weights=False)),
+        "mismatch": str(mismatch),
     }
 
 
@@ -242,15 +246,17 @@ def moe_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         (["model.path={four}", "ep=2", "devices=4", "tp=2"], "ep=2: not with tp > 1"),
         (["model.path={four}", "strategy=ddp", "precision=64-true"], "model.experts_implementation"),
         (["model.path={four}", "pp=2", "devices=2"], "pp=2: the model trains a load-balancing loss"),
+        (["model.path={mismatch}", "ep=2"], "the checkpoint holds 4 experts per MoE layer, config.json says 6"),
     ],
-    ids=["dense", "shard", "experts", "fsdp1", "tp", "float64-kernel", "pp-balance-loss"],
+    ids=["dense", "shard", "experts", "fsdp1", "tp", "float64-kernel", "pp-balance-loss", "checkpoint-experts"],
 )
 def test_an_ep_layout_that_cannot_run_is_one_line_before_launch(
     overrides: list[str], words: str, moe_configs: dict[str, str], tmp_path: Path
 ) -> None:
     args = [o.format(**moe_configs) for o in overrides]
     if any(a.startswith("model.path") for a in args):
-        args = ["model=hf", "model.pretrained=false", *args]
+        weights = any("{mismatch}" in o for o in overrides)
+        args = ["model=hf", *([] if weights else ["model.pretrained=false"]), *args]
     result = cli_in_process(["accelerator=cpu", *args], tmp_path / "run", env=CPU)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, (args, result.stderr)

@@ -32,6 +32,7 @@ from fsdp_cli.extras import install_hint
 from fsdp_cli.models.flops import active_flops_per_token, counted_flops_per_token, llama_flops_per_token
 from fsdp_cli.models.folder import (
     Experts,
+    check_experts,
     check_model_type,
     check_weight_headers,
     read_model_folder,
@@ -310,7 +311,9 @@ def check_hf_model(run: ResolvedRun) -> None:
     folder = read_model_folder(model.path)
     check_model_type(folder)
     if model.pretrained:
-        check_weight_headers(weight_files(folder.path))
+        shapes = check_weight_headers(weight_files(folder.path))
+        if folder.experts is not None:
+            check_experts(folder.path, folder.experts, shapes)
     vocab, ids = folder.vocab_size, getattr(cfg.data, "vocab_size", None)
     if isinstance(vocab, int) and isinstance(ids, int) and ids > vocab:
         raise ConfigError(

@@ -176,15 +176,37 @@ HEADER_LIMIT = 100_000_000
 """The largest header the safetensors library reads (its own limit)."""
 
 
-def check_weight_headers(files: list[Path]) -> None:
+def check_weight_headers(files: list[Path]) -> dict[str, list[int]]:
     """Every safetensors file's header parses and describes exactly the bytes the file holds: a
     truncated copy, or a file that is not safetensors at all, is one line naming it. Reads the
-    headers only (a few kB per file), whatever the size of the weights."""
+    headers only (a few kB per file), whatever the size of the weights. Returns every tensor's
+    shape by name."""
+    shapes: dict[str, list[int]] = {}
     for file in files:
-        _check_header(file)
+        entries = _check_header(file)
+        shapes.update({k: list(v.get("shape", [])) for k, v in entries.items() if k != "__metadata__"})
+    return shapes
 
 
-def _check_header(file: Path) -> None:
+def check_experts(path: Path, experts: Experts, shapes: dict[str, list[int]]) -> None:
+    """A mixture of experts' checkpoint holds as many experts per layer as config.json says: one
+    tensor per expert (the hub's layout, ``...experts.7.gate_proj.weight``) or fused ones
+    (``...experts.gate_up_proj``, ``[experts, ...]``)."""
+    import re
+
+    indices = {int(m.group(1)) for k in shapes if (m := re.search(r"\.experts\.(\d+)\.", k))}
+    fused = [v[0] for k, v in shapes.items() if re.search(r"\.experts\.[a-z_]+(\.weight)?$", k) and v]
+    found = max(indices) + 1 if indices else (max(fused) if fused else None)
+    if found is not None and found != experts.count:
+        raise ConfigError(
+            "model.path",
+            str(path),
+            f"the checkpoint holds {found} experts per MoE layer, config.json says {experts.count}",
+            hint="a config.json and weights of the same model",
+        )
+
+
+def _check_header(file: Path) -> dict[str, Any]:
     size = file.stat().st_size
     with open(file, "rb") as fh:
         prefix = fh.read(8)
@@ -206,6 +228,7 @@ def _check_header(file: Path) -> None:
             file.name,
             f"holds {size} bytes, its safetensors header describes {8 + length + end} (truncated or damaged)",
         )
+    return entries
 
 
 def _data_end(file: Path, entries: Any) -> int:

@@ -118,11 +118,16 @@ class WeightFiller:
     def _learn_swapped_modules(self) -> None:
         """Modules put in place of the model's own since it was built (float8's ``Float8Linear``
         for an ``nn.Linear``) are known by their place: filled and initialised like the ones they
-        replaced (known only by object, they were skipped: left as ``to_empty`` made them)."""
+        replaced (known only by object, they were skipped: left as ``to_empty`` made them).
+        Modules added beside the model's own (LoRA's adapters around a layer still in the model)
+        stay unknown: their own code initialises them."""
+        present = {id(m) for m in self.hf.modules()}
         for name, module in self.hf.named_modules(remove_duplicate=False):
-            if id(module) not in self.names:
-                self.names[id(module)] = canonical_name(name)
-                self.modules[canonical_name(name)] = module
+            place = canonical_name(name)
+            replaced = self.modules.get(place)
+            if id(module) not in self.names and replaced is not None and id(replaced) not in present:
+                self.names[id(module)] = place
+                self.modules[place] = module
         self.owners.update({k: v for k, v in _owners(self.hf).items() if k not in self.owners})
 
     # ------------------------------------------------------------------ ties
