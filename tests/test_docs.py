@@ -176,9 +176,10 @@ STEP_FACTOR = 10
 ``resume=auto`` after a run still continues it: tiny_cpu_text's 200 steps train 20, the two
 epochs of 4096 sequences are two of 410. What a run costs here is mostly its start (processes,
 imports), the same whatever its length."""
-RECIPE_STEP_FACTOR = {"recipe=cpu_smoke": 2, "recipe=tiny_cpu_text": 10}
+RECIPE_STEP_FACTOR = {"recipe=cpu_smoke": 2, "recipe=tiny_cpu_text": 10, "recipe=moe_cpu": 2}
 """The CPU recipes' own factors: they must train to a falling loss (cpu_smoke 10 steps, so its
-output has the rows the docs show; tiny_cpu_text 20, its start is most of its time)."""
+output has the rows the docs show; tiny_cpu_text 20, its start is most of its time; moe_cpu 10,
+logged every 3)."""
 SWEEPS_TRAINED_BY = {
     "tp=1,2 strategy=ddp,fsdp2": (
         "tests/test_sweeps.py::test_the_issue_sweep_skips_the_invalid_job_runs_the_rest_and_compares"
@@ -199,7 +200,7 @@ RUN_ELSEWHERE = {
     ),
 }
 """Shown commands another test runs exactly as shown (and checks more closely)."""
-CPU_RECIPES = ("recipe=cpu_smoke", "recipe=tiny_cpu_text")
+CPU_RECIPES = ("recipe=cpu_smoke", "recipe=tiny_cpu_text", "recipe=moe_cpu")
 
 
 def composed_job(args: list[str], cwd: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -289,7 +290,6 @@ TRAINED_BY = {
     "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
     "peft=lora": "tests/test_lora.py (LoRA under fsdp2, fsdp and ddp against one process)",
     "recipe=cpu_pp": "tests/test_pipeline.py (the cpu_pp recipe against one process, resumed at pp=1 and tp=2)",
-    "recipe=moe_cpu": "tests/test_expert_parallel.py (the moe_cpu recipe at ep=2 against one process)",
     "ep=": "tests/test_expert_parallel.py (ep=2 on 2 and 4 ranks, ep x HSDP, against one process)",
     "cp=": "tests/test_context_parallel.py (cp=2, cp x HSDP, cp x tp against one process, in fp32 and float64)",
     "pp=": "tests/test_pipeline.py (every schedule at pp=2, pp=2 x dp=2, pp=2 x tp=2 against one process)",

@@ -23,7 +23,6 @@ import torch
 from conftest import (
     assert_ok,
     cli_in_process,
-    grad_norms,
     losses,
     read_metrics,
     read_summary,
@@ -345,7 +344,7 @@ AC_OFFLOAD = ["strategy.activation_checkpointing=full", "strategy.cpu_offload=tr
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """fsdp-train at ep=2 on 4 ranks (HSDP: 2 replicas x 2 shard ranks, each pair splitting the
-    experts), one process, and the ep run's step-2 full file resumed at ep=1 on 2 ranks."""
+    experts), one process, and the ep run's step-2 full file resumed at ep=1 on one process."""
     from test_chat_data import CHATML, chats, save_chat_tokenizer, write_chats
 
     root = tmp_path_factory.mktemp("moe")
@@ -378,7 +377,7 @@ def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert_ok(run_cli(args, out[name], env=CPU), out[name])
     checkpoint = out["ep"] / "checkpoints" / "step_00000002.pt"
     out["resumed"] = root / "resumed"
-    resumed = [*common, "devices=2", *AC_OFFLOAD, f"resume={checkpoint}"]
+    resumed = [*common, "devices=1", f"resume={checkpoint}"]
     assert_ok(run_cli(resumed, out["resumed"], env=CPU), out["resumed"])
     out["model"] = model
     return out
@@ -405,7 +404,7 @@ def test_fsdp_train_at_ep2_on_hsdp_equals_one_process(moe_runs: dict[str, Path])
 
 @pytest.mark.distributed
 def test_an_ep2_checkpoint_resumes_at_ep1(moe_runs: dict[str, Path]) -> None:
-    """The ep run's step-2 full file continued at ep=1 on 2 ranks: one process's steps 3 and 4,
+    """The ep run's step-2 full file continued at ep=1 on one process: one process's steps 3 and 4,
     within bf16's tolerance (the weights' bit-exact DCP round trip to ep=1 is the float64 check's)."""
     resumed = moe_runs["resumed"]
     assert relative_gap(losses(resumed), losses(moe_runs["one"])[2:]) < BF16_TOLERANCE
@@ -431,20 +430,3 @@ def test_an_ep2_checkpoint_exports_in_the_hub_layout(moe_runs: dict[str, Path], 
     for name, param in model.named_parameters():
         assert torch.equal(param, trained[f"model.hf.{name}"].float()), name
 
-
-@pytest.mark.distributed
-def test_the_moe_cpu_recipe_equals_one_process(tmp_path: Path) -> None:
-    """fsdp-train recipe=moe_cpu (the built-in Llama with 8 experts, top-2 and a shared expert,
-    ep=2 on 2 CPU processes) against the same model on one process, 8 steps in fp32: the losses
-    (load-balancing loss included), and the first step's gradient norm (clipping off, the norms
-    logged), which holds the experts' gradient scale before fp32's reduction-order differences
-    compound through AdamW's updates (this recipe's fast-moving model takes later norms 1e-5 apart;
-    the float64 check compares every step's gradients)."""
-    common = ["recipe=moe_cpu", "trainer.max_steps=8", "trainer.log_every_n_steps=1", "trainer.gradient_clip_val=1000000"]
-    runs = {"ep": [*common], "one": [*common, "devices=1", "ep=1"]}
-    for name, args in runs.items():
-        assert_ok(run_cli(args, tmp_path / name, env=CPU), tmp_path / name)
-    assert relative_gap(losses(tmp_path / "ep"), losses(tmp_path / "one")) < 1e-5
-    (first, *_), (reference, *_) = grad_norms(tmp_path / "ep"), grad_norms(tmp_path / "one")
-    assert abs(first - reference) / reference < 1e-6, (first, reference)
-    assert read_summary(tmp_path / "ep")["setup"]["expert_parallel_modules"] == 4
