@@ -146,7 +146,9 @@ def hand_loop(folder: Path):
 
     def step(ids):
         logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()) + model.pop_auxiliary_loss()
+        loss = (
+            F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()) + model.pop_auxiliary_loss()
+        )
         loss.backward()
         clip_grad_norm(model, model.parameters(), 1.0)
         optimizer.step()
@@ -166,7 +168,9 @@ def transformers_loop(folder: Path):
 
     from fsdp_cli.parallel.grad_norm import clip_grad_norm
 
-    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(ep_size=2, fsdp_size=2))
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=DistributedConfig(ep_size=2, fsdp_size=2)
+    )
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
 

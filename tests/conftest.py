@@ -412,3 +412,12 @@ def bare_trainer(root: Path, *, max_steps: int = 3, **options: Any) -> Any:
         default_root_dir=str(root),
         **options,
     )
+
+
+def torchrun_rows(script: Path, nproc: int, *args: str, timeout: float = 300) -> list[dict[str, Any]]:
+    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on CPU ranks to its end (exit 0 asserted):
+    the JSON lines rank 0 printed (the float64 check drivers of context and expert parallel)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(script), *args]
+    result = run(cmd, timeout=timeout, cwd=REPO, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

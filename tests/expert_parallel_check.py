@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from context_parallel_check import _whole, gap, grad_gap  # (the same comparisons, tests/ on sys.path)
 
 from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.llama import Llama
@@ -34,7 +35,14 @@ from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
 
 VOCAB, SEQ, ROWS = 64, 8, 4
-LAYOUTS = {"dp2": (1, 2, 1), "dp4": (1, 4, 1), "ep2": (1, 2, 2), "ep2xdp2": (1, 4, 2), "ep2xhsdp": (2, 2, 2), "ep4": (1, 4, 4)}
+LAYOUTS = {
+    "dp2": (1, 2, 1),
+    "dp4": (1, 4, 1),
+    "ep2": (1, 2, 2),
+    "ep2xdp2": (1, 4, 2),
+    "ep2xhsdp": (2, 2, 2),
+    "ep4": (1, 4, 4),
+}
 """(replicate, shard, ep) of each layout."""
 FAMILIES = {
     # model type, dtype, experts kernel, experts, experts per token, weights saved (the hub's
@@ -82,7 +90,11 @@ def write_folder(folder: Path, family: str) -> Path:
         router_aux_loss_coef=0.1,
         tie_word_embeddings=False,
     )
-    sizes = {"num_local_experts": experts} if model_type == "mixtral" else {"num_experts": experts, "moe_intermediate_size": 8}
+    sizes = (
+        {"num_local_experts": experts}
+        if model_type == "mixtral"
+        else {"num_experts": experts, "moe_intermediate_size": 8}
+    )
     config = AutoConfig.for_model(model_type, **common, **sizes)
     path = folder / family
     path.mkdir(parents=True, exist_ok=True)
@@ -102,7 +114,9 @@ def build(path: Path, family: str):
     if family == "builtin":
         with torch.device("meta"):
             return Llama(BUILTIN, seed=0)
-    return build_hf_model(HFModelArgs(path=str(path), pretrained=weights, experts_implementation=kernel), seed=0)
+    return build_hf_model(
+        HFModelArgs(path=str(path), pretrained=weights, experts_implementation=kernel), seed=0
+    )
 
 
 def batches(steps: int) -> list[torch.Tensor]:
@@ -168,7 +182,9 @@ def round_trip(model, path: Path, family: str, dtype: torch.dtype, folder: Path)
     return all(torch.equal(_whole(p.detach()), _whole(mine[n].detach())) for n, p in other.named_parameters())
 
 
-def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor], layout: str, way: str):
+def distributed(
+    path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor], layout: str, way: str
+):
     from fsdp_cli.parallel import expert_parallel
 
     model, dims = parallel_model(path, family, dtype, layout)
@@ -193,23 +209,6 @@ def distributed(path: Path, family: str, dtype: torch.dtype, steps: list[torch.T
     finally:
         expert_parallel._ScaleGrad.apply = scale
         expert_parallel.ExpertParallel._compute = compute
-
-
-def _whole(grad: torch.Tensor) -> torch.Tensor:
-    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-
-
-def gap(mine: list[float], theirs: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(mine, theirs, strict=True))
-
-
-def grad_gap(mine: list[dict], theirs: list[dict]) -> float:
-    worst = 0.0
-    for step_mine, step_theirs in zip(mine, theirs, strict=True):
-        for name, ref in step_theirs.items():
-            got = step_mine[name]
-            worst = max(worst, float((got - ref).norm() / ref.norm().clamp(min=1e-30)))
-    return worst
 
 
 def main() -> None:

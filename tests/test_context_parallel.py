@@ -11,12 +11,11 @@ long-context recipe; the layouts that cannot run, refused before launch in one l
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run, run_cli
+from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run_cli, torchrun_rows
 from harness import REPO
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -24,10 +23,7 @@ CHECK = REPO / "tests" / "context_parallel_check.py"
 
 
 def check(nproc: int, *args: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(CHECK), *args]
-    result = run(cmd, timeout=300, cwd=REPO, env=CPU)
-    assert result.returncode == 0, result
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return torchrun_rows(CHECK, nproc, *args)
 
 
 @pytest.mark.distributed

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ from conftest import (
     read_metrics,
     read_summary,
     relative_gap,
-    run,
     run_cli,
+    torchrun_rows,
 )
 from harness import REPO
 
@@ -43,7 +42,11 @@ def moe_folder(folder: Path, family: str = "qwen3_moe", *, experts: int = 4, wei
     expert), or its config.json alone."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sizes = {"num_local_experts": experts} if family == "mixtral" else {"num_experts": experts, "moe_intermediate_size": 8}
+    sizes = (
+        {"num_local_experts": experts}
+        if family == "mixtral"
+        else {"num_experts": experts, "moe_intermediate_size": 8}
+    )
     config = AutoConfig.for_model(
         family,
         vocab_size=64,
@@ -245,9 +248,21 @@ def moe_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         (["model.path={four}", "ep=2", "devices=4", "tp=2"], "ep=2: not with tp > 1"),
         (["model.path={four}", "strategy=ddp", "precision=64-true"], "model.experts_implementation"),
         (["model.path={four}", "pp=2", "devices=2"], "pp=2: the model trains a load-balancing loss"),
-        (["model.path={mismatch}", "ep=2"], "the checkpoint holds 4 experts per MoE layer, config.json says 6"),
+        (
+            ["model.path={mismatch}", "ep=2"],
+            "the checkpoint holds 4 experts per MoE layer, config.json says 6",
+        ),
     ],
-    ids=["dense", "shard", "experts", "fsdp1", "tp", "float64-kernel", "pp-balance-loss", "checkpoint-experts"],
+    ids=[
+        "dense",
+        "shard",
+        "experts",
+        "fsdp1",
+        "tp",
+        "float64-kernel",
+        "pp-balance-loss",
+        "checkpoint-experts",
+    ],
 )
 def test_an_ep_layout_that_cannot_run_is_one_line_before_launch(
     overrides: list[str], words: str, moe_configs: dict[str, str], tmp_path: Path
@@ -266,10 +281,7 @@ def test_an_ep_layout_that_cannot_run_is_one_line_before_launch(
 
 
 def check(nproc: int, *args: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(CHECK), *args]
-    result = run(cmd, timeout=300, cwd=REPO, env=CPU)
-    assert result.returncode == 0, result
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return torchrun_rows(CHECK, nproc, *args)
 
 
 @pytest.mark.distributed
@@ -421,12 +433,12 @@ def test_an_ep2_checkpoint_exports_in_the_hub_layout(moe_runs: dict[str, Path], 
     checkpoint = moe_runs["ep"] / "checkpoints" / "step_00000004.pt"
     out = tmp_path / "hf"
     assert fsdp_ckpt("convert", str(checkpoint), str(out), "--to", "hf") == 0
-    with safe_open(str(out / "model.safetensors"), "pt") as exported, safe_open(
-        str(moe_runs["model"] / "model.safetensors"), "pt"
-    ) as original:
+    with (
+        safe_open(str(out / "model.safetensors"), "pt") as exported,
+        safe_open(str(moe_runs["model"] / "model.safetensors"), "pt") as original,
+    ):
         assert sorted(exported.keys()) == sorted(original.keys())
     trained = torch.load(checkpoint, weights_only=True, mmap=True)["state_dict"]
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for name, param in model.named_parameters():
         assert torch.equal(param, trained[f"model.hf.{name}"].float()), name
-

@@ -106,6 +106,15 @@ def experts_implementation(module: nn.Module, name: str | None) -> Callable[...,
     return _moe.ALL_EXPERTS_FUNCTIONS.get_interface(name, None)
 
 
+def experts_kernel(config: Any) -> str | None:
+    """The experts implementation a model's config selects (transformers keeps it private)."""
+    return config._experts_implementation
+
+
+def select_experts_kernel(config: Any, name: str) -> None:
+    config._experts_implementation = name
+
+
 def register_experts_implementation(name: str, forward: Callable[..., Any]) -> None:
     _moe.ALL_EXPERTS_FUNCTIONS.register(name, forward)
 

@@ -509,7 +509,9 @@ EXPLICIT = _table(
     ),
     (
         "ep:module,lightning",
-        Refused("not a mixture of experts: no experts to split", check="config.model_kinds.check_expert_parallel"),
+        Refused(
+            "not a mixture of experts: no experts to split", check="config.model_kinds.check_expert_parallel"
+        ),
     ),
     (
         "ep:builtin",

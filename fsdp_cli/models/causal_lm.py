@@ -169,7 +169,8 @@ class CausalLMModule(L.LightningModule):
             micro = batch["input_ids"].shape[0]
             cp = 1 if self.context_parallel is None else self.context_parallel.size
             return self._with_auxiliary(
-                loss * (cp * batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro))
+                loss
+                * (cp * batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro))
             )
         return self._loss(batch)
 

@@ -73,7 +73,9 @@ class ModelFolder:
         if not isinstance(experts, int) or experts < 2:
             return None
         top_k = self.get("experts_per_token")
-        return Experts(experts, int(top_k) if isinstance(top_k, int) else 1, bool(self.get("output_router_logits")))
+        return Experts(
+            experts, int(top_k) if isinstance(top_k, int) else 1, bool(self.get("output_router_logits"))
+        )
 
     def tp_sizes(self) -> dict[str, int]:
         """Sizes each tensor-parallel rank needs an equal share of (those the config declares)."""

@@ -95,12 +95,17 @@ class HFCausalLM(TrainsBalanceLoss, nn.Module):
         """Expert parallel over ``mesh`` (the experts already split over it): each experts module
         dispatches through :data:`EXPERT_PARALLEL_EXPERTS` (registered in transformers'
         ``ExpertsInterface``), which runs the implementation the model had on this rank's experts."""
-        from fsdp_cli.compat.transformers_internals import experts_implementation, register_experts_implementation
+        from fsdp_cli.compat.transformers_internals import (
+            experts_implementation,
+            experts_kernel,
+            register_experts_implementation,
+            select_experts_kernel,
+        )
         from fsdp_cli.parallel.expert_parallel import ExpertParallel
 
         register_experts_implementation(EXPERT_PARALLEL_EXPERTS, expert_parallel_experts)
         for module in self.expert_modules():
-            inner = module.config._experts_implementation
+            inner = experts_kernel(module.config)
             if inner == EXPERT_PARALLEL_EXPERTS:
                 continue
             module.expert_parallel = ExpertParallel(
@@ -111,7 +116,7 @@ class HFCausalLM(TrainsBalanceLoss, nn.Module):
                 compute=experts_implementation(module, inner),
             )
         for module in self.expert_modules():
-            module.config._experts_implementation = EXPERT_PARALLEL_EXPERTS
+            select_experts_kernel(module.config, EXPERT_PARALLEL_EXPERTS)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``: packed sequences (restarting at 0 per document). With no attention mask,
@@ -125,7 +130,9 @@ class HFCausalLM(TrainsBalanceLoss, nn.Module):
         moe = self.moe
         if moe is None or not moe.balanced or not self.training:
             return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
+        out = self.hf(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True
+        )
         self.record_balance(out.router_logits, moe.num_experts, moe.top_k, moe.aux_loss_coef)
         return out.logits
 

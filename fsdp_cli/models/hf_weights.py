@@ -172,12 +172,7 @@ class WeightFiller:
         if missing:
             raise RuntimeError(f"{self.source.path}: the checkpoint lacks {', '.join(sorted(missing)[:8])}")
         filled: set[int] = set()
-        for name, parts in self._experts.items():
-            if name in targets:
-                _copy_experts(targets[name], parts, self.report)
-                mark_initialized(targets[name])
-        expert_files = {file for name in targets for file, _ in self._experts.get(name, {}).values()}
-        self.report.files += len(expert_files - set(by_file))
+        self._load_experts(targets, set(by_file))
         for file, pairs in by_file.items():
             # safetensors memory-maps the file; get_slice reads only the bytes asked for.
             with safe_open(str(file), framework="pt", device="cpu") as reader:
@@ -188,6 +183,17 @@ class WeightFiller:
                         filled.add(id(target))
                     mark_initialized(target)
             self.report.files += 1
+
+    def _load_experts(self, targets: dict[str, torch.Tensor], other_files: set[Path]) -> None:
+        """The fused experts tensors among ``targets`` the checkpoint holds one tensor per expert for."""
+        from fsdp_cli.compat.transformers_internals import mark_initialized
+
+        for name, parts in self._experts.items():
+            if name in targets:
+                _copy_experts(targets[name], parts, self.report)
+                mark_initialized(targets[name])
+        expert_files = {file for name in targets for file, _ in self._experts.get(name, {}).values()}
+        self.report.files += len(expert_files - other_files)
 
     def _checkpoint_locations(self) -> dict[str, tuple[Path, str]]:
         """Model tensor name -> (file, checkpoint key), from the index or the files' headers (once)."""
@@ -449,11 +455,15 @@ def _expert_coordinates(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if not _is_dtensor(target):
         return grid
     if any(p.is_shard() and getattr(p, "dim", 0) > 1 for p in target.placements):
-        raise RuntimeError(f"experts sharded along {target.placements}: only their first two dimensions may be")
+        raise RuntimeError(
+            f"experts sharded along {target.placements}: only their first two dimensions may be"
+        )
     from torch.distributed.tensor import distribute_tensor
 
     return tuple(  # type: ignore[return-value]
-        distribute_tensor(g.contiguous(), target.device_mesh, target.placements, src_data_rank=None).to_local()
+        distribute_tensor(
+            g.contiguous(), target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
         for g in grid
     )
 

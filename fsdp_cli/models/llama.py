@@ -140,7 +140,9 @@ class Experts(nn.Module):
         return experts_forward(self, x, index, weights)
 
 
-def experts_forward(experts: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def experts_forward(
+    experts: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Each expert of ``experts`` (its ``w13``, ``w2``, ``num_experts``) on the tokens routed to it,
     weighted and summed per token (dropless)."""
     out = torch.zeros_like(x)
@@ -163,7 +165,9 @@ class MoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_dim())
-        self.shared = FeedForward(cfg.dim, cfg.shared_experts * cfg.expert_dim()) if cfg.shared_experts else None
+        self.shared = (
+            FeedForward(cfg.dim, cfg.shared_experts * cfg.expert_dim()) if cfg.shared_experts else None
+        )
         self.router_logits: torch.Tensor | None = None  # the last forward's, for the balance loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

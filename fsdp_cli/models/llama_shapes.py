@@ -28,11 +28,15 @@ def llama_params(cfg: LlamaArgs) -> list[ParamShape]:
             ParamShape(f"{p}.attention.wo.weight", (dim, cfg.n_heads * head_dim), ROWWISE),
             ParamShape(f"{p}.ffn_norm.weight", (dim,)),
         ]
-        params += _moe_params(cfg, p) if cfg.n_experts else [
-            ParamShape(f"{p}.feed_forward.w1.weight", (hidden, dim), COLWISE),
-            ParamShape(f"{p}.feed_forward.w2.weight", (dim, hidden), ROWWISE),
-            ParamShape(f"{p}.feed_forward.w3.weight", (hidden, dim), COLWISE),
-        ]
+        params += (
+            _moe_params(cfg, p)
+            if cfg.n_experts
+            else [
+                ParamShape(f"{p}.feed_forward.w1.weight", (hidden, dim), COLWISE),
+                ParamShape(f"{p}.feed_forward.w2.weight", (dim, hidden), ROWWISE),
+                ParamShape(f"{p}.feed_forward.w3.weight", (hidden, dim), COLWISE),
+            ]
+        )
     params.append(ParamShape("norm.weight", (dim,)))
     if not cfg.tie_embeddings:  # tied: the head is tok_embeddings.weight, named once
         params.append(ParamShape("output.weight", (cfg.vocab_size, dim), COLWISE))

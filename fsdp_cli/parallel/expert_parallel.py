@@ -186,7 +186,10 @@ def balance_loss(
     wide = [logits if logits.dtype == torch.float64 else logits.float() for logits in router_logits]
     probs = [torch.softmax(logits, dim=-1) for logits in wide]
     counts = torch.stack(
-        [torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1), minlength=num_experts) for p in probs]
+        [
+            torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1), minlength=num_experts)
+            for p in probs
+        ]
     ).to(probs[0].dtype)
     prob_sums = torch.stack([p.sum(dim=0) for p in probs])  # [layers, experts], with gradient
     rows = probs[0].shape[0]
@@ -219,7 +222,9 @@ class TrainsBalanceLoss:
     def record_balance(
         self, router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int, coef: float
     ) -> None:
-        loss, self.balance = balance_loss(router_logits, num_experts, top_k, across_ranks=self.balance_across_ranks)
+        loss, self.balance = balance_loss(
+            router_logits, num_experts, top_k, across_ranks=self.balance_across_ranks
+        )
         self._auxiliary_loss = coef * loss
 
     def pop_auxiliary_loss(self) -> torch.Tensor | None:

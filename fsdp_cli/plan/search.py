@@ -60,7 +60,11 @@ def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
         for cp in _divisors(world // tp) if kind.attention_heads else [1]:
             for pp in _divisors(world // (tp * cp)) if cp == 1 else [1]:
                 dp = world // (tp * cp * pp)
-                eps = [e for e in _divisors(dp) if experts.count % e == 0] if experts and tp * cp * pp == 1 else [1]
+                eps = (
+                    [e for e in _divisors(dp) if experts.count % e == 0]
+                    if experts and tp * cp * pp == 1
+                    else [1]
+                )
                 out += _fsdp2_candidates(dataclasses.replace(cfg, ep=1), tp, cp, pp, dp, eps)
     out.append(
         (

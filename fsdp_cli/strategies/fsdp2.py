@@ -152,8 +152,8 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         self.options = dataclasses.replace(options or ParallelizeOptions(), **overrides)
         self.parallelize_fn = parallelize_fn
         self.requested_sizes = (data_parallel_size, tensor_parallel_size, replicate_size)
-        self.pipeline_parallel_size, self.context_parallel_size = pipeline_parallel_size, context_parallel_size
-        self.expert_parallel_size = expert_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.context_parallel_size, self.expert_parallel_size = context_parallel_size, expert_parallel_size
         self.pipeline_options = pipeline or PipelineOptions()
         if pipeline_parallel_size > 1:  # a schedule torch lacks: one line now, not at setup
             stages_per_rank_of(self.pipeline_options, schedule_of(self.pipeline_options.schedule))
