@@ -71,13 +71,26 @@ BUILTIN = LlamaArgs(
 )
 
 
-def write_folder(folder: Path, family: str) -> Path:
+def moe_folder(
+    folder: Path,
+    family: str = "qwen3_moe",
+    *,
+    experts: int = 4,
+    top_k: int = 2,
+    weights: bool = True,
+    initializer_range: float = 0.3,
+) -> Path:
+    """A tiny MoE model folder of transformers' ``family`` as transformers saves it (the hub's
+    layout: one tensor per expert), or its config.json alone (tests/test_expert_parallel.py's too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, _, _, experts, top_k, weights = FAMILIES[family]
-    if not model_type:  # the built-in model: nothing to write
-        return folder
-    common = dict(
+    sizes = (
+        {"num_local_experts": experts}
+        if family == "mixtral"
+        else {"num_experts": experts, "moe_intermediate_size": 8}
+    )
+    config = AutoConfig.for_model(
+        family,
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=24,
@@ -89,21 +102,26 @@ def write_folder(folder: Path, family: str) -> Path:
         output_router_logits=True,
         router_aux_loss_coef=0.1,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
+        **sizes,
     )
-    sizes = (
-        {"num_local_experts": experts}
-        if model_type == "mixtral"
-        else {"num_experts": experts, "moe_intermediate_size": 8}
-    )
-    config = AutoConfig.for_model(model_type, **common, **sizes)
-    path = folder / family
-    path.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     if weights:
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     else:
-        config.save_pretrained(path)
-    return path
+        config.save_pretrained(folder)
+    return folder
+
+
+def write_folder(folder: Path, family: str) -> Path:
+    model_type, _, _, experts, top_k, weights = FAMILIES[family]
+    if not model_type:  # the built-in model: nothing to write
+        return folder
+    # (transformers' default init here: the float32 families' tolerance is set at it)
+    return moe_folder(
+        folder / family, model_type, experts=experts, top_k=top_k, weights=weights, initializer_range=0.02
+    )
 
 
 def build(path: Path, family: str):

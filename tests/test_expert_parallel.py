@@ -29,47 +29,13 @@ from conftest import (
     run_cli,
     torchrun_rows,
 )
+from expert_parallel_check import moe_folder
 from harness import REPO
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
 CHECK = REPO / "tests" / "expert_parallel_check.py"
 BF16_TOLERANCE = 0.02
 """Relative, per step, between a bf16-mixed layout and one bf16-mixed process (as test_composition's)."""
-
-
-def moe_folder(folder: Path, family: str = "qwen3_moe", *, experts: int = 4, weights: bool = True) -> Path:
-    """A tiny MoE model folder as transformers saves it (the hub's layout: one tensor per
-    expert), or its config.json alone."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    sizes = (
-        {"num_local_experts": experts}
-        if family == "mixtral"
-        else {"num_experts": experts, "moe_intermediate_size": 8}
-    )
-    config = AutoConfig.for_model(
-        family,
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-        **sizes,
-    )
-    if not weights:
-        folder.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(folder)
-        return folder
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return folder
 
 
 # --------------------------------------------------------------------------- sizes and parts
