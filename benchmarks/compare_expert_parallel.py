@@ -125,14 +125,11 @@ def _timed_loop(step, rank: int, vocab: int) -> list[float]:
 
 
 def hand_loop(folder: Path):
-    import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from fsdp_cli.models.args import HFModelArgs
     from fsdp_cli.models.hf import build_hf_model
     from fsdp_cli.parallel.dims import ParallelDims
-    from fsdp_cli.parallel.grad_norm import clip_grad_norm
     from fsdp_cli.parallel.parallelize import ParallelizeOptions, parallelize
 
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=2)
@@ -142,42 +139,43 @@ def hand_loop(folder: Path):
     model.to_empty(device="cpu")
     model.init_weights()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
 
-    def step(ids):
+    def loss_of(ids):
         logits = model(ids[:, :-1])
-        loss = (
+        return (
             F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()) + model.pop_auxiliary_loss()
         )
-        loss.backward()
-        clip_grad_norm(model, model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        mean.item()
 
-    return step, model.hf.config.vocab_size
+    return _optimizer_step(model, loss_of), model.hf.config.vocab_size
 
 
 def transformers_loop(folder: Path):
-    import torch
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
-
-    from fsdp_cli.parallel.grad_norm import clip_grad_norm
 
     model = AutoModelForCausalLM.from_pretrained(
         folder, distributed_config=DistributedConfig(ep_size=2, fsdp_size=2)
     )
     model.train()
+    return _optimizer_step(model, lambda ids: model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss), (
+        model.config.vocab_size
+    )
+
+
+def _optimizer_step(model, loss_of):
+    """One training step around ``loss_of(ids)``, the same on both loops: backward, clipping at 1.0
+    (fsdp_cli's clip: torch's refuses gradients on two meshes, the experts' and the rest's),
+    AdamW, and the loss averaged over the ranks and read on the host."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_cli.parallel.grad_norm import clip_grad_norm
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
 
     def step(ids):
-        loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+        loss = loss_of(ids)
         loss.backward()
-        # (torch's clip_grad_norm_ refuses gradients on two meshes: the experts' and the rest's)
         clip_grad_norm(model, model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -185,7 +183,7 @@ def transformers_loop(folder: Path):
         dist.all_reduce(mean)
         mean.item()
 
-    return step, model.config.vocab_size
+    return step
 
 
 def rank_main(args: argparse.Namespace) -> None:
