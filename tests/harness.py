@@ -40,6 +40,7 @@ ENTRY_MODULES = {
     "fsdp-plan": "fsdp_cli.cli.plan",
     "fsdp-recipe": "fsdp_cli.cli.recipes",
     "fsdp-data": "fsdp_cli.cli.data",
+    "fsdp-generate": "fsdp_cli.cli.generate",
 }
 
 

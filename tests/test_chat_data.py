@@ -52,8 +52,11 @@ CONVERSATION = [
 ]
 
 
-def save_chat_tokenizer(folder: Path, template: str | None, family: str = "chatml") -> Path:
-    """A word-level fast tokenizer folder written here (no download), with ``template`` in its config."""
+def save_chat_tokenizer(
+    folder: Path, template: str | None, family: str = "chatml", words: tuple[str, ...] = ()
+) -> Path:
+    """A word-level fast tokenizer folder written here (no download), with ``template`` in its
+    config; ``words``: more words it knows."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,7 +64,7 @@ def save_chat_tokenizer(folder: Path, template: str | None, family: str = "chatm
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", *specials])
-    tokenizer.train_from_iterator([" ".join(WORDS + ROLE_WORDS)], trainer)
+    tokenizer.train_from_iterator([" ".join(WORDS + ROLE_WORDS + list(words))], trainer)
     eos = "<|im_end|>" if family == "chatml" else "<|eot_id|>"
     bos = None if family == "chatml" else "<|begin_of_text|>"
     fast = PreTrainedTokenizerFast(
@@ -340,13 +343,13 @@ def hf_module(folder: Path) -> Any:
     return module.double()
 
 
-def hf_chat_files(root: Path) -> dict[str, str]:
-    """A tiny Hugging Face Llama folder with a ChatML tokenizer in it (``hf``, also ``tokenizer``),
-    and 40 conversations (``chats``), under ``root``."""
+def hf_chat_files(root: Path, words: tuple[str, ...] = ()) -> dict[str, str]:
+    """A tiny Hugging Face Llama folder with a ChatML tokenizer in it (``hf``, also ``tokenizer``;
+    ``words``: more words it knows), and 40 conversations (``chats``), under ``root``."""
     import shutil
 
     model = save_hf_llama(root / "model")
-    for file in save_chat_tokenizer(root / "tokenizer", CHATML).iterdir():
+    for file in save_chat_tokenizer(root / "tokenizer", CHATML, words=words).iterdir():
         shutil.copy(file, model / file.name)
     chats_file = write_chats(root / "train.jsonl", chats(40, seed=1))
     return {"hf": str(model), "chats": str(chats_file), "tokenizer": str(model), "root": str(root)}

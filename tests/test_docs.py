@@ -59,7 +59,7 @@ def test_the_reference_lists_every_key_with_its_default() -> None:
         ("strategy.mp_policy.param_dtype", "`null`"),
         ("data.global_batch_size", "`8`"),
         ("launcher.node_rank", "`null`"),
-        ("sweep.objective", "`final_loss`"),
+        ("sweep.objective", "`auto`"),
     ]:
         assert re.search(
             rf"^\| `{re.escape(key)}` \| [^|]+(\\\|[^|]+)* \| {re.escape(default)} \|", text, re.M

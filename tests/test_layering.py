@@ -8,7 +8,7 @@ an import too: ``importlib.import_module("fsdp_cli...")`` (an f-string's fixed p
 and a string that names one of our modules, or an object in one (``module:attribute`` as
 registries write it, or ``module.Attribute``), count as edges; only :data:`PROCESS_ENTRIES`, the
 modules another process runs, are not imports of the room that names them. The table runs one
-way: argv -> cli -> sweep -> resolve -> plan -> worker -> builders -> callbacks / strategies ->
+way: argv -> cli -> generate / sweep -> resolve -> plan -> worker -> builders -> callbacks / strategies ->
 checkpoint -> launch -> config -> adapters -> models / data -> parallel -> the leaves. A new edge is added
 to the table on purpose, and the table itself must stay free of cycles.
 """
@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     # (data: fsdp-data show renders one chat example with the run's own code)
     "cli": {
         "hydra_plugins",
+        "generate",
         "sweep",
         "resolve",
         "plan",
@@ -51,6 +52,8 @@ ALLOWED: dict[str, set[str]] = {
         "data",
         *LEAVES,
     },
+    # (fsdp-generate builds a run's model from its checkpoint's config as the run's factory did)
+    "generate": {"checkpoint", "config", "adapters", "models", "data", "parallel", *LEAVES},
     "sweep": {"resolve", "launch", "config", *LEAVES},
     "resolve": {"plan", "checkpoint", "launch", "data", "config", "adapters", *LEAVES},
     # builders/strategies: a rehearsal (plan/rehearsal.py) builds one rank with the builders and

@@ -207,7 +207,7 @@ def test_optuna_direction_opposite_to_the_objective_gets_a_note(tmp_path: Path) 
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.direction=maximize"]
     r = cli_in_process([*args, *CPU, "tp=choice(3)", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
-    assert "note: hydra.sweeper.direction=maximize with sweep.objective=final_loss" in r.out, r
+    assert "note: hydra.sweeper.direction=maximize with sweep.objective=auto" in r.out, r
 
 
 def test_submitit_slurm_launcher_composes() -> None:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from fsdp_cli.checkpoint.manifest import STARTED_IN_KEY
 from fsdp_cli.checkpoint.run import RUN_ID_KEY
 from fsdp_cli.config.resolved import ResolvedRun
 
@@ -21,6 +23,8 @@ def checkpointing(run: ResolvedRun) -> dict[str, Any]:
             "dp": run.layout.dp,
             "tp": run.layout.tp,
             RUN_ID_KEY: run.cfg.run_id,  # whose saves retention may remove (CheckpointCallback.prune)
+            # What the config's relative paths (model.path, data.tokenizer) are relative to.
+            STARTED_IN_KEY: os.getcwd(),
         },
         "async_checkpointing": run.cfg.checkpoint.async_save,
         # A LoRA run saves its adapters (and what else trains); the frozen base only when asked.

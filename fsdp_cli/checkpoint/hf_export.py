@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
+from fsdp_cli.checkpoint.manifest import config_path
 from fsdp_cli.extras import install_hint
 
 PREFIX = "model.hf."
@@ -43,8 +44,8 @@ def source_folder(manifest: dict[str, Any] | None, override: Path | None) -> Pat
                 "--to hf needs a checkpoint of a model=hf run (this one trained "
                 f"{model.get('_target_') or model.get('name') or 'an unknown model'})"
             )
-        folder = Path(str(model.get("path")))
-        if not folder.is_absolute():  # relative to where the run started, which is not known here
+        folder = Path(str(config_path(manifest, model.get("path"))))
+        if not folder.is_absolute():  # saved before manifests recorded where the run started
             raise CheckpointFormatError(
                 f"--to hf: the checkpoint's manifest names the model folder {folder} by a relative path; "
                 "pass the model folder with --hf-config DIR"

@@ -15,6 +15,21 @@ TRAINED_KEY = "trained"
 """A run that froze part of its model (``peft=lora``): the canonical names of the parameters that
 trained (its exports carry those beside the adapters, nothing frozen)."""
 
+STARTED_IN_KEY = "started_in"
+"""The folder the run started in: what relative paths of its config (``model.path``,
+``data.tokenizer``) are relative to, for the tools that read the checkpoint elsewhere."""
+
+
+def config_path(manifest: Mapping[str, Any] | None, value: Any) -> str | None:
+    """A path of the run's config as an absolute one: relative ones against the folder the run
+    started in (checkpoints saved before manifests recorded it: as given)."""
+    import os
+
+    if not value:
+        return None
+    started = (manifest or {}).get(STARTED_IN_KEY)
+    return os.path.join(started, str(value)) if started and not os.path.isabs(str(value)) else str(value)
+
 
 def build_manifest(strategy: Any, checkpoint: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     """Step, layout, parameter count and dtypes, versions; ``extra`` adds the run's config."""

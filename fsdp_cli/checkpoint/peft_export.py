@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
-from fsdp_cli.checkpoint.manifest import TRAINED_KEY
+from fsdp_cli.checkpoint.manifest import TRAINED_KEY, config_path
 from fsdp_cli.extras import install_hint
 
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -111,7 +111,7 @@ def save_peft(state_dict: dict[str, torch.Tensor], manifest: dict[str, Any] | No
 
 def _base_model(manifest: dict[str, Any] | None) -> str | None:
     model = ((manifest or {}).get("config") or {}).get("model") or {}
-    return str(model["path"]) if model.get("name") == "hf" and model.get("path") else None
+    return config_path(manifest, model["path"]) if model.get("name") == "hf" and model.get("path") else None
 
 
 def merged(

@@ -119,6 +119,21 @@ class Supervise(Enum):
     last = "last"
 
 
+class ChatFormat(Enum):
+    """How a line of chat data holds its conversation (``data=chat``)."""
+
+    auto = "auto"
+    """Each line by its keys: ``messages_field``, ``prompt_field`` + ``completion_field``,
+    ShareGPT's ``conversations``, or Alpaca's ``instruction`` + ``output``."""
+    messages = "messages"
+    """``{"messages": [{"role", "content"}, ...]}`` (or the prompt/completion pair)."""
+    sharegpt = "sharegpt"
+    """``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": "..."}, ...]}``."""
+    alpaca = "alpaca"
+    """``{"instruction", "input" (may be empty), "output"}``: the instruction and input one user
+    turn (separated by a blank line), the output the answer; an optional ``system``."""
+
+
 class TruncationSide(Enum):
     """Which end of an over-long example is cut (``data=chat``): ``right`` keeps its start."""
 
@@ -129,6 +144,11 @@ class TruncationSide(Enum):
 class SweepObjective(Enum):
     """A value of a run's ``summary.json`` that a sweep job returns to the sweeper."""
 
+    auto = "auto"
+    """``val_loss`` for a job that validated, else ``final_loss``: a sweep whose jobs validate
+    (``data.val_path``, a module's own validation data) compares them on held-out data."""
+    val_loss = "val_loss"
+    """Validation loss of the last validation (a job that never validated returns the worst value)."""
     final_loss = "final_loss"
     """Training loss of the last logged step."""
     tokens_per_s = "tokens_per_s"
@@ -669,6 +689,9 @@ class ChatDataConfig(DataConfig):
     defaults to ``model.path`` (``model=hf``). Nothing is downloaded."""
     chat_template: str | None = None
     """A Jinja chat template (a file, or the template text); null = the tokenizer's own."""
+    format: ChatFormat = ChatFormat.auto
+    """How each line holds its conversation: ``auto`` (by its keys), ``messages``, ``sharegpt``,
+    ``alpaca``; every line is checked, a bad one is one error naming file:line."""
     messages_field: str = "messages"
     """The key of each line's list of ``{role, content}`` messages."""
     prompt_field: str = "prompt"
@@ -845,7 +868,7 @@ class LauncherConfig:
 class SweepConfig:
     """How each job of a sweep (``fsdp-train -m ...``) reports to the sweeper."""
 
-    objective: SweepObjective = SweepObjective.final_loss
+    objective: SweepObjective = SweepObjective.auto
     """What a job returns to the sweeper: Optuna minimises or maximises it, following
     ``hydra.sweeper.direction``. A job that was skipped or failed returns the worst value."""
 

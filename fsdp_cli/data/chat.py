@@ -69,23 +69,27 @@ class ChatCorpus:
 
 
 def conversation(record: Any, where: str, key: str, data: Any) -> list[dict[str, Any]]:
-    """The messages of one JSON line, checked; a :class:`ConfigError` naming ``file:line`` otherwise."""
+    """The messages of one JSON line (in ``data.format``), checked; a :class:`ConfigError` naming
+    ``file:line`` otherwise."""
+    from fsdp_cli.data import chat_formats
+
     if not isinstance(record, dict):
         raise ConfigError(
             key, where, f"a line is a {type(record).__name__}, not a JSON object", hint="one object per line"
         )
-    if data.messages_field in record:
+    shape = data.format.value
+    if shape == "auto":
+        shape = chat_formats.detect(record, data) or "unknown"
+    if shape == "sharegpt":
+        messages = chat_formats.sharegpt(record, where, key)
+    elif shape == "alpaca":
+        messages = chat_formats.alpaca(record, where, key)
+    elif data.messages_field in record:
         messages = record[data.messages_field]
     elif data.prompt_field in record and data.completion_field in record:
         messages = _pair(record, where, key, data)
     else:
-        raise ConfigError(
-            key,
-            where,
-            f"holds neither {data.messages_field!r} nor {data.prompt_field!r} and {data.completion_field!r}",
-            allowed=", ".join(map(repr, record)) or "(an empty object)",
-            hint="data.messages_field=KEY or data.prompt_field=KEY data.completion_field=KEY",
-        )
+        raise chat_formats.unknown_shape(record, where, key, data)
     check_messages(messages, where, key, data.messages_field)
     return messages
 
@@ -206,6 +210,7 @@ def cache_folder(data: Any, key: str, template: str) -> Path:
         data.prompt_field,
         data.completion_field,
         data.supervise.value,
+        data.format.value,
         CACHE_VERSION,
     )
     digest.update(f"{fields}\n".encode())

@@ -103,7 +103,10 @@ def _overrides() -> list[str]:
 
 
 def objective_value(summary: Mapping[str, Any] | None, objective: str) -> float:
-    """The job's ``objective`` when it finished with a finite one, else the worst value."""
+    """The job's ``objective`` when it finished with a finite one, else the worst value
+    (``auto``: its ``val_loss`` where it validated, else its ``final_loss``)."""
+    if objective == "auto":
+        objective = "val_loss" if (summary or {}).get("val_loss") is not None else "final_loss"
     value = (summary or {}).get(objective)
     ok = summary is not None and summary.get("status") == STATUS_OK
     if ok and isinstance(value, (int, float)) and math.isfinite(value):

@@ -29,6 +29,7 @@ COLUMNS = (
     "precision",
     "steps",
     "final_loss",
+    "val_loss",
     "tokens_per_s",
     "step_time_s",
     "peak_memory_mib_per_rank",
@@ -55,12 +56,16 @@ class JobResult:
     precision: str | None = None
     steps: int | None = None
     final_loss: float | None = None
+    val_loss: float | None = None
+    """The last validation's loss (None: the job did not validate)."""
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     peak_memory_mib_per_rank: list[float] = field(default_factory=list)
     job_dir: str = ""
     losses: list[tuple[int, float]] = field(default_factory=list)
     """(step, loss) of every logged step: the plot's curve."""
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, val_loss) of every validation: the plot's markers."""
     label: str = ""
     """The overrides that differ between the jobs of the sweep: how the table and plot name a job."""
 
@@ -102,11 +107,13 @@ def read_job(job_dir: Path) -> JobResult:
         precision=summary.get("precision"),
         steps=summary.get("steps"),
         final_loss=_finite(summary.get("final_loss")),
+        val_loss=_finite(summary.get("val_loss")),
         tokens_per_s=_finite(summary.get("tokens_per_s")),
         step_time_s=_finite(summary.get("step_time_s")),
         peak_memory_mib_per_rank=[round(b / 2**20, 1) for b in memory if isinstance(b, (int, float))],
         job_dir=str(job_dir),
         losses=_losses(job_dir / METRICS_FILE),
+        val_losses=_losses(job_dir / METRICS_FILE, key="val_loss"),
     )
     if not result.steps and result.losses:  # a job that failed part-way: how far it got
         result.steps = result.losses[-1][0]
@@ -149,7 +156,9 @@ def _overrides(job_dir: Path) -> list[str]:
     return out
 
 
-def _losses(path: Path) -> list[tuple[int, float]]:
+def _losses(path: Path, key: str = "loss") -> list[tuple[int, float]]:
+    """(step, value) of each metrics.jsonl row holding ``key`` (training steps' ``loss``, or
+    validations' ``val_loss``)."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -158,7 +167,8 @@ def _losses(path: Path) -> list[tuple[int, float]]:
     for line in lines:
         try:
             row = json.loads(line)
-            points.append((int(row["step"]), float(row["loss"])))
+            if key in row:
+                points.append((int(row["step"]), float(row[key])))
         except (ValueError, KeyError, TypeError):
             continue  # the torn last line of a job that died mid-write
     return points

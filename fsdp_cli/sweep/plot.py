@@ -70,7 +70,8 @@ def _loss_curves(ax: Any, jobs: Sequence[JobResult], colours: list[Any]) -> None
         ax.add_line(Line2D([], [], color="grey", lw=0, marker="$\\varnothing$", ms=9, label=label))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean over data-parallel ranks)")
+    validated = any(j.val_losses for j in jobs)
+    ax.set_ylabel("training loss" + (" (line); validation loss (hollow, dotted)" if validated else ""))
     ax.set_title("loss per step")
     ax.grid(True, alpha=0.3)
     if not any(j.losses for j in jobs):
@@ -93,6 +94,9 @@ def _curve(ax: Any, j: JobResult, colour: Any, name: str, *, width: float, marke
     )
     if not ok:
         ax.plot(steps[-1], losses[-1], marker="X", ms=11, color=colour, mec="black", ls="none")
+    if j.val_losses:  # each validation: a hollow marker joined by a dotted line, in the job's colour
+        val_steps, val_losses = zip(*j.val_losses)
+        ax.plot(val_steps, val_losses, color=colour, ls=":", lw=1.2, marker="o", mfc="white", ms=6)
 
 
 def _legend(fig: Any, ax: Any, n: int) -> None:

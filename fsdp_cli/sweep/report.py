@@ -86,7 +86,7 @@ def _warn_on_opposite_direction(config: DictConfig) -> None:
         return
     wanted = (
         "minimize"
-        if str(getattr(objective, "value", objective)) in ("final_loss", "step_time_s")
+        if str(getattr(objective, "value", objective)) in ("auto", "val_loss", "final_loss", "step_time_s")
         else "maximize"
     )
     if direction_name(direction) != wanted:

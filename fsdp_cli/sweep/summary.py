@@ -97,13 +97,29 @@ PIPELINE = "pp"
 """The pipeline-parallel column, before ``dp``: shown when a job of the sweep has pp > 1."""
 
 
-def _with_pp(headers: Sequence[str]) -> tuple[str, ...]:
-    at = list(headers).index("dp")
-    return (*headers[:at], PIPELINE, *headers[at:])
+VALIDATION = "val loss"
+"""The validation-loss column, after ``final loss``: shown when a job of the sweep validated."""
+
+
+def _shown(headers: Sequence[str], *, with_pp: bool, with_val: bool) -> tuple[str, ...]:
+    """``headers`` with the columns this sweep's jobs need: ``pp`` before ``dp``, ``val loss``
+    after ``final loss`` (each where the headers have that neighbour)."""
+    out: list[str] = []
+    for header in headers:
+        if header == "dp" and with_pp:
+            out.append(PIPELINE)
+        out.append(header)
+        if header == "final loss" and with_val:
+            out.append(VALIDATION)
+    return tuple(out)
 
 
 def pipelined(jobs: Sequence[JobResult]) -> bool:
     return any((j.pp or 1) > 1 for j in jobs)
+
+
+def validated(jobs: Sequence[JobResult]) -> bool:
+    return any(j.val_loss is not None for j in jobs)
 
 
 def print_table(jobs: Sequence[JobResult], sweep_dir: Path, console: Console | None = None) -> None:
@@ -119,10 +135,10 @@ def print_table(jobs: Sequence[JobResult], sweep_dir: Path, console: Console | N
         title += "; no job ran: every job was skipped (reasons below)"
     _print_whole(console, Text(title))
     best = max((j.tokens_per_s for j in jobs if j.tokens_per_s), default=None)
-    with_pp = pipelined(jobs)
-    rows = [_cells(j, best, with_pp=with_pp) for j in jobs]
-    headers = _with_pp(HEADERS) if with_pp else HEADERS
-    stacked = [_with_pp(STACKED[0]), STACKED[1]] if with_pp else STACKED
+    shown = {"with_pp": pipelined(jobs), "with_val": validated(jobs)}
+    rows = [_cells(j, best, **shown) for j in jobs]
+    headers = _shown(HEADERS, **shown)
+    stacked = [_shown(group, **shown) for group in STACKED]
     for groups in ([headers], stacked):
         tables = [_table(jobs, rows, group, console.width, headers) for group in groups]
         if all(table is not None for table in tables):
@@ -201,8 +217,9 @@ def sweep_exit_status(jobs: Sequence[JobResult]) -> int:
     return EXIT_CONFIG_ERROR if none_ran(jobs) else EXIT_OK
 
 
-def _cells(j: JobResult, best: float | None, *, with_pp: bool = False) -> list[str]:
-    """The row of :data:`HEADERS` (with ``pp`` before ``dp`` when ``with_pp``)."""
+def _cells(j: JobResult, best: float | None, *, with_pp: bool = False, with_val: bool = False) -> list[str]:
+    """The row of :data:`HEADERS` (with ``pp`` before ``dp`` when ``with_pp``, ``val loss``
+    after ``final loss`` when ``with_val``)."""
     return [
         j.job,
         j.label,
@@ -210,6 +227,7 @@ def _cells(j: JobResult, best: float | None, *, with_pp: bool = False) -> list[s
         *([_show(j.pp)] if with_pp else []),
         *(_show(v) for v in (j.dp, j.tp, j.strategy, j.precision, j.steps)),
         "-" if j.final_loss is None else f"{j.final_loss:.4f}",
+        *([_show(None if j.val_loss is None else f"{j.val_loss:.4f}")] if with_val else []),
         "-" if j.tokens_per_s is None else f"{j.tokens_per_s:,.0f}",
         "-" if not (j.tokens_per_s and best) else f"{j.tokens_per_s / best:.2f}x",
         "-" if j.step_time_s is None else f"{j.step_time_s * 1e3:.1f} ms",
