@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import assert_ok, cli_in_process, run_cli
 from test_chat_data import hf_chat_files
 
@@ -191,7 +190,8 @@ def test_the_cached_loop_equals_recomputing_every_position() -> None:
     """Greedy tokens of the key/value-cached loop (GQA and a MoE layer) are those of the model's
     own forward over the whole sequence each step; sampling is repeatable by seed and top_p near 0
     is greedy."""
-    from fsdp_cli.generate.decode import Sampling, generate as decode
+    from fsdp_cli.generate.decode import Sampling
+    from fsdp_cli.generate.decode import generate as decode
     from fsdp_cli.generate.source import Loaded
     from fsdp_cli.models.args import LlamaArgs
     from fsdp_cli.models.llama import Llama
