@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_cli.config.schema import ChatDataConfig
+from fsdp_cli.config.schema import ChatDataConfig, ChatFormat
 from fsdp_cli.data.chat import prepare, read_corpus
 from fsdp_cli.data.chat_dataset import IGNORE, ChatSequences
 from fsdp_cli.data.chat_template import ChatRenderer, load_tokenizer
@@ -215,6 +215,44 @@ def test_a_file_saved_on_windows_reads_as_any_other(tmp_path: Path, chatml: Path
     assert texts == ["first", "second"]
 
 
+def test_sharegpt_and_alpaca_lines_are_the_conversations_they_hold(tmp_path: Path, chatml: Path) -> None:
+    """The two shapes public instruction data arrives in, read by their keys (``data.format=auto``)
+    or by name: the same tokens and supervision as the same conversations written as messages."""
+    system, question, extra, answer = "you are kind", "what time", "hello there", "noon ok"
+    as_messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"{question}\n\n{extra}"},
+        {"role": "assistant", "content": answer},
+    ]
+    shapes = {
+        "messages": {"messages": as_messages},
+        "sharegpt": {
+            "conversations": [
+                {"from": "system", "value": system},
+                {"from": "human", "value": f"{question}\n\n{extra}"},
+                {"from": "gpt", "value": answer},
+            ]
+        },
+        "alpaca": {"system": system, "instruction": question, "input": extra, "output": answer},
+    }
+    corpora = {}
+    for shape, line in shapes.items():
+        for named in ("auto", shape):
+            (tmp_path / f"{shape}-{named}").mkdir()
+            data = chat_data(tmp_path / f"{shape}-{named}", chatml, format=ChatFormat(named))
+            write_chats(Path(data.path), [line] * 2)  # type: ignore[list-item]
+            prepare(data)
+            (folder,) = (tmp_path / f"{shape}-{named}" / "cache").iterdir()
+            corpora[shape, named] = read_corpus(folder)
+    reference = corpora["messages", "messages"]
+    for key, corpus in corpora.items():
+        for array in ("tokens", "supervised", "offsets"):
+            assert np.array_equal(getattr(corpus, array), getattr(reference, array)), (key, array)
+    data = chat_data(tmp_path / "alpaca-auto", chatml, format=ChatFormat.sharegpt)
+    with pytest.raises(ConfigError, match="is not a non-empty list of turns"):
+        prepare(data)  # an Alpaca file read as ShareGPT: one line naming file:line
+
+
 @pytest.mark.parametrize(
     ("line", "problem"),
     [
@@ -226,6 +264,9 @@ def test_a_file_saved_on_windows_reads_as_any_other(tmp_path: Path, chatml: Path
         ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
         ({"text": "hi"}, "holds neither 'messages'"),
+        ({"conversations": [{"from": "alien", "value": "x"}]}, "turn 1 is from 'alien'"),
+        ({"instruction": "x", "output": 3}, "instruction, input and output must be strings"),
+        ({"conversations": [{"from": "human", "value": "hi"}]}, "no assistant turn"),
     ],
 )
 def test_a_malformed_line_is_one_line_naming_file_and_line(

@@ -154,6 +154,50 @@ def test_optuna_with_a_failed_and_invalid_trials_maximises_tokens_per_s(tmp_path
 
 
 @pytest.mark.distributed
+def test_optuna_minimises_the_validation_loss_of_jobs_that_validate(tmp_path: Path) -> None:
+    """The default objective (``auto``) of jobs that validate is their last validation loss: what
+    Optuna records, what the table's ``val loss`` column and the CSV/JSON rows show."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    for name, count in (("train", 40), ("val", 8)):
+        text = "".join(
+            json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n"
+            for i in range(count)
+        )
+        (tmp_path / f"{name}.jsonl").write_text(text)
+    args = [
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra/sweeper/sampler=grid",
+        *CPU,
+        "devices=1",
+        "model=custom",
+        "model._target_=tests.assets.custom_models.TinyLM",
+        "data=jsonl",
+        f"data.path={tmp_path / 'train.jsonl'}",
+        f"data.val_path={tmp_path / 'val.jsonl'}",
+        "data.seq_len=32",
+        "data.vocab_size=256",
+        "trainer.val_check_interval=2",
+        "trainer.max_steps=4",
+        "optim.lr=choice(0.0001,0.01)",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    r = run(args)
+    assert r.returncode == 0, r
+    rows = sweep_rows(sweep)
+    val = {row["overrides"][0]: row["val_loss"] for row in rows}
+    assert all(v is not None for v in val.values()) and len(set(val.values())) == 2, val
+    for row in rows:
+        assert row["val_loss"] == read_summary(Path(row["job_dir"]))["val_loss"] != row["final_loss"]
+    results = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert results.best_value == min(val.values())
+    assert re.search(r"final loss\s+val loss", r.out), r.out
+    with open(sweep / "sweep_summary.csv", newline="") as f:
+        assert "val_loss" in next(csv.reader(f))
+
+
+@pytest.mark.distributed
 def test_submitit_local_runs_each_job_in_a_process_of_its_own(tmp_path: Path) -> None:
     """Hydra's submitit launcher (no pre-pass: each job checks itself) really running a sweep."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
