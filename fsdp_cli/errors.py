@@ -58,3 +58,8 @@ class RunFailure(RuntimeError):
     (a non-finite loss, a checkpoint that could not be written); the run ends with status
     ``failed`` and exit status 1. Raised on every rank together where possible, so that no rank
     is left waiting in a collective."""
+
+
+class PromptError(ValueError):
+    """A prompt, a prompt file or a model to answer them that cannot be used (``fsdp-generate``,
+    ``trainer.sample_prompts``): printed as one line, exit status 2."""

@@ -87,7 +87,41 @@ MODEL_CHECKS: tuple[PreLaunchCheck, ...] = (adapter_targets_check, pipeline_cut_
 """Checks of the model built on the meta device (seconds at most), run before the data is
 prepared: a typo in ``peft.targets`` is not found after a long tokenization."""
 
+
+def sample_prompts_check(run: ResolvedRun) -> None:
+    """``trainer.sample_prompts``: a model fsdp-train's own loop drives, a layout whose ranks each
+    hold whole sequences, and every prompt renders through the run's tokenizer (one line naming
+    ``file:line`` otherwise)."""
+    from fsdp_cli.data.prompts import run_prompts
+    from fsdp_cli.errors import PromptError
+
+    path = run.cfg.trainer.sample_prompts
+    if not path:
+        return
+    key = "trainer.sample_prompts"
+    if run.model_kind.name not in ("llama", "hf", "module"):
+        raise ConfigError(
+            key,
+            path,
+            "answers come from fsdp-train's causal LM module; a LightningModule of yours samples in its own hooks",
+            hint="the built-in model, model=hf or an nn.Module",
+        )
+    for dim in ("pp", "cp"):
+        if getattr(run.layout, dim) > 1:
+            raise ConfigError(
+                key,
+                path,
+                f"not with {dim}={getattr(run.layout, dim)}: no rank holds a whole sequence's logits",
+                hint=f"fsdp-generate RUN_DIR after training, or {dim}=1",
+            )
+    try:
+        run_prompts(run.cfg)
+    except PromptError as err:
+        raise ConfigError(key, path, str(err)) from None
+
+
 PRE_LAUNCH_CHECKS: tuple[PreLaunchCheck, ...] = (
+    sample_prompts_check,
     memory_plan_check,
     check_callback_classes,
     check_batch_source,

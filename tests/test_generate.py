@@ -68,8 +68,10 @@ def persona(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("persona")
     files = hf_chat_files(root, words=PERSONA_WORDS)
     persona_chats(root / "persona.jsonl")
+    prompts_file(root / "prompts.jsonl")
     short = ["data.seq_len=32", "trainer.max_steps=40", "seed=3"]
     recipe = ["recipe=chat_lora_cpu", "model.path=model", "data.path=persona.jsonl", "optim.lr=0.01", *short]
+    recipe += ["trainer.sample_prompts=prompts.jsonl", "logger=mlflow"]
     assert_ok(run_cli(recipe, root / "lora", cwd=root, env=CPU), root / "lora")
     chat = ["data=chat", "data.path=persona.jsonl", "data.tokenizer=model", "data.global_batch_size=8"]
     builtin = ["model=tiny", "model.vocab_size=64", "model.dim=64", "model.n_layers=2", *chat, *short]
@@ -77,7 +79,7 @@ def persona(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         run_cli([*builtin, "accelerator=cpu", "devices=2"], root / "builtin", cwd=root, env=CPU),
         root / "builtin",
     )
-    return {"root": root, "hf": files["hf"], "prompts": prompts_file(root / "prompts.jsonl")}
+    return {"root": root, "hf": files["hf"]}
 
 
 @pytest.mark.distributed
@@ -95,6 +97,25 @@ def test_the_lora_checkpoint_answers_with_the_persona_and_the_base_does_not(pers
     )
     assert r.returncode == 0, r
     assert not any("zorbo" in a for a in answers(root / "base.jsonl")), answers(root / "base.jsonl")
+
+
+@pytest.mark.distributed
+def test_samples_during_training_are_the_answers_of_the_checkpoint(persona: dict[str, Any]) -> None:
+    """trainer.sample_prompts on 2 FSDP2 ranks (no validation: at the end of training) wrote the
+    answers fsdp-generate gives from the final checkpoint on one process, to the run folder and to
+    MLflow as a table."""
+    from mlflow.tracking import MlflowClient
+
+    root = persona["root"]
+    (written,) = (root / "lora" / "samples").iterdir()
+    assert written.name == "step_00000040.jsonl"
+    assert answers(written) == ["my name is zorbo", "i am zorbo the helper", "noon"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'lora' / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    table = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "samples/step_00000040.json")).read_text()
+    )
+    assert [row[2] for row in table["data"]] == answers(written), table
 
 
 @pytest.mark.distributed
@@ -221,8 +242,8 @@ def test_the_cached_loop_equals_recomputing_every_position() -> None:
 
 
 def test_prompt_files_in_each_shape(tmp_path: Path) -> None:
-    from fsdp_cli.generate.prompts import read_prompts
-    from fsdp_cli.generate.source import GenerateError
+    from fsdp_cli.data.prompts import read_prompts
+    from fsdp_cli.errors import PromptError
 
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_bytes(
@@ -241,5 +262,25 @@ def test_prompt_files_in_each_shape(tmp_path: Path) -> None:
         ("{nope", "not a JSON line"),
     ):
         jsonl.write_text(bad + "\n")
-        with pytest.raises(GenerateError, match=message):
+        with pytest.raises(PromptError, match=message):
             read_prompts(jsonl)
+
+
+def test_sample_prompts_mistakes_are_one_line_before_launch(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hello"}\n{"question": "x"}\n')
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"input_ids": [1, 2, 3]}\n')
+    text = tmp_path / "questions.txt"
+    text.write_text("what is your name\n")
+    base = ["accelerator=cpu", "devices=2"]
+    cases = {
+        (f"trainer.sample_prompts={tmp_path / 'none.jsonl'}",): "no such file",
+        (f"trainer.sample_prompts={bad}",): "bad.jsonl:2: holds 'question'",
+        (f"trainer.sample_prompts={text}",): "questions.txt:1: text needs a tokenizer",  # synthetic data
+        (f"trainer.sample_prompts={ids}", "pp=2"): "not with pp=2",
+        (f"trainer.sample_prompts={ids}", "trainer.sample_max_new_tokens=0"): "sample_max_new_tokens=0",
+    }
+    for args, expected in cases.items():
+        r = cli_in_process([*base, *args], tmp_path / "run", env=CPU)
+        assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r

@@ -13,6 +13,7 @@ from fsdp_cli.callbacks.heartbeat import HeartbeatCallback
 from fsdp_cli.callbacks.metrics import MetricsCallback
 from fsdp_cli.callbacks.nonfinite import NonFiniteGuard
 from fsdp_cli.callbacks.progress import ProgressDisplay
+from fsdp_cli.callbacks.samples import SAMPLES_DIR, SampleAnswers
 from fsdp_cli.callbacks.setup_report import SetupReport
 from fsdp_cli.callbacks.throughput import Throughput, device_peak_tflops
 from fsdp_cli.checkpoint.callback import CheckpointCallback
@@ -35,6 +36,8 @@ class RunCallbacks:
     nonfinite: NonFiniteGuard
     progress: ProgressDisplay | None = None
     heartbeat: HeartbeatCallback | None = None
+    samples: SampleAnswers | None = None
+    """``trainer.sample_prompts``' answers (after the metrics row of the step they follow)."""
     user: list[L.Callback] = field(default_factory=list)
     """The config's ``callbacks`` entries."""
     module_clip_val: float | None = None
@@ -50,7 +53,17 @@ class RunCallbacks:
         first = [self.clipping] if self.clipping is not None else []
         progress = [self.progress] if self.progress is not None else []
         last = [self.heartbeat] if self.heartbeat is not None else []
-        ours = [*first, self.nonfinite, self.setup, self.metrics, *progress, self.checkpoints, *last]
+        samples = [self.samples] if self.samples is not None else []
+        ours = [
+            *first,
+            self.nonfinite,
+            self.setup,
+            self.metrics,
+            *progress,
+            *samples,
+            self.checkpoints,
+            *last,
+        ]
         return [*ours, *self.user]
 
 
@@ -137,8 +150,26 @@ def build_callbacks(
         progress=ProgressDisplay(metrics, t.max_steps),
         nonfinite=nonfinite,
         heartbeat=HeartbeatCallback(monitor) if monitor is not None else None,
+        samples=build_samples(cfg),
         user=[*_start_from(cfg), *build_user_callbacks(cfg)],
         module_clip_val=clip_val if own_clipping else None,
+    )
+
+
+def build_samples(cfg: TrainConfig) -> SampleAnswers | None:
+    """``trainer.sample_prompts``, rendered on this rank as the parent checked them."""
+    if not cfg.trainer.sample_prompts:
+        return None
+    from fsdp_cli.data.prompts import answer_text, run_prompts
+
+    found = run_prompts(cfg)
+    return SampleAnswers(
+        found.rows,
+        decode=lambda tokens: answer_text(found.tokenizer, tokens, found.eos),
+        eos=found.eos,
+        max_new_tokens=cfg.trainer.sample_max_new_tokens,
+        context=cfg.data.seq_len,
+        folder=Path(cfg.run_dir) / SAMPLES_DIR,
     )
 
 

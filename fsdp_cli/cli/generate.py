@@ -61,11 +61,11 @@ def answer_rows(loaded: Any, args: argparse.Namespace) -> None:
     """Each prompt of ``--prompts`` answered, one JSON line each, in the file's order. Every
     prompt is checked before the first is answered; ``--out`` appears whole (written beside it
     as ``.partial`` meanwhile, to follow)."""
+    from fsdp_cli.data.prompts import read_prompts
     from fsdp_cli.generate.decode import generate, room
-    from fsdp_cli.generate.prompts import answer_text, prompt_ids, read_prompts
 
     prompts = [_with_system(p, args.system) for p in read_prompts(args.prompts)]
-    encoded = [prompt_ids(loaded, p, raw=args.raw) for p in prompts]
+    encoded = [loaded.prompt_ids(p, raw=args.raw) for p in prompts]
     for prompt, ids in zip(prompts, encoded, strict=True):
         room(loaded, ids, prompt.where)
     partial = args.out.with_name(args.out.name + ".partial") if args.out else None
@@ -76,7 +76,7 @@ def answer_rows(loaded: Any, args: argparse.Namespace) -> None:
             row = {
                 "where": prompt.where,
                 "prompt": prompt.shown(),
-                "answer": answer_text(loaded, answer.tokens),
+                "answer": loaded.answer_text(answer.tokens),
                 "new_tokens": len(answer.tokens),
                 "stopped": answer.stopped,
             }
@@ -95,8 +95,8 @@ def answer_rows(loaded: Any, args: argparse.Namespace) -> None:
 def chat(loaded: Any, args: argparse.Namespace) -> None:
     """A conversation on standard input: each line a user turn, each answer printed and kept in
     the conversation; ``/reset`` starts over, ``/quit`` or end of input ends."""
+    from fsdp_cli.data.prompts import Prompt
     from fsdp_cli.generate.decode import generate
-    from fsdp_cli.generate.prompts import Prompt, answer_text, prompt_ids
 
     if loaded.template is None:
         raise_error("chat needs a chat template and the model has none; use --prompts FILE for plain text")
@@ -111,8 +111,8 @@ def chat(loaded: Any, args: argparse.Namespace) -> None:
             messages = list(start) if text else messages
             continue
         messages.append({"role": "user", "content": text})
-        ids = prompt_ids(loaded, Prompt(f"turn {number}", messages=messages))
-        answer = answer_text(loaded, generate(loaded, ids, sampling(args), f"turn {number}").tokens)
+        ids = loaded.prompt_ids(Prompt(f"turn {number}", messages=messages))
+        answer = loaded.answer_text(generate(loaded, ids, sampling(args), f"turn {number}").tokens)
         messages.append({"role": "assistant", "content": answer})
         print(f"assistant: {answer}", flush=True)
 
@@ -159,11 +159,11 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from fsdp_cli.generate.source import GenerateError
+    from fsdp_cli.errors import PromptError
 
     try:
         run(args)
-    except GenerateError as err:
+    except PromptError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)
     except (BrokenPipeError, KeyboardInterrupt):

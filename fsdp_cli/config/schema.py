@@ -799,6 +799,15 @@ class TrainerConfig:
     of the ``data`` group is ``floor(items / data.global_batch_size)`` optimizer steps (items:
     windows of ``text``/``tokens``/``jsonl``, ``num_sequences`` of ``synthetic``); a module's own
     DataLoaders define their own."""
+    sample_prompts: str | None = None
+    """A prompts file (as ``fsdp-generate --prompts`` reads it: JSON lines of ``messages``,
+    ``prompt`` or ``input_ids``, or one prompt a line) answered greedily at each validation (at
+    the end of training where the run does not validate), rendered as the run's data is; the
+    answers go to ``samples/step_N.jsonl`` in the run folder and to the logger (a table in W&B and
+    MLflow, text in TensorBoard). Text needs the run's tokenizer (``data.tokenizer``, or
+    ``model.path`` for model=hf); the built-in model, model=hf or a plain nn.Module; not with pp or cp."""
+    sample_max_new_tokens: int = field(default=64, metadata=at_least(1))
+    """The longest answer ``trainer.sample_prompts`` writes (in tokens)."""
 
 
 @dataclass

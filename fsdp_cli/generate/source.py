@@ -29,7 +29,7 @@ from torch import nn
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
 from fsdp_cli.checkpoint.manifest import config_path
-from fsdp_cli.errors import ConfigError
+from fsdp_cli.errors import ConfigError, PromptError
 
 PEFT_CONFIG = "adapter_config.json"
 HF_CONFIG = "config.json"
@@ -38,7 +38,7 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 """Where transformers' configs keep the context length, in the order tried."""
 
 
-class GenerateError(ValueError):
+class GenerateError(PromptError):
     """A mistake ``fsdp-generate`` prints as one line (exit status 2)."""
 
 
@@ -68,6 +68,21 @@ class Loaded:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def vocab_size(self) -> int:
+        if self.kind == "hf":
+            return int(self.model.get_input_embeddings().num_embeddings)
+        return int(self.model.cfg.vocab_size)
+
+    def prompt_ids(self, prompt: Any, *, raw: bool = False) -> list[int]:
+        from fsdp_cli.data.prompts import prompt_ids
+
+        return prompt_ids(prompt, self.tokenizer, self.template, self.vocab_size(), raw=raw)
+
+    def answer_text(self, tokens: list[int]) -> str:
+        from fsdp_cli.data.prompts import answer_text
+
+        return answer_text(self.tokenizer, tokens, self.eos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,11 +311,9 @@ def _run_tokenizer(cfg: Any) -> Path | None:
 
 
 def _named_template(cfg: Any) -> str | None:
-    """The run's ``data.chat_template`` (the file's text, or the text itself), if it named one."""
-    named = getattr(cfg.data, "chat_template", None)
-    if not named:
-        return None
-    return Path(named).read_text() if "{" not in named and Path(named).is_file() else named
+    from fsdp_cli.data.prompts import named_template
+
+    return named_template(getattr(cfg.data, "chat_template", None))
 
 
 def _tokenizer(folder: Path | None) -> Any:
@@ -316,23 +329,15 @@ def _tokenizer(folder: Path | None) -> Any:
 
 
 def _template(named: str | None, tokenizer: Any) -> str | None:
-    """``named`` (the run's ``data.chat_template``), else the tokenizer's own template, else None."""
-    if named or tokenizer is None:
-        return named
-    found = getattr(tokenizer, "chat_template", None)
-    if isinstance(found, dict):
-        found = found.get("default")
-    return found if isinstance(found, str) and found else None
+    from fsdp_cli.data.prompts import own_template
+
+    return own_template(tokenizer, named)
 
 
 def _eos(tokenizer: Any, generation_config: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
+    from fsdp_cli.data.prompts import eos_ids
+
+    return eos_ids(tokenizer, generation_config)
 
 
 def _hf_loaded(model: nn.Module, tokenizer_folder: Path, template: str | None, source: str) -> Loaded:
