@@ -51,6 +51,16 @@ def test_every_schema_key_has_a_docstring() -> None:
     assert missing == [], "write a docstring under each of these fields in fsdp_cli/config/schema.py"
 
 
+def test_the_readme_configuration_table_is_generated_from_the_schemas() -> None:
+    """The README's table of groups, options and top-level keys is the schemas' and the YAML
+    files' (it once stopped four features short): every group option and top-level key appears."""
+    text = (REPO / "README.md").read_text()
+    assert text == reference.readme_with_table(text), f"README.md's table is stale: run `{reference.README_COMMAND}`"
+    table = text[text.index(reference.README_START) : text.index(reference.README_END)]
+    for needle in ("`pp`", "`cp`", "`ep`", "`peft`", "`lora`", "`chat`", "`datamodule`", "`pipeline.*`", "`chat_lora_cpu`"):
+        assert needle in table, needle
+
+
 def test_the_reference_lists_every_key_with_its_default() -> None:
     text = (REPO / "docs" / "config-reference.md").read_text()
     for key, default in [
