@@ -387,11 +387,7 @@ def test_a_config_error_leaves_no_hydra_output_folders(tmp_path: Path) -> None:
     kept.mkdir()
     (kept / "metrics.jsonl").write_text("")
     result = cli_in_process(["tp=3", "devices=2"], kept, env=CPU)
-    assert result.returncode == 2 and sorted(p.name for p in kept.iterdir()) == [
-        ".hydra",
-        "metrics.jsonl",
-        "train.log",
-    ]
+    assert result.returncode == 2 and sorted(p.name for p in kept.iterdir()) == [".hydra", "metrics.jsonl"]
 
 
 def test_validate_runs_the_checks_and_each_lives_beside_what_it_checks() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from fsdp_cli.config.schema import TrainConfig
 from fsdp_cli.launch.environment import (
@@ -45,6 +46,33 @@ def redirect_output(path: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+class Tee:
+    """A text stream that writes to ``stream`` and to ``copy`` (rank 0's console and its log)."""
+
+    def __init__(self, stream: Any, copy: Any) -> None:
+        self._stream, self._copy = stream, copy
+
+    def write(self, text: str) -> int:
+        self._copy.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._copy.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the console's
+        return getattr(self._stream, name)
+
+
+def copy_output(path: Path) -> None:
+    """Rank 0's console (what Python writes to stdout and stderr) copied into ``path``, line
+    buffered, so that ``tail -f logs/rank0.log`` follows the run from another shell."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # open for the process's life
+    sys.stdout = Tee(sys.stdout, log)  # type: ignore[assignment]
+    sys.stderr = Tee(sys.stderr, log)  # type: ignore[assignment]
 
 
 def leave_the_process_it_was_forked_from() -> None:

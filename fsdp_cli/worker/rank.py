@@ -39,7 +39,12 @@ from fsdp_cli.rundir.status import (
 from fsdp_cli.rundir.summary import summary_exists, write_summary
 from fsdp_cli.worker.fit import BuiltRank, FitResult, build, fit
 from fsdp_cli.worker.monitor import RankMonitor, report_error_to_agent
-from fsdp_cli.worker.process import leave_the_process_it_was_forked_from, redirect_output, start_monitor
+from fsdp_cli.worker.process import (
+    copy_output,
+    leave_the_process_it_was_forked_from,
+    redirect_output,
+    start_monitor,
+)
 from fsdp_cli.worker.summary import Outcome, outcome_of, rank_summary
 
 
@@ -48,6 +53,8 @@ def train_rank(cfg: TrainConfig) -> int:
     run_dir, rank = Path(cfg.run_dir), global_rank()
     if rank != 0:
         redirect_output(rank_log(run_dir, rank))
+    else:
+        copy_output(rank_log(run_dir, rank))
     monitor = start_monitor(cfg, rank)
     started = time.time()
     resolved = ResolvedRun.of(cfg)
