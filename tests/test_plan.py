@@ -186,3 +186,60 @@ def test_a_custom_model_without_a_vocabulary_key_gets_an_activation_estimate() -
     spec = model_spec(run_of(cfg))
     activations = spec.activations(64, 4)
     assert spec.notes == [] and len(activations.blocks) == 2 and min(activations.blocks) > 0
+
+
+# --------------------------------------------------------------------------- model=hf from config.json
+
+
+def test_an_hf_plan_from_config_json_alone_estimates_activations_near_the_rehearsed_step(
+    tmp_path: Path,
+) -> None:
+    """A model folder with config.json and no weights is planned (a plan reads no weight), its
+    activations estimated on the meta device (transformers' masks built without reading values):
+    the plan's total within 25% of the fake step's measured peak, and the rehearsal's verdict is
+    the measured one."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    HFLlamaConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ).save_pretrained(tmp_path)
+    args = ["model=hf", f"model.path={tmp_path}", "data.seq_len=512", "accelerator=cpu", "devices=2"]
+    r = cli_in_process([*args, "--device-memory", "80GB", "--rehearse", "--json"], prog="fsdp-plan")
+    assert r.returncode == 0, r
+    assert "holds config.json but no weights: planned from config.json" in r.stderr
+    out = json.loads(r.stdout)
+    planned, step = out["ranks"][0], out["rehearsal"]["step"]
+    assert out["activations_known"] and planned["activations"] > 0
+    assert abs(planned["total"] - step["peak_bytes"]) <= 0.25 * step["peak_bytes"], (planned, step)
+    text = cli_in_process([*args, "--device-memory", "80GB", "--rehearse"], prog="fsdp-plan").stdout
+    assert "fits: yes" in text and "fits (measured by the fake step): yes" in text
+
+
+def test_an_hf_plan_without_an_activation_estimate_says_unknown_never_fits(tmp_path: Path) -> None:
+    """A forward the meta device cannot run (a mixture of experts' grouped kernel): the table says
+    "unknown" for the activations and ">=" for the total, and the verdict is "unknown", not "fits"."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ).save_pretrained(tmp_path)
+    args = ["model=hf", f"model.path={tmp_path}", "data.seq_len=128", "accelerator=cpu", "devices=2"]
+    r = cli_in_process([*args, "--device-memory", "80GB"], prog="fsdp-plan")
+    assert r.returncode == 0, r
+    assert "unknown" in r.stdout.split("note:")[0] and ">= " in r.stdout
+    assert "fits: unknown (without the activations" in r.stdout and "fits: yes" not in r.stdout
+    out = json.loads(cli_in_process([*args, "--device-memory", "80GB", "--json"], prog="fsdp-plan").stdout)
+    assert out["activations_known"] is False and out["fits"] is None

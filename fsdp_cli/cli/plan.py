@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from fsdp_cli.cli.console import OneLineParser, quiet_on_closed_pipe
@@ -120,6 +121,7 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     from fsdp_cli.launch.layout import resolve_layout
 
     cfg, _ = migrate(compose(overrides))
+    cfg = planned_without_weights(cfg)
     if cfg.num_nodes > 1 and cfg.launcher.rdzv_endpoint is None:
         # Planning needs no rendezvous: a placeholder keeps the multi-node check quiet.
         cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, rdzv_endpoint="plan:0"))
@@ -129,6 +131,27 @@ def resolved(overrides: list[str], gpus: int | None) -> Any:
     run = checked_run(resolve_model_folder(resolve_layout(cfg, env, gpus=gpus)))  # as fsdp-train resolves it
     validate(run)
     return run
+
+
+def planned_without_weights(cfg: Any) -> Any:
+    """A ``model=hf`` folder holding config.json but no weight files: planned from config.json
+    alone (a plan reads no weight; a run would need them), with a note saying so."""
+    path = getattr(cfg.model, "path", None)
+    if getattr(cfg.model, "name", None) != "hf" or not cfg.model.pretrained or not path:
+        return cfg
+    folder = Path(path)
+    if (
+        not (folder / "config.json").is_file()
+        or any(folder.glob("*.safetensors"))
+        or any(folder.glob("*.safetensors.index.json"))
+    ):
+        return cfg
+    print(
+        f"{PROG}: note: {folder} holds config.json but no weights: planned from config.json (a run needs the weights)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=False))
 
 
 def _argument_parser() -> OneLineParser:

@@ -20,16 +20,17 @@ def _gib(n: float) -> str:
 def _rank_groups(plan: Any) -> list[tuple[str, list[str]]]:
     """Ranks whose figures print the same, shown as one row (``0-3``)."""
     groups: list[tuple[list[int], list[str]]] = []
+    known = plan.activations_known
     for rank in plan.ranks:
         cells = [
             *([",".join(map(str, rank.stages))] if plan.pipeline else []),
             _gib(rank.params),
             _gib(rank.grads),
             _gib(rank.optimizer),
-            _gib(rank.activations),
-            f"{_gib(rank.activations_no_ac)} / {_gib(rank.activations_full_ac)}",
+            _gib(rank.activations) if known else "unknown",
+            f"{_gib(rank.activations_no_ac)} / {_gib(rank.activations_full_ac)}" if known else "unknown",
             _gib(rank.buffers),
-            _gib(rank.total),
+            _gib(rank.total) if known else f">= {_gib(rank.total)}",
         ]
         if groups and groups[-1][1] == cells:
             groups[-1][0].append(rank.rank)
@@ -90,6 +91,11 @@ def _print_fits(console: Any, run: Any, plan: Any) -> None:
 
     if plan.device_memory is None:
         console.print("fits: unknown (no GPU detected; give --device-memory SIZE)")
+    elif plan.fits is None:
+        console.print(
+            f"fits: unknown (without the activations, which are not estimated: {_gib(plan.peak.total)} of "
+            f"{_gib(plan.device_memory)} GiB per device; fsdp-plan --rehearse measures a step)"
+        )
     elif plan.fits:
         console.print(f"fits: yes ({_gib(plan.peak.total)} of {_gib(plan.device_memory)} GiB per device)")
     else:
@@ -121,7 +127,9 @@ def print_search(found: list[Any], skipped: list[Any], memory: int | None) -> No
         table.add_column(column)
     for c in found:
         fits = "?" if c.plan.fits is None else ("yes" if c.plan.fits else "no")
-        table.add_row(fits, _gib(c.plan.peak.total), _gib(c.plan.peak.activations), c.overrides)
+        known = c.plan.activations_known
+        total = _gib(c.plan.peak.total) if known else f">= {_gib(c.plan.peak.total)}"
+        table.add_row(fits, total, _gib(c.plan.peak.activations) if known else "unknown", c.overrides)
     _console().print(table)
     for s in skipped:  # plain lines: a reason stays whole for grep
         print(f"skipped: {s.overrides}: {s.reason}")
@@ -153,6 +161,24 @@ def print_rehearsal(run: ResolvedRun, result: Any, plan: Any) -> None:
     if planned is None:
         print(f"no formula plan for strategy={run.entry.name} with this model: the rehearsal alone")
     print(step_line(result.step, planned), flush=True)
+    measured = measured_fit(result.step, plan)
+    if measured:
+        print(measured, flush=True)
+
+
+def measured_fit(step: dict[str, Any] | None, plan: Any) -> str | None:
+    """The plan's verdict revised with the fake step's measured peak (where a device memory is
+    known and the step ran): the rehearsed rank's measurement, not the plan's estimate."""
+    from fsdp_cli.plan.memory import FIT_FRACTION
+
+    if not step or "peak_bytes" not in step or plan is None or plan.device_memory is None:
+        return None
+    peak, usable = step["peak_bytes"], FIT_FRACTION * plan.device_memory
+    verdict = "yes" if peak <= usable else "no"
+    return (
+        f"fits (measured by the fake step): {verdict} ({_gib(peak)} GiB at the peak, {_gib(usable)} usable of "
+        f"{_gib(plan.device_memory)} GiB per device)"
+    )
 
 
 def step_line(step: dict[str, Any] | None, planned: Any) -> str:

@@ -8,7 +8,8 @@ are the pieces of ``from_pretrained`` that doing so needs. Imported only for ``m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -16,6 +17,7 @@ from transformers import PreTrainedModel
 from transformers import conversion_mapping as _conversion
 from transformers import core_model_loading as _loading
 from transformers import initialization as _init
+from transformers import masking_utils as _masking
 from transformers.integrations import moe as _moe
 
 from fsdp_cli.compat import require
@@ -40,6 +42,7 @@ ENTRIES: list[tuple[Any, str]] = [
     (_loading, "Concatenate"),
     (_moe, "ALL_EXPERTS_FUNCTIONS"),
     (_moe, "use_experts_implementation"),
+    (_masking, "is_tracing"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "transformers")
@@ -148,3 +151,17 @@ def to_checkpoint_layout(model: PreTrainedModel, tensors: dict[str, Any]) -> dic
     """``tensors`` under the model's names as ``save_pretrained`` writes them: the conversions of
     loading reversed (a MoE model's fused experts as one tensor per expert, the hub's layout)."""
     return dict(_loading.revert_weight_conversion(model, tensors))
+
+
+@contextlib.contextmanager
+def masks_without_value_checks() -> Iterator[None]:
+    """transformers' mask functions as under tracing: the checks that read tensor values (is the
+    batch packed? is the padding mask all ones?) are skipped, the general mask built, so that a
+    forward runs on the meta device and on fake tensors (the plan's probe, a rehearsal's step).
+    The masks' sizes are the general case's: what a forward may hold."""
+    original = _masking.is_tracing
+    _masking.is_tracing = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        _masking.is_tracing = original

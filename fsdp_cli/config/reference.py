@@ -347,7 +347,11 @@ def readme_table() -> str:
     for f in dataclasses.fields(TrainConfig):
         if f.name in schema.SET_BY_THE_ENTRY_POINT or f.name in README_GROUPS or f.name in GROUP_SCHEMAS:
             continue
-        doc = _sentence(doc_of(TrainConfig, f.name) or class_doc(hints[f.name]) if _is_section(hints[f.name], f.name) else doc_of(TrainConfig, f.name))
+        doc = _sentence(
+            doc_of(TrainConfig, f.name) or class_doc(hints[f.name])
+            if _is_section(hints[f.name], f.name)
+            else doc_of(TrainConfig, f.name)
+        )
         target = parts if _is_section(hints[f.name], f.name) else keys
         target.append(f"`{f.name}{'.*' if target is parts else ''}` ({cell(doc)})" if doc else f"`{f.name}`")
     lines += ["", "Top-level keys: " + "; ".join(keys) + ".", "", "Sections: " + "; ".join(parts) + "."]

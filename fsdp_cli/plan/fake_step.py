@@ -142,7 +142,12 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
 
         build, kept = shortened(run, blocks)
         probe = HiddenProbe(build, world, kept)
-    with built_rank(build, world, blocks=kept, before_parallelize=probe) as built:
+    from fsdp_cli.plan.model import values_not_read
+
+    with (
+        built_rank(build, world, blocks=kept, before_parallelize=probe) as built,
+        values_not_read(built.target),
+    ):
         optimizer = built.strategy.optimizers[0]
         if run.layout.on_gpu:
             _foreach_like_cuda(optimizer)

@@ -81,6 +81,9 @@ class MemoryPlan:
     pipeline: dict[str, Any] | None = None
     """With pp > 1: the schedule, micro-batches and their size, the forwards each pipeline rank
     holds and the schedule's theoretical bubble."""
+    activations_known: bool = True
+    """False: the model's activations could not be estimated (its forward does not run on the
+    meta device): the totals are without them, and nothing is said to fit."""
 
     @property
     def peak(self) -> RankMemory:
@@ -88,9 +91,12 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
+        """None when unknown: no device memory given, or activations not estimated and the rest
+        fits (without them the total is a lower bound: it can only say no)."""
         if self.device_memory is None:
             return None
-        return self.peak.total <= FIT_FRACTION * self.device_memory
+        fits = self.peak.total <= FIT_FRACTION * self.device_memory
+        return None if fits and not self.activations_known else fits
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -187,6 +193,7 @@ def plan_memory(run: ResolvedRun, spec: ModelSpec, device_memory: int | None = N
         device_memory=device_memory,
         notes=list(spec.notes),
         pipeline=_pipeline_facts(placement.pipeline),
+        activations_known=acts.known,
     )
 
 

@@ -48,6 +48,9 @@ class Activations:
     block_gathered: list[int] | None = None
     """Of ``block_whole``, the bytes whole on every rank even with sequence parallel: the
     all-gathered inputs of attention and the MLP, which their first linear layers save."""
+    known: bool = True
+    """False: not estimated (the forward could not run on the meta device); the zeros above are
+    placeholders, and the plan says "unknown" rather than counting them."""
 
 
 @dataclass
@@ -165,7 +168,7 @@ def module_spec(
             except Exception as err:  # noqa: BLE001 - a forward that needs values (transformers' masks
                 # read position ids with .item()) cannot run on meta tensors: no estimate, said once
                 cache[(seq, act)] = Activations(
-                    blocks=[0] * len(blocks), block_inputs=[0] * len(blocks), other=0
+                    blocks=[0] * len(blocks), block_inputs=[0] * len(blocks), other=0, known=False
                 )
                 notes.append(
                     f"activations not estimated: {type(model).__name__}'s forward does not run on the meta device "
@@ -217,7 +220,8 @@ def probe_activations(
         )
         handles.append(block.register_forward_hook(_leave(tally.current)))
     try:
-        _forward_with_loss(model, tally, seq=seq, vocab_size=vocab_size)
+        with values_not_read(model):
+            _forward_with_loss(model, tally, seq=seq, vocab_size=vocab_size)
     finally:
         for handle in handles:
             handle.remove()
@@ -233,6 +237,18 @@ def probe_activations(
         block_whole=kept_whole,
         block_gathered=kept_whole,
     )
+
+
+def values_not_read(model: Any) -> Any:
+    """For a transformers model: its mask code skips the checks that read tensor values (as under
+    ``torch.compile``), so its forward runs on the meta device; else nothing."""
+    import contextlib
+
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return contextlib.nullcontext()
+    from fsdp_cli.compat.transformers_internals import masks_without_value_checks
+
+    return masks_without_value_checks()
 
 
 class _SavedBytes:
