@@ -156,7 +156,7 @@ of each kind (single-stage, looped, V-shaped zero-bubble); every schedule at pp 
 def test_every_schedule_equals_one_process(
     nproc: int, layout: list[str], models: list[str], schedules: list[str], tmp_path: Path
 ) -> None:
-    """8 steps of AdamW on the built-in Llama (8 blocks, so each stage holds several FSDP units:
+    """4 steps of AdamW on the built-in Llama (8 blocks, so each stage holds several FSDP units:
     the zero-bubble and V schedules give wrong gradients when a unit reshards after forward), a
     Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module;
     at pp=2 the two models packed (``+packed``: documents' position_ids reach every stage by
@@ -168,7 +168,7 @@ def test_every_schedule_equals_one_process(
         f"--models={','.join(models)}",
         f"--schedules={','.join(schedules)}",
         f"--hf-folder={hf_folder(tmp_path)}",
-        "--steps=8",
+        "--steps=4",
     )
     assert len(rows) == len(models) * len(schedules), rows
     for row in rows:
