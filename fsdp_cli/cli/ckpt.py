@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -230,15 +229,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except BrokenPipeError:  # `fsdp-ckpt inspect --json | head`
         sys.exit(0)
-    except Exception as err:  # a damaged file; FSDP_CKPT_DEBUG=1 shows the traceback
-        if os.environ.get("FSDP_CKPT_DEBUG") == "1":
-            raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(
-            f"{PROG}: error: cannot read it ({type(err).__name__}: {first}); FSDP_CKPT_DEBUG=1 shows the traceback",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+    except Exception as err:  # noqa: BLE001 - a damaged file; FSDP_CKPT_DEBUG=1 shows the traceback
+        from fsdp_cli.cli.console import unexpected_error
+
+        unexpected_error(PROG, err, "FSDP_CKPT_DEBUG", "cannot read it")
     if code or args.command == "verify":  # verify answers with its status, 0 included
         sys.exit(code)
 

@@ -56,3 +56,16 @@ def _discard_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, fd)
     os.close(devnull)
+
+
+def unexpected_error(prog: str, err: BaseException, debug_env: str, what: str = "") -> NoReturn:
+    """An error no check foresaw (a damaged file, a library's refusal), as one line and exit 2,
+    unless ``debug_env=1`` asks for the traceback (then it propagates). ``what``: the line's
+    lead (``cannot read it``)."""
+    if os.environ.get(debug_env) == "1":
+        raise err
+    text = str(err).strip()
+    cause = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+    line = f"{what} ({cause})" if what else cause
+    print(f"{prog}: error: {line}; {debug_env}=1 shows the traceback", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG_ERROR)

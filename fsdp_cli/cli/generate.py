@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fsdp_cli.cli.console import OneLineParser, unexpected_error
+
 PROG = "fsdp-generate"
 QUIT = ("/quit", "/exit")
 RESET = "/reset"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{PROG}: error: {message}; see {PROG} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,15 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (BrokenPipeError, KeyboardInterrupt):
         sys.exit(0)
-    except Exception as err:  # an unreadable model; FSDP_GENERATE_DEBUG=1 shows the traceback
-        if os.environ.get("FSDP_GENERATE_DEBUG") == "1":
-            raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(
-            f"{PROG}: error: {type(err).__name__}: {first}; FSDP_GENERATE_DEBUG=1 shows the traceback",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+    except Exception as err:  # noqa: BLE001 - an unreadable model; FSDP_GENERATE_DEBUG=1 shows the traceback
+        unexpected_error(PROG, err, "FSDP_GENERATE_DEBUG")
 
 
 if __name__ == "__main__":
