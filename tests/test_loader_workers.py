@@ -32,9 +32,8 @@ EVERY_CONTEXT = (
 START_METHODS = {
     "default": [f"+model.loaders={EVERY_CONTEXT}"],
     "fork": ["launcher.start_method=fork"],
+    "subprocess": ["launcher.start_method=subprocess"],
 }
-"""(Ranks started as fresh interpreters, ``launcher.start_method=subprocess``, are Python's own
-case for loader workers; the ddp runs of tests/test_checkpoints.py start their ranks that way.)"""
 
 
 def _relative(a: float, b: float) -> float:

@@ -32,6 +32,7 @@ from fsdp_cli.checkpoint.manifest import config_path
 from fsdp_cli.errors import ConfigError, PromptError
 
 PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 HF_CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -168,6 +169,8 @@ def _peft_folder(folder: Path, options: Options) -> Loaded:
         raise GenerateError(
             f"{folder}: its base model folder {base} holds no {HF_CONFIG}; pass the base with --model-path DIR"
         )
+    if not (folder / PEFT_WEIGHTS).is_file():  # peft would fall back to a pickled .bin
+        raise GenerateError(f"{folder}: no {PEFT_WEIGHTS}; fsdp-generate reads adapters as safetensors only")
     loaded = _hf_folder(base, base, options)
     loaded.model = PeftModel.from_pretrained(loaded.model, str(folder), is_trainable=False).eval()
     loaded.source = f"{folder} (adapters) on {base}"
