@@ -202,6 +202,12 @@ def test_mistakes_are_one_line(persona: dict[str, Any], tmp_path: Path) -> None:
         ), r
     r = generate([str(tmp_path / "nothing"), "--prompts", "prompts.jsonl"], root)
     assert r.returncode == 2 and "no such file or folder" in r.stderr
+    pickled = tmp_path / "pickled_adapters"  # peft would torch.load an adapter_model.bin
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": persona["hf"]}))
+    (pickled / "adapter_model.bin").write_bytes(b"not read")
+    r = generate([str(pickled), "--prompts", "prompts.jsonl"], root)
+    assert r.returncode == 2 and "reads adapters as safetensors only" in r.stderr, r
 
 
 # --------------------------------------------------------------------------- no process started
