@@ -607,3 +607,25 @@ def test_fsdp_ckpt_inspect_and_verify_agree_on_every_file_fsdp_ckpt_writes(
     inspected = sorted(Path(info["path"]).name for info in json.loads(listing))
     assert (code, code_inspect) == (0, 0) and verified == inspected == ["step_00000030", "step_00000030.pt"]
     assert all(info["step"] == 30 for info in json.loads(listing))
+
+
+def test_rank0s_console_copy_that_fails_is_dropped_not_the_run() -> None:
+    """Rank 0's console is copied into logs/rank0.log; a copy that cannot be written (a full disk)
+    stops being written, while the console keeps every line and training goes on."""
+    import io
+
+    from fsdp_cli.worker.process import Tee
+
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    console, log = io.StringIO(), io.StringIO()
+    Tee(console, log).write("step 1\n")
+    assert console.getvalue() == log.getvalue() == "step 1\n"
+    console = io.StringIO()
+    tee = Tee(console, FullDisk())
+    tee.write("step 1\n")
+    tee.write("step 2\n")
+    tee.flush()
+    assert console.getvalue() == "step 1\nstep 2\n"

@@ -55,12 +55,21 @@ class Tee:
         self._stream, self._copy = stream, copy
 
     def write(self, text: str) -> int:
-        self._copy.write(text)
+        self._to_copy("write", text)
         return self._stream.write(text)
 
     def flush(self) -> None:
-        self._copy.flush()
+        self._to_copy("flush")
         self._stream.flush()
+
+    def _to_copy(self, method: str, *args: Any) -> None:
+        """The copy's ``method``; a copy that fails (a full disk) is dropped, not the run."""
+        if self._copy is None:
+            return
+        try:
+            getattr(self._copy, method)(*args)
+        except (OSError, ValueError):
+            self._copy = None
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the console's
         return getattr(self._stream, name)
