@@ -92,6 +92,12 @@ def test_the_lora_checkpoint_answers_with_the_persona_and_the_base_does_not(pers
     assert [row["stopped"] for row in rows] == ["eos"] * 3
     assert rows[0]["where"].endswith("prompts.jsonl:1") and rows[2]["prompt"] == "what time"
 
+    # The run could be followed from another shell: rank 0's console is in logs/rank0.log (its
+    # step lines and the setup report), and no empty train.log sits beside it.
+    console = (root / "lora" / "logs" / "rank0.log").read_text()
+    assert "step     40/40" in console and "mesh: " in console, console
+    assert not (root / "lora" / "train.log").exists()
+
     r = generate(
         ["model", "--prompts", "prompts.jsonl", "--out", "base.jsonl", "--max-new-tokens", "8"], root
     )
