@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
 from fsdp_cli.checkpoint.manifest import config_path
+from fsdp_cli.data.prompts import eos_ids, own_template
 from fsdp_cli.errors import ConfigError, PromptError
 
 PEFT_CONFIG = "adapter_config.json"
@@ -212,18 +213,10 @@ def _checkpoint(path: Path, options: Options) -> Loaded:
     if kind == "llama":
         tokenizer = _tokenizer(options.tokenizer or _run_tokenizer(cfg))
         context = int(cfg.model.max_seq_len)
-        return Loaded(
-            model,
-            kind,
-            tokenizer,
-            _template(_named_template(cfg), tokenizer),
-            context,
-            _eos(tokenizer, None),
-            str(path),
-        )
-    hf = model.hf
+        template = own_template(tokenizer, getattr(cfg.data, "chat_template", None))
+        return Loaded(model, kind, tokenizer, template, context, eos_ids(tokenizer), str(path))
     tokenizer_folder = options.tokenizer or _run_tokenizer(cfg) or Path(cfg.model.path)
-    return _hf_loaded(hf, tokenizer_folder, _named_template(cfg), str(path))
+    return _hf_loaded(model.hf, tokenizer_folder, getattr(cfg.data, "chat_template", None), str(path))
 
 
 def _absolute_paths(cfg: Any, manifest: dict[str, Any] | None, options: Options) -> Any:
@@ -313,12 +306,6 @@ def _run_tokenizer(cfg: Any) -> Path | None:
     return Path(folder) if folder else None
 
 
-def _named_template(cfg: Any) -> str | None:
-    from fsdp_cli.data.prompts import named_template
-
-    return named_template(getattr(cfg.data, "chat_template", None))
-
-
 def _tokenizer(folder: Path | None) -> Any:
     if folder is None:
         return None
@@ -331,26 +318,16 @@ def _tokenizer(folder: Path | None) -> Any:
         raise GenerateError(f"tokenizer {folder}: {err.problem}; pass one with --tokenizer DIR") from None
 
 
-def _template(named: str | None, tokenizer: Any) -> str | None:
-    from fsdp_cli.data.prompts import own_template
-
-    return own_template(tokenizer, named)
-
-
-def _eos(tokenizer: Any, generation_config: Any) -> frozenset[int]:
-    from fsdp_cli.data.prompts import eos_ids
-
-    return eos_ids(tokenizer, generation_config)
-
-
-def _hf_loaded(model: nn.Module, tokenizer_folder: Path, template: str | None, source: str) -> Loaded:
+def _hf_loaded(model: nn.Module, tokenizer_folder: Path, named: str | None, source: str) -> Loaded:
+    """``model`` with its tokenizer, template (``named``: the run's ``data.chat_template``, else
+    the tokenizer's), context length and end-of-sequence ids."""
     tokenizer = _tokenizer(tokenizer_folder)
     config = model.config
     context = next((int(getattr(config, k)) for k in CONTEXT_KEYS if getattr(config, k, None)), None)
     if context is None:
         raise GenerateError(f"{source}: its config.json names no context length ({', '.join(CONTEXT_KEYS)})")
-    template = _template(template, tokenizer)
-    eos = _eos(tokenizer, getattr(model, "generation_config", None))
+    template = own_template(tokenizer, named)
+    eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
     return Loaded(model.eval(), "hf", tokenizer, template, context, eos, source)
 
 
