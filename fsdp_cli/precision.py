@@ -117,6 +117,11 @@ def auto_precision(on_gpu: bool) -> str:
     return "bf16-mixed" if on_gpu else "32-true"
 
 
+def stored_dtype(name: str) -> str:
+    """The dtype precision ``name`` stores parameters in (``auto``: float32, on GPUs and CPUs alike)."""
+    return precision_spec(auto_precision(False) if name == AUTO else name).param
+
+
 class PolicyDtypes(NamedTuple):
     """An explicit mixed-precision policy as a strategy's config gives it (None = not set)."""
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from fsdp_cli.adapters.options import QuantizeBase
 from fsdp_cli.checkpoint.resume import resolve_resume
 from fsdp_cli.checkpoint.run import check_checkpoint_dir
 from fsdp_cli.config.batch_source import check_batch_source
@@ -69,6 +70,7 @@ def adapter_targets_check(run: ResolvedRun) -> None:
     meta device (what each rank will adapt), the rank checked against every target layer."""
     if not run.cfg.peft.enabled:
         return
+    from fsdp_cli.adapters.quantize import check_quantized_shapes
     from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
 
     model = run.model_kind.meta_model(run)
@@ -79,8 +81,10 @@ def adapter_targets_check(run: ResolvedRun) -> None:
             f"{run.model_label}: a LightningModule builds its layers in its own configure_model",
             hint="add adapters there (peft.inject_adapter_in_model), or give model._target_ a plain nn.Module",
         )
-    adapter_layers(model, run.cfg.peft)
+    layers = adapter_layers(model, run.cfg.peft)
     trainable_modules(model, run.cfg.peft)
+    if run.cfg.peft.quantize_base is not QuantizeBase.none:
+        check_quantized_shapes(model, layers, shards=run.layout.shard * run.layout.cp)
 
 
 MODEL_CHECKS: tuple[PreLaunchCheck, ...] = (adapter_targets_check, pipeline_cut_check)

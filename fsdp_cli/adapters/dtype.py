@@ -75,8 +75,11 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 def convert_all_but_trainable_leaves(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """What Lightning's ``*-true`` precision plugins do (``module.to(dtype)``: floating parameters
     and buffers), except to the trainable leaves' parameters, which stay as :func:`widen` made
-    them."""
+    them, and to a QLoRA base's NF4 weights (they keep the dtype they dequantize to)."""
+    from fsdp_cli.parallel.nf4 import is_quantized
+
     keep = {id(p) for _, m in trainable_leaves(module) for p in m.parameters(recurse=False)}
+    keep |= {id(p) for p in module.parameters() if is_quantized(p)}  # (.to(dtype) would dequantize it)
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         return t if id(t) in keep or not t.is_floating_point() else t.to(dtype)

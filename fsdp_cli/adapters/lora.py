@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from fsdp_cli.adapters.dtype import widen
-from fsdp_cli.adapters.options import AdapterDtype, AdapterOptions
+from fsdp_cli.adapters.options import AdapterDtype, AdapterOptions, QuantizeBase
+from fsdp_cli.adapters.quantize import quantize_base
 from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
 from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.names import canonical_name
@@ -46,9 +47,12 @@ def lora_config(options: AdapterOptions, layers: list[str]) -> Any:
     )
 
 
-def apply_lora(model: nn.Module, options: AdapterOptions, *, seed: int) -> list[str]:
-    """Inject LoRA into ``model`` in place, freeze the rest, and initialise the adapters (now, or
-    after the strategy materialises a meta model); returns the adapted layers' names."""
+def apply_lora(
+    model: nn.Module, options: AdapterOptions, *, seed: int, base_dtype: str | None = None
+) -> list[str]:
+    """Inject LoRA into ``model`` in place, freeze the rest, initialise the adapters (now, or
+    after the strategy materialises a meta model) and, for QLoRA, hold the wrapped layers' weights
+    in NF4 (:mod:`fsdp_cli.adapters.quantize`); returns the adapted layers' names."""
     from peft import inject_adapter_in_model
 
     layers = adapter_layers(model, options)
@@ -62,6 +66,10 @@ def apply_lora(model: nn.Module, options: AdapterOptions, *, seed: int) -> list[
         chain_init(model, seed)
     else:
         init_adapters(model, seed)
+    if options.quantize_base is QuantizeBase.nf4:
+        # (on meta: filled quantized whole by the init chained above; NF4 of the dtype the
+        # precision stores parameters in, ``base_dtype``: what a forward dequantizes)
+        quantize_base(model, dtype=getattr(torch, base_dtype) if base_dtype else None)
     return layers
 
 

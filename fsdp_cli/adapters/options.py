@@ -37,6 +37,16 @@ class AdapterDtype(Enum):
     """The precision's own dtype for everything: bf16 adapters under ``bf16-true``."""
 
 
+class QuantizeBase(Enum):
+    """How the frozen base weights that adapters wrap are held (QLoRA)."""
+
+    none = "none"
+    """In the precision's dtype, like every other parameter."""
+    nf4 = "nf4"
+    """4-bit NormalFloat (QLoRA; torchao's NF4 tensor, sharded by FSDP2): the weights of the layers
+    LoRA wraps take about a quarter of their bf16 memory, and each forward dequantizes one layer."""
+
+
 ALIASES = ("all", "attention", "mlp")
 """Short names for ``peft.targets``: every linear layer of the blocks, or their attention or MLP part."""
 
@@ -68,6 +78,10 @@ class AdapterOptions:
     ``16-true``), the trained modules (``lora_A``/``lora_B``, ``peft.trainable``'s) are stored,
     updated and given optimizer state in fp32 (float32, the default) while the frozen base stays
     16-bit; or in the base's dtype (same). Other precisions store everything in fp32 anyway."""
+    quantize_base: QuantizeBase = QuantizeBase.none
+    """none or nf4 (QLoRA, ``peft=qlora``): the weights of the layers that get adapters held in
+    4-bit NormalFloat, quantized as they are loaded, each rank keeping its shard (strategy=fsdp2;
+    pip install ".[qlora]"). The adapters, embeddings, norms and head keep their dtype."""
     save_base: bool = False
     """Sharded checkpoints also hold the frozen base weights (default: the trainable parameters
     only, megabytes for an 8B model; the base is rebuilt from the model's own weights on resume)."""

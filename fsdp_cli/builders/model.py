@@ -39,7 +39,7 @@ def adapted(factory: Callable[[], nn.Module], run: ResolvedRun) -> Callable[[], 
 
     def build() -> nn.Module:
         model = factory()
-        apply_lora(model, run.cfg.peft, seed=run.cfg.seed)
+        apply_lora(model, run.cfg.peft, seed=run.cfg.seed, base_dtype=run.precision.param)
         return model
 
     return build

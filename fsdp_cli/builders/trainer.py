@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.profilers import PassThroughProfiler
 
-from fsdp_cli.adapters.options import AdapterDtype
+from fsdp_cli.adapters.options import AdapterDtype, QuantizeBase
 from fsdp_cli.builders.precision import precision_plugin
 from fsdp_cli.config.resolved import Layout, ResolvedRun
 from fsdp_cli.config.schema import LoggerName, Profiler, TrainConfig, TrainerConfig
@@ -74,7 +74,9 @@ def precision_arguments(run: ResolvedRun) -> dict[str, Any]:
     plugin = precision_plugin(
         run.precision,
         policy_casts=run.entry.policy_casts,
-        fp32_adapters=peft.enabled and peft.adapter_dtype is AdapterDtype.float32,
+        # (a quantized base must not meet Lightning's module.to(dtype): it would dequantize it)
+        fp32_adapters=peft.enabled
+        and (peft.adapter_dtype is AdapterDtype.float32 or peft.quantize_base is not QuantizeBase.none),
         fsdp1=run.entry.name == "fsdp",
     )
     return {"plugins": [plugin]} if plugin is not None else {"precision": run.precision.name}

@@ -71,13 +71,22 @@ def describe_setup(trainer: L.Trainer) -> dict[str, Any]:
 def _trainable(params: list[nn.Parameter]) -> dict[str, Any]:
     """What trains and what is frozen: global element counts (DTensors count whole) and the
     dtypes each is stored in (a LoRA run's adapters against its base)."""
+    from fsdp_cli.parallel.nf4 import is_quantized
+
     trains = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
+    quantized = [p for p in frozen if is_quantized(p)]
     return {
         "parameters": sum(p.numel() for p in trains),
         "of": sum(p.numel() for p in params),
         "dtype": sorted({_name(p.dtype) for p in trains}),
-        "frozen_dtype": sorted({_name(p.dtype) for p in frozen}),
+        # (a QLoRA base's weights are "nf4", read off the live tensors: proof they stayed 4-bit)
+        "frozen_dtype": sorted({"nf4" if is_quantized(p) else _name(p.dtype) for p in frozen}),
+        "quantized": {
+            "weights": len(quantized),
+            "parameters": sum(p.numel() for p in quantized),
+            "dequantized_to": sorted({_name(p.dtype) for p in quantized}),  # (what NF4 stands for)
+        },
     }
 
 
@@ -200,12 +209,21 @@ def format_setup(info: dict[str, Any]) -> str:
         share = 100 * t["parameters"] / max(1, t["of"])
         lines.append(
             f"trainable: {t['parameters']:,} of {t['of']:,} parameters ({share:.2f}%) | stored "
-            f"{'/'.join(t['dtype'])}, frozen {'/'.join(t['frozen_dtype'])}"
+            f"{'/'.join(t['dtype'])}, frozen {'/'.join(t['frozen_dtype'])}{_quantized_words(t)}"
         )
     lines.append(
         f"dtypes: param {d['param']} | compute {d['compute']} | reduce {d['reduce']} | optimizer state {'/'.join(d['optimizer_state'])}"
     )
     return "\n".join(lines)
+
+
+def _quantized_words(trainable: dict[str, Any]) -> str:
+    q = trainable.get("quantized") or {}
+    if not q.get("weights"):
+        return ""
+    return (
+        f" (nf4 of {'/'.join(q['dequantized_to'])}: {q['parameters']:,} parameters in {q['weights']} weights)"
+    )
 
 
 def _optimizer_tensors(trainer: L.Trainer) -> list[torch.Tensor]:

@@ -5,7 +5,8 @@
 ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<module>.lora_A.weight``:
 the module path of the model PEFT wraps, no adapter name), which
 ``PeftModel.from_pretrained(base_model, DST)`` loads. ``--to hf --merge``: each adapted weight
-becomes ``W + alpha / r * B @ A``; the base weights come from the checkpoint when it holds them
+becomes ``W + alpha / r * B @ A`` (a QLoRA run's ``W`` as its forward saw it: the NF4 weight
+dequantized); the base weights come from the checkpoint when it holds them
 (``peft.save_base=true``), else from the run's model folder, read through its checked path
 (:mod:`fsdp_cli.models.folder`: headers against file sizes, names confined to the folder).
 """
@@ -129,13 +130,28 @@ def merged(
             pairs.setdefault(found["module"], {})[found["part"]] = value
         elif ".base_layer." not in key:
             out[key] = value  # what trained in full (norms, head) and any other saved tensor
+    seen = _as_trained(manifest, options)
     for module, ab in pairs.items():
         weight = f"{module}.weight"
         if weight not in out:
             raise CheckpointFormatError(f"{weight}: no base weight to merge the adapter into")
         base = out[weight]
-        out[weight] = (base.float() + scale * ab["B"].float() @ ab["A"].float()).to(base.dtype)
+        out[weight] = (seen(base).float() + scale * ab["B"].float() @ ab["A"].float()).to(base.dtype)
     return out
+
+
+def _as_trained(manifest: dict[str, Any] | None, options: dict[str, Any]) -> Any:
+    """How the run's forward saw an adapted base weight: as it is, or (QLoRA,
+    ``peft.quantize_base=nf4``) quantized to NF4 from the dtype the run stored parameters in and
+    dequantized: the adapters learned to correct that weight, so that is the one they merge into."""
+    if options.get("quantize_base", "none") == "none":
+        return lambda weight: weight
+    from fsdp_cli.parallel.nf4 import nf4_round_trip
+    from fsdp_cli.precision import stored_dtype
+
+    precision = ((manifest or {}).get("config") or {}).get("precision") or {}
+    dtype = getattr(torch, stored_dtype(precision.get("name", "32-true")))
+    return lambda weight: nf4_round_trip(weight, dtype)
 
 
 def _base_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ policy ``fully_shard`` recorded on a module, the private classes a DCP ``.metada
 names (for the restricted unpickler of :mod:`fsdp_cli.checkpoint.untrusted`), and what a rehearsal
 (:mod:`fsdp_cli.plan.rehearsal`) needs: fake tensors, torch's memory trackers, and a pipeline
 schedule's warm-up vote settled without peers; a tensor's in-place version counter (the pipeline
-cut check: work done in place between a model's parts)."""
+cut check: work done in place between a model's parts); the local tensor object a DTensor holds
+(QLoRA's NF4 shards are written into the object FSDP2's all-gather reads)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,13 @@ def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         tensor.shape, tensor.device_mesh, tensor.placements
     )
     return tuple(shape), tuple(offset)
+
+
+def dtensor_local_object(tensor: Any) -> Any:
+    """The local tensor object ``tensor`` (a DTensor) holds itself: ``to_local()`` may hand back
+    another object (an autograd view), and state set on that would not reach FSDP2's all-gather,
+    which reads this one. A plain tensor is its own."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 def global_offset(tensor: Any) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """``peft=lora`` checked against the rest of the run before launch: the package installed, a
-strategy and model kind that take adapters, no tensor or pipeline parallel, and FSDP1's one layout
-that cannot save frozen parameters. (The adapter options themselves are
+strategy and model kind that take adapters, no tensor or pipeline parallel, FSDP1's one layout
+that cannot save frozen parameters, and what a quantized (QLoRA) base needs. (The adapter options themselves are
 :class:`fsdp_cli.adapters.options.AdapterOptions`; the layers they target are found on the meta
 model later, :func:`fsdp_cli.resolve.adapter_targets_check`.)
 """
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 
+from fsdp_cli.adapters.options import QuantizeBase
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.extras import install_hint
 
 ADAPTER_STRATEGIES = ("fsdp2", "fsdp", "ddp")
+QUANTIZED_KINDS = ("llama", "hf")
+"""The model kinds whose weights fsdp-train fills (and so can quantize as it fills them)."""
 """The strategies ``peft=lora`` runs under (the adapted model is parallelized like any other)."""
 
 
@@ -23,10 +26,18 @@ def check_adapters(run: ResolvedRun) -> None:
     tensor and pipeline parallel are refused by :mod:`fsdp_cli.config.composition`'s table)."""
     cfg = run.cfg
     if not cfg.peft.enabled:
+        if cfg.peft.quantize_base is not QuantizeBase.none:
+            raise ConfigError(
+                "peft.quantize_base",
+                cfg.peft.quantize_base.value,
+                "quantizes the base that adapters train over; peft=none trains every weight",
+                hint="peft=qlora (LoRA over an NF4 base), or peft.quantize_base=none",
+            )
         return
     method = cfg.peft.name.value
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("peft", method, "needs the peft package", hint=install_hint("peft"))
+    check_quantized_base(run)
     if run.entry.name not in ADAPTER_STRATEGIES:
         raise ConfigError(
             "strategy",
@@ -38,6 +49,48 @@ def check_adapters(run: ResolvedRun) -> None:
     if run.model_kind.adapter_targets(cfg.model) is None:
         raise ConfigError("peft", method, f"model kind {run.model_kind.name} does not take adapters")
     _check_fsdp1_unsharded_adapters(run)
+
+
+def check_quantized_base(run: ResolvedRun) -> None:
+    """``peft.quantize_base=nf4`` (QLoRA): torchao installed; the base weights come from the
+    model's own (quantized as they are read): no checkpoint of a full fine-tune to start from, no
+    base in the checkpoints, no float64 (the NF4 weights dequantize to 16 or 32 bits). The strategy
+    and the parallel dimensions are the composition table's (qlora's row)."""
+    cfg = run.cfg
+    value = cfg.peft.quantize_base.value
+    if cfg.peft.quantize_base is QuantizeBase.none:
+        return
+    key = "peft.quantize_base"
+    _check_quantized_kind(run)
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            key, value, "needs the torchao package (its NF4 tensor)", hint=install_hint("qlora")
+        )
+    if cfg.peft.save_base:
+        raise ConfigError(
+            "peft.save_base",
+            True,
+            "a 4-bit base is rebuilt from the model's own weights; checkpoints hold the adapters",
+            allowed="false with peft.quantize_base=nf4",
+        )
+    if run.precision.param == "float64":
+        raise ConfigError(
+            key, value, "NF4 weights dequantize to 16 or 32 bits, not float64", hint="precision=bf16-true"
+        )
+    if not getattr(cfg.model, "pretrained", True):
+        raise ConfigError(
+            key,
+            value,
+            "quantizes the model's pretrained weights, and model.pretrained=false has none",
+            hint="model.pretrained=true, or peft=lora to train adapters over a fresh base",
+        )
+    if cfg.start_from:
+        raise ConfigError(
+            key,
+            value,
+            f"the base is quantized from the model's own weights, not from a full fine-tune's checkpoint ({cfg.start_from})",
+            hint="export that run (fsdp-ckpt convert --to hf) and give it as model.path",
+        )
 
 
 def _check_fsdp1_unsharded_adapters(run: ResolvedRun) -> None:
@@ -54,4 +107,15 @@ def _check_fsdp1_unsharded_adapters(run: ResolvedRun) -> None:
             f"{strategy.sharding_strategy.value}): torch cannot save its frozen parameters",
             allowed="false here",
             hint="strategy.use_orig_params=false, strategy=fsdp2, or strategy=ddp",
+        )
+
+
+def _check_quantized_kind(run: ResolvedRun) -> None:
+    if run.model_kind.name not in QUANTIZED_KINDS:
+        raise ConfigError(
+            "peft.quantize_base",
+            run.cfg.peft.quantize_base.value,
+            f"fsdp-train quantizes the weights it fills itself, and model kind {run.model_kind.name} fills its own",
+            allowed="the built-in model (model=tiny, llama_*) or model=hf",
+            hint="peft=lora for this model",
         )

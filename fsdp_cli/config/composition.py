@@ -132,6 +132,13 @@ FEATURES: tuple[Feature, ...] = (
     Feature("cp", "cp > 1 (context parallel)", "cp", lambda run: run.layout.cp > 1, ("cp=2",)),
     Feature("ep", "ep > 1 (expert parallel)", "ep", lambda run: run.layout.ep > 1, ("ep=2", "devices=4")),
     Feature("lora", "peft=lora", "peft", lambda run: run.cfg.peft.enabled, ("peft=lora",)),
+    Feature(
+        "qlora",
+        "peft=qlora (LoRA over an NF4 base)",
+        "peft.quantize_base",
+        lambda run: run.cfg.peft.quantize_base.value != "none",
+        ("peft=qlora",),
+    ),
     Feature("chat", "data=chat", "data", _chat, CHATS),
     Feature(
         "packing",
@@ -258,6 +265,7 @@ _T = "builtin,tp,chat,packing,offload,full_ckpt"
 
 _M = "module,lora,chat,ac,compile,float8,bf16,offload,full_ckpt"
 _E = "fsdp2,hf,ep,hsdp,chat,packing,ac,offload,bf16,float8,full_ckpt"
+_Q = "fsdp2,builtin,qlora,lora,hsdp,cp,chat,packing,ac,offload,full_ckpt"
 COMPOSED = {
     "test_composition.py::test_a_composed_hf_run_on_hsdp_equals_one_process": ["fsdp2", *_A.split(",")],
     "test_composition.py::test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process": [
@@ -272,6 +280,13 @@ COMPOSED = {
     "test_composition.py::test_the_composed_hf_run_resumes_at_another_layout": ["resume_layout", *_ALL_A],
     "test_expert_parallel.py::test_fsdp_train_at_ep2_on_hsdp_equals_one_process": _E.split(","),
     "test_expert_parallel.py::test_an_ep2_checkpoint_resumes_at_ep1": ["resume_layout", *_E.split(",")],
+    "test_qlora.py::test_a_composed_qlora_run_on_hsdp_and_cp_equals_one_process": _Q.split(","),
+    "test_qlora.py::test_qlora_in_bf16_true_on_two_ranks_equals_one_process": [
+        "fsdp2",
+        "builtin",
+        "qlora",
+        "bf16",
+    ],
     "test_context_parallel.py::test_cp_in_bf16_with_float8_compile_and_offload_equals_one_process": [
         *"fsdp2,builtin,cp,bf16,float8,compile,offload".split(",")
     ],
@@ -520,6 +535,41 @@ EXPLICIT = _table(
             "the built-in model with model.n_experts, losses and gradients in float64",
         ),
     ),
+    (
+        "qlora:fsdp2,hf,lora",
+        _test(
+            "test_qlora.py::test_qlora_equals_a_hand_written_nf4_peft_fsdp2_loop",
+            "fp32 losses within 1e-5 of torchao NF4 + peft + fully_shard by hand",
+        ),
+    ),
+    ("qlora:resume_layout", _test("test_qlora.py::test_a_qlora_checkpoint_resumes_on_one_process")),
+    (
+        "qlora:fsdp,ddp,model_parallel",
+        Refused(
+            "the NF4 base is sharded by FSDP2 (torchao's NF4 tensor has FSDP2's all-gather hooks)",
+            allowed="strategy=fsdp2 with peft=qlora (one device too)",
+            hint="strategy=fsdp2, or peft=lora",
+            lead="qlora",
+        ),
+    ),
+    (
+        "qlora:module,lightning",
+        Refused(
+            "fsdp-train quantizes the weights it fills itself: the built-in model's and model=hf's",
+            check="config.adapter_checks.check_quantized_base",
+        ),
+    ),
+    (
+        "qlora:float8,compile",
+        Refused(
+            "the adapted layers' NF4 weights are dequantized by torchao's NF4 tensor at each forward; "
+            "float8 would swap those layers and torch.compile is not tried over them",
+            allowed="strategy.float8=false and strategy.compile=false with peft=qlora",
+            hint="peft=qlora alone (its saving is the base's memory), or peft=lora with float8 or compile",
+            lead="qlora",
+        ),
+    ),
+    ("qlora:tp,pp,ep", Moot("peft=qlora is peft=lora over an NF4 base: refused as lora x tp, pp, ep")),
     # Cannot be asked for.
     ("ddp:hsdp,ac,compile,float8,offload", Moot(_NO_KEY.format("ddp"))),
     ("fsdp:compile,float8", Moot(_NO_KEY.format("fsdp"))),

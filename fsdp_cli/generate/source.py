@@ -250,8 +250,10 @@ def _build(cfg: Any, kind: str) -> nn.Module:
         model.hf.config.use_cache = True
     if cfg.peft.enabled:
         from fsdp_cli.adapters.lora import apply_lora
+        from fsdp_cli.precision import stored_dtype
 
-        apply_lora(model, cfg.peft, seed=cfg.seed)
+        # (a QLoRA base: NF4 of the dtype the run stored parameters in, as its forward saw it)
+        apply_lora(model, cfg.peft, seed=cfg.seed, base_dtype=stored_dtype(cfg.precision.name))
     return model
 
 

@@ -110,9 +110,7 @@ class WeightFiller:
             self._load(targets)
         self._initialize(ids)
         _check_recomputed_buffers(selected, self.names)
-        self.report.local_param_bytes = sum(
-            _local(p).numel() * p.element_size() for p in self.hf.parameters()
-        )
+        self.report.local_param_bytes = sum(_local_bytes(p) for p in self.hf.parameters())
         self.report.seconds += time.perf_counter() - started
 
     def _learn_swapped_modules(self) -> None:
@@ -377,11 +375,20 @@ def slice_of_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_into(target: torch.Tensor, reader: Any, key: str, report: LoadReport) -> None:
+    from fsdp_cli.parallel.nf4 import is_quantized, write_full
+
     shape = tuple(reader.get_slice(key).get_shape())
     if shape != tuple(target.shape):
         raise RuntimeError(f"{key}: checkpoint shape {shape} != model shape {tuple(target.shape)}")
     local = _local(target)
     box = _box(target) if shape else None
+    if is_quantized(target):  # QLoRA's NF4 base: quantized whole, this rank's rows kept
+        full = reader.get_tensor(key)
+        report.max_full_tensor_bytes = max(report.max_full_tensor_bytes, full.numel() * full.element_size())
+        report.tensors_read += 1
+        report.bytes_read += full.numel() * full.element_size()
+        write_full(target, full)
+        return
     if box is not None:
         piece = reader.get_slice(key)[box]
         whole = all(s.start == 0 and s.stop == n for s, n in zip(box, shape))
@@ -563,6 +570,14 @@ def _is_dtensor(tensor: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    """What this rank's part of ``param`` holds (a QLoRA base weight: its 4-bit data and scales)."""
+    from fsdp_cli.compat.torch_internals import storage_bytes
+    from fsdp_cli.parallel.nf4 import is_quantized
+
+    return storage_bytes([param]) if is_quantized(param) else _local(param).numel() * param.element_size()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

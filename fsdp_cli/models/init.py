@@ -24,6 +24,13 @@ ROWS_PER_BLOCK = 256
 @torch.no_grad()
 def seeded_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> None:
     """Fill ``param`` (a plain tensor or a DTensor shard) with N(0, std^2), layout-independently."""
+    from fsdp_cli.parallel.nf4 import is_quantized, write_full
+
+    if is_quantized(param):  # QLoRA's NF4 base: quantized whole (the same rows drawn), this rank's kept
+        full = torch.empty(tuple(param.shape), dtype=torch.float32)
+        seeded_normal_(full, std=std, seed=seed, name=name)
+        write_full(param, full)
+        return
     local, (row0, col0) = _local_view(param)
     if local.numel() == 0:
         return

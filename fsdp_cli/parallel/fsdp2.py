@@ -32,6 +32,7 @@ def apply_fsdp(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": offload_policy or OffloadPolicy(),
     }
+    kwargs.update(_unsharded_nf4(model, dp_mesh))
     for index, unit in enumerate(units):
         # The last unit runs first in backward, so resharding it after forward would only make
         # backward gather it again straight away.
@@ -47,6 +48,18 @@ def apply_fsdp(
     # again at the start of backward; torch's default (None) keeps the root gathered instead.
     root = None if reshard_after_forward is True else reshard_after_forward
     fully_shard(model, reshard_after_forward=root, **kwargs)
+
+
+def _unsharded_nf4(model: nn.Module, dp_mesh: DeviceMesh) -> dict[str, object]:
+    """With nothing to shard (one rank per shard group), QLoRA's NF4 weights stay plain parameters
+    of their layers: torch 2.13's one-rank shortcut hands an all-gather extension its first inner
+    tensor only, and NF4 has three."""
+    from fsdp_cli.parallel.nf4 import is_quantized
+
+    if dp_mesh.size(dp_mesh.ndim - 1) != 1:
+        return {}
+    quantized = {p for p in model.parameters() if is_quantized(p)}
+    return {"ignored_params": quantized} if quantized else {}
 
 
 def apply_fsdp_to_experts(experts: list[nn.Module], mesh: DeviceMesh, **kwargs: object) -> None:

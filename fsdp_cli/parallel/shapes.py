@@ -23,6 +23,8 @@ class ParamShape:
     """Gets a gradient and optimizer state (False: frozen, e.g. a LoRA run's base weights)."""
     expert: bool = False
     """A mixture of experts' fused experts (``[experts, ...]``): split over the ep ranks by dim 0."""
+    quantized: bool = False
+    """Held in 4-bit NormalFloat (a QLoRA base weight, :mod:`fsdp_cli.parallel.nf4`)."""
 
     @property
     def numel(self) -> int:

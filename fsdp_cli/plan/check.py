@@ -43,7 +43,7 @@ def _meta_spec(run: ResolvedRun) -> ModelSpec | None:
     if cfg.peft.enabled:
         from fsdp_cli.adapters.lora import apply_lora
 
-        apply_lora(model, cfg.peft, seed=cfg.seed)
+        apply_lora(model, cfg.peft, seed=cfg.seed, base_dtype=run.precision.param)
     tp_plan = None
     if cfg.tp > 1:
         settings = cfg.strategy.parallelize_settings()

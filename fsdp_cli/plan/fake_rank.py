@@ -125,6 +125,7 @@ def _trainer(run: ResolvedRun, strategy: Any, world: FakeWorld) -> Any:
 
 def _setup(built: BuiltRank) -> None:
     """The strategy's ``setup``, with tensors created as fake ones (an active FakeTensorMode)."""
+    from fsdp_cli.parallel.nf4 import settle_constants
     from fsdp_cli.strategies.ddp import DDPStrategy
     from fsdp_cli.strategies.fsdp1 import FSDP1Strategy
     from fsdp_cli.strategies.fsdp2 import FSDP2Strategy
@@ -134,6 +135,7 @@ def _setup(built: BuiltRank) -> None:
     if isinstance(strategy, FSDP2Strategy):
         # FSDP2Strategy.setup without init_weights: a rehearsal needs where tensors live, not values.
         built.target.to_empty(device=device)
+        settle_constants(built.target, device)  # (a QLoRA base's NF4 scale mean and code table)
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
         strategy.setup_optimizers(trainer)
     elif isinstance(strategy, DDPStrategy):

@@ -120,15 +120,21 @@ def dtypes_of(run: ResolvedRun) -> Dtypes:
     return Dtypes(*run.precision.bytes())
 
 
-def stored_bytes(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Callable[[ParamShape], int]:
+def stored_bytes(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Callable[[ParamShape], float]:
     """Bytes per element each parameter is stored in (its gradient and Adam moments alike): the
     precision's, except fp32 for the trained modules over a 16-bit base (``peft.adapter_dtype``,
-    :mod:`fsdp_cli.adapters.dtype`): parameters that train in a module with nothing frozen."""
+    :mod:`fsdp_cli.adapters.dtype`): parameters that train in a module with nothing frozen; and a
+    QLoRA base's NF4 weights, about half a byte (:func:`fsdp_cli.parallel.nf4.bytes_per_element`)."""
+    from fsdp_cli.parallel.nf4 import bytes_per_element
+
     peft = run.cfg.peft
+    nf4 = bytes_per_element(dtypes.param)  # (QLoRA's base: about half a byte per weight)
     if not peft.enabled or peft.adapter_dtype is not AdapterDtype.float32 or dtypes.param >= FP32:
-        return lambda p: dtypes.param
+        return lambda p: nf4 if p.quantized else dtypes.param
     frozen_modules = {p.module for p in spec.params if not p.trainable}
-    return lambda p: FP32 if p.trainable and p.module not in frozen_modules else dtypes.param
+    return lambda p: (
+        nf4 if p.quantized else FP32 if p.trainable and p.module not in frozen_modules else dtypes.param
+    )
 
 
 @dataclass
@@ -398,7 +404,7 @@ def _fsdp2_rank(
         if expert:  # this rank's experts, sharded over the expert-shard ranks (mesh: (expert shard, ep))
             _, rest, rows = expert_rows(local, ep, shard)
             index = shard_rank // ep
-        mem.params += count * rows[0] * rest * stored  # every rank allocates the longest chunk
+        mem.params += round(count * rows[0] * rest * stored)  # every rank allocates the longest chunk
         if not trainable:  # frozen (LoRA's base): no gradient, no optimizer state
             continue
         mem.grads += count * rows[0] * rest * stored

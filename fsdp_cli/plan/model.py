@@ -146,16 +146,7 @@ def module_spec(
     blocks = [n for n, m in model.named_modules() if block_classes and isinstance(m, block_classes)]
     modules = dict(model.named_modules())
     experts = _expert_module_names(model, names)
-    params = [
-        ParamShape(
-            name,
-            tuple(p.shape),
-            _tp_dim(name, p, tp_plan, modules),
-            trainable=p.requires_grad,
-            expert=name.rpartition(".")[0] in experts,
-        )
-        for name, p in model.named_parameters()
-    ]
+    params = _param_shapes(model, tp_plan, modules, experts)
     cache: dict[tuple[int, int], Activations] = {}
     notes: list[str] = []
 
@@ -179,6 +170,24 @@ def module_spec(
     return ModelSpec(
         params=params, units=units, blocks=blocks, activations=activations, source="meta build", notes=notes
     )
+
+
+def _param_shapes(
+    model: Any, tp_plan: dict[str, Any] | None, modules: dict[str, Any], experts: set[str]
+) -> list[ParamShape]:
+    from fsdp_cli.parallel.nf4 import is_quantized
+
+    return [
+        ParamShape(
+            name,
+            tuple(p.shape),
+            _tp_dim(name, p, tp_plan, modules),
+            trainable=p.requires_grad,
+            expert=name.rpartition(".")[0] in experts,
+            quantized=is_quantized(p),
+        )
+        for name, p in model.named_parameters()
+    ]
 
 
 def _expert_module_names(model: Any, names: dict[int, str]) -> set[str]:
