@@ -54,8 +54,8 @@ def check_adapters(run: ResolvedRun) -> None:
 def check_quantized_base(run: ResolvedRun) -> None:
     """``peft.quantize_base=nf4`` (QLoRA): torchao installed; the base weights come from the
     model's own (quantized as they are read): no checkpoint of a full fine-tune to start from, no
-    base in the checkpoints, no float64 (the NF4 weights dequantize to 16 or 32 bits). The strategy
-    and the parallel dimensions are the composition table's (qlora's row)."""
+    base in the checkpoints. The strategy and the parallel dimensions are the composition table's
+    (qlora's row; FSDP2 refuses float64 anyway)."""
     cfg = run.cfg
     value = cfg.peft.quantize_base.value
     if cfg.peft.quantize_base is QuantizeBase.none:
@@ -72,10 +72,6 @@ def check_quantized_base(run: ResolvedRun) -> None:
             True,
             "a 4-bit base is rebuilt from the model's own weights; checkpoints hold the adapters",
             allowed="false with peft.quantize_base=nf4",
-        )
-    if run.precision.param == "float64":
-        raise ConfigError(
-            key, value, "NF4 weights dequantize to 16 or 32 bits, not float64", hint="precision=bf16-true"
         )
     if not getattr(cfg.model, "pretrained", True):
         raise ConfigError(

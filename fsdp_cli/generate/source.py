@@ -308,8 +308,15 @@ def _run_tokenizer(cfg: Any) -> Path | None:
     return Path(folder) if folder else None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _tokenizer(folder: Path | None) -> Any:
+    """The tokenizer in ``folder``; None for none named, or a model folder without one (a model
+    trained on token ids: prompts are then ``input_ids``)."""
     if folder is None:
+        return None
+    if (folder / HF_CONFIG).is_file() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
     from fsdp_cli.data.chat_template import load_tokenizer
     from fsdp_cli.errors import ConfigError
