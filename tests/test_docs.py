@@ -299,6 +299,7 @@ TRAINED_BY = {
     "+callbacks.": "tests/test_callbacks_loggers_epochs.py (EarlyStopping, ModelCheckpoint, LR monitor)",
     "trainer.max_epochs=": "tests/test_callbacks_loggers_epochs.py (epochs of our data)",
     "peft=lora": "tests/test_lora.py (LoRA under fsdp2, fsdp and ddp against one process)",
+    "peft=qlora": "tests/test_qlora.py (QLoRA against a hand-written NF4 loop, composed runs against one process)",
     "recipe=cpu_pp": "tests/test_pipeline.py (the cpu_pp recipe against one process, resumed at pp=1 and tp=2)",
     "ep=": "tests/test_expert_parallel.py (ep=2 on 2 and 4 ranks, ep x HSDP, against one process)",
     "cp=": "tests/test_context_parallel.py (cp=2, cp x HSDP, cp x tp against one process, in fp32 and float64)",

@@ -76,18 +76,20 @@ def _trainable(params: list[nn.Parameter]) -> dict[str, Any]:
     trains = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     quantized = [p for p in frozen if is_quantized(p)]
-    return {
+    out: dict[str, Any] = {
         "parameters": sum(p.numel() for p in trains),
         "of": sum(p.numel() for p in params),
         "dtype": sorted({_name(p.dtype) for p in trains}),
         # (a QLoRA base's weights are "nf4", read off the live tensors: proof they stayed 4-bit)
         "frozen_dtype": sorted({"nf4" if is_quantized(p) else _name(p.dtype) for p in frozen}),
-        "quantized": {
+    }
+    if quantized:
+        out["quantized"] = {
             "weights": len(quantized),
             "parameters": sum(p.numel() for p in quantized),
             "dequantized_to": sorted({_name(p.dtype) for p in quantized}),  # (what NF4 stands for)
-        },
-    }
+        }
+    return out
 
 
 def _unit_precision(

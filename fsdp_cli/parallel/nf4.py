@@ -18,9 +18,10 @@ before launch).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # (torch-free to import: the planner's byte counts are read on the config path)
+    import torch
 
 BLOCK = 64
 """Elements per NF4 block (one absmax scale each): QLoRA's and torchtune's value."""
@@ -68,10 +69,16 @@ def shape_problem(shape: tuple[int, ...], shards: int) -> str | None:
     return None
 
 
-@torch.no_grad()
 def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Fill the NF4 ``param`` (plain, or this rank's rows of a DTensor) from the ``full``
     full-precision weight: ``full`` quantized whole, this rank's rows kept."""
+    import torch
+
+    with torch.no_grad():
+        _write_full(param, full)
+
+
+def _write_full(param: torch.Tensor, full: torch.Tensor) -> None:
     from fsdp_cli.compat.torch_internals import dtensor_local_object, local_box
 
     _, to_nf4 = nf4_module()
@@ -99,6 +106,8 @@ def settle_constants(model: torch.nn.Module, device: Any) -> None:
     """Put the NF4 weights' two constants (the whole tensor's scale mean, the 16-value code table)
     on ``device`` where ``to_empty`` left them on the meta device: what a rehearsal, which fills no
     values, needs for its forward to run (:func:`write_full` sets them when it fills)."""
+    import torch
+
     from fsdp_cli.compat.torch_internals import dtensor_local_object
 
     for param in model.parameters():

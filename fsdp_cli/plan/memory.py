@@ -30,6 +30,7 @@ from fsdp_cli.adapters.options import AdapterDtype
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.parallel.nf4 import bytes_per_element
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, expert_rows, tp_local_shape
 from fsdp_cli.pipeline.sizes import PipelineSizes
@@ -125,8 +126,6 @@ def stored_bytes(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Callable[
     precision's, except fp32 for the trained modules over a 16-bit base (``peft.adapter_dtype``,
     :mod:`fsdp_cli.adapters.dtype`): parameters that train in a module with nothing frozen; and a
     QLoRA base's NF4 weights, about half a byte (:func:`fsdp_cli.parallel.nf4.bytes_per_element`)."""
-    from fsdp_cli.parallel.nf4 import bytes_per_element
-
     peft = run.cfg.peft
     nf4 = bytes_per_element(dtypes.param)  # (QLoRA's base: about half a byte per weight)
     if not peft.enabled or peft.adapter_dtype is not AdapterDtype.float32 or dtypes.param >= FP32:
@@ -300,17 +299,18 @@ def _tp_block_bytes(acts: Activations, tp: int, sequence_parallel: bool) -> list
 # --------------------------------------------------------------------------- strategies
 
 
-def _unit_sizes(spec: ModelSpec, tp: int, ep: int = 1) -> dict[str, int]:
+def _unit_sizes(spec: ModelSpec, tp: int, ep: int = 1, nf4: float = 1.0) -> dict[str, int]:
     """Elements per FSDP unit on one tensor-parallel rank (rank 0's share; a unit's experts: this
-    rank's 1 / ep of them, gathered with it), cached per spec."""
-    if (tp, ep) not in spec.unit_sizes:
+    rank's 1 / ep of them, gathered with it), cached per spec. A QLoRA base weight counts ``nf4``
+    of an element: its 4-bit bytes over the compute dtype's (0 where FSDP2 leaves it out)."""
+    if (tp, ep, nf4) not in spec.unit_sizes:
         sizes: dict[str, int] = {}
         for p in spec.params:
             unit = spec.unit_of(p)
             numel = math.prod(tp_local_shape(p, tp, 0)) // (ep if p.expert else 1)
-            sizes[unit] = sizes.get(unit, 0) + numel
-        spec.unit_sizes[(tp, ep)] = sizes
-    return spec.unit_sizes[(tp, ep)]
+            sizes[unit] = sizes.get(unit, 0) + (round(numel * nf4) if p.quantized else numel)
+        spec.unit_sizes[(tp, ep, nf4)] = sizes
+    return spec.unit_sizes[(tp, ep, nf4)]
 
 
 def _fsdp2_place(run: ResolvedRun, spec: ModelSpec, dtypes: Dtypes) -> Placement:
@@ -344,7 +344,10 @@ def _fsdp2_pipeline_rank(
     (the whole model without pipeline parallel), each stage an FSDP root of its own."""
     layout, keep_all = run.layout, run.cfg.strategy.reshard_after_forward is False
     if sizes is None:
-        params, stages, units = spec.params, [], [_unit_sizes(spec, layout.tp, layout.ep)]
+        # (QLoRA's NF4 weights gather as 4-bit data; with one rank per shard group FSDP2 leaves
+        # them out: parallel/fsdp2.py)
+        nf4 = 0.0 if layout.shard * layout.cp == 1 else bytes_per_element(dtypes.param) / dtypes.compute
+        params, stages, units = spec.params, [], [_unit_sizes(spec, layout.tp, layout.ep, nf4)]
     else:
         from fsdp_cli.plan.stages import stage_params, stage_units
 

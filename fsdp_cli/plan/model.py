@@ -66,8 +66,8 @@ class ModelSpec:
     """``activations(seq_len, compute_dtype_bytes)`` per sequence."""
     source: str = "analytic"
     notes: list[str] = field(default_factory=list)
-    unit_sizes: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
-    """Cache: elements per unit on a tensor-parallel rank, by (tp, ep)."""
+    unit_sizes: dict[tuple[int, int, float], dict[str, int]] = field(default_factory=dict)
+    """Cache: elements per unit on a tensor-parallel rank, by (tp, ep, NF4's share of an element)."""
 
     def unit_of(self, param: ParamShape) -> str:
         """The innermost unit holding ``param`` ("" = the root)."""
