@@ -692,3 +692,45 @@ def test_prompt_and_completion_fields_are_settings(tmp_path: Path, chatml: Path)
     supervised = [t for t in labels.tolist() if t != IGNORE]
     tokenizer = load_tokenizer(str(chatml))
     assert supervised == tokenizer.convert_tokens_to_ids(["sunny", "<|im_end|>", "ok", "<|im_end|>"])
+
+
+def test_parquet_files_and_datasets_folders_are_the_conversations_they_hold(
+    tmp_path: Path, chatml: Path
+) -> None:
+    """The shapes public data sets arrive in: a Parquet file (ShareGPT rows too), a folder
+    ``datasets`` saved (``save_to_disk``): the same tokens and supervision as the JSON lines of
+    the same conversations; a DatasetDict's folder (one subfolder per split) is one line naming a
+    split; a bad row is named ``FILE:row N``."""
+    import datasets
+
+    from fsdp_cli.data.chat import read_corpus
+
+    rows = [{"messages": c} if isinstance(c, list) else c for c in chats(12, seed=1)]
+    messages = [r for r in rows if "messages" in r]
+    sources = {
+        "jsonl": lambda p: write_chats(p / "messages.jsonl", [r["messages"] for r in messages]),
+        "parquet": lambda p: (
+            datasets.Dataset.from_list(messages).to_parquet(str(p / "t.parquet")) and p / "t.parquet"
+        ),
+        "saved": lambda p: datasets.Dataset.from_list(messages).save_to_disk(str(p / "saved")) or p / "saved",
+    }
+    corpora = {}
+    for name, write in sources.items():
+        (tmp_path / name).mkdir()
+        data = chat_data(tmp_path / name, chatml, path=str(write(tmp_path / name)))
+        prepare(data)
+        (folder,) = (tmp_path / name / "cache").iterdir()
+        corpora[name] = read_corpus(folder)
+    for name, corpus in corpora.items():
+        for array in ("tokens", "supervised", "offsets"):
+            assert np.array_equal(getattr(corpus, array), getattr(corpora["jsonl"], array)), (name, array)
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(messages)}).save_to_disk(str(splits))
+    with pytest.raises(ConfigError, match=r"DatasetDict folder \(splits train\).*data.path=.*splits/train"):
+        prepare(chat_data(tmp_path / "splits", chatml, path=str(splits)))
+    bad = tmp_path / "bad.parquet"
+    datasets.Dataset.from_list([*messages[:2], {"messages": [{"role": "robot", "content": "x"}]}]).to_parquet(
+        str(bad)
+    )
+    with pytest.raises(ConfigError, match=r"bad.parquet:row 3.*role 'robot'"):
+        prepare(chat_data(tmp_path, chatml, path=str(bad)))

@@ -197,3 +197,30 @@ def test_bad_jsonl_stops_the_parent_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "data.field=text: " in lines[0] and "has no text under that key; allowed: body" in lines[0]
     assert not os.path.exists(tmp_path / "run" / "config.yaml")
+
+
+def test_parquet_and_datasets_folders_tokenize_as_their_json_lines(tmp_path: Path, corpus: Path) -> None:
+    """data=jsonl from a Parquet file and from a folder ``datasets`` saved: the tokens of the same
+    documents as JSON lines; a row without the field is named ``FILE:row N``; without pyarrow,
+    one line with the install hint before anything is read."""
+    import datasets
+
+    rows = [json.loads(line) for line in corpus.read_text().splitlines() if line.strip()]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "docs.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    tokens = {}
+    for name in ("docs.jsonl", "docs.parquet", "saved"):
+        data = jsonl_config(
+            corpus if name == "docs.jsonl" else tmp_path / name, cache_dir=str(tmp_path / name) + ".cache"
+        )
+        prepare(data)
+        cache, dtype = cached_tokens(data, "path")
+        tokens[name] = np.fromfile(cache, dtype=dtype).tolist()
+    assert tokens["docs.parquet"] == tokens["docs.jsonl"] == tokens["saved"] and len(tokens["saved"]) > 20
+    datasets.Dataset.from_list([{"text": "fine"}, {"body": "x"}]).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(ConfigError, match=r"bad.parquet:row 2 has no text under that key"):
+        prepare(jsonl_config(tmp_path / "bad.parquet"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "pyarrow" else object())
+        with pytest.raises(ConfigError, match=r"needs pyarrow; hint: pip install .*pyarrow"):
+            prepare(jsonl_config(tmp_path / "docs.parquet"))

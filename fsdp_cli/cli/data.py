@@ -35,24 +35,38 @@ def marked(tokenizer: Any, ids: list[int], mask: list[bool]) -> str:
 def show(data: Any, line: int) -> str:
     """The marked rendering of line ``line`` of ``data.path``'s first file, and its counts."""
     from fsdp_cli.data.chat import conversation, encode, renderer
-    from fsdp_cli.data.files import JSONL_SUFFIXES, existing_files
+    from fsdp_cli.data.files import RECORD_SUFFIXES, existing_files
 
     if data.name != "chat":
         raise ConfigError("data", data.name, "fsdp-data show renders chat data", allowed="data=chat")
     render, _ = renderer(data)
-    file = existing_files("data.path", data.path, JSONL_SUFFIXES, "chat")[0]
+    file = existing_files("data.path", data.path, RECORD_SUFFIXES, "chat")[0]
+    record, where = _record_at(file, line)
+    ids, mask = encode(render, conversation(record, where, "data.path", data), where, "data.path")
+    how = "generation markers" if render.markers else "rendered prefixes"
+    counts = f"{where}: {len(ids)} tokens, {sum(mask)} supervised ([[...]], found by {how})"
+    return marked(render.tokenizer, ids, mask) + "\n\n" + counts
+
+
+def _record_at(file: Any, line: int) -> tuple[Any, str]:
+    """Line ``line`` of a JSON-lines file (row ``line`` of a Parquet or Arrow file), and where it is."""
+    import itertools
+
+    from fsdp_cli.data.tables import is_table, table_rows
+
+    if is_table(file):
+        rows = list(itertools.islice(table_rows(file, "data.path"), max(line, 1)))
+        if not 1 <= line <= len(rows):
+            raise ConfigError("--line", line, f"{file} has {len(rows)} rows", allowed=f"1..{len(rows)}")
+        return rows[-1][0], rows[-1][1]
     lines = file.read_text(encoding="utf-8-sig").splitlines()  # (a BOM: a file saved on Windows)
     if not 1 <= line <= len(lines):
         raise ConfigError("--line", line, f"{file} has {len(lines)} lines", allowed=f"1..{len(lines)}")
     where = f"{file}:{line}"
     try:
-        record = json.loads(lines[line - 1])
+        return json.loads(lines[line - 1]), where
     except ValueError:
         raise ConfigError("data.path", where, "not a JSON line", hint="one JSON object per line") from None
-    ids, mask = encode(render, conversation(record, where, "data.path", data), where, "data.path")
-    how = "generation markers" if render.markers else "rendered prefixes"
-    counts = f"{where}: {len(ids)} tokens, {sum(mask)} supervised ([[...]], found by {how})"
-    return marked(render.tokenizer, ids, mask) + "\n\n" + counts
 
 
 @quiet_on_closed_pipe

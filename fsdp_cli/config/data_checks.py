@@ -12,7 +12,7 @@ from __future__ import annotations
 from fsdp_cli.config.model_kinds import kind_of
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import DataModuleConfig, TrainConfig
-from fsdp_cli.data.files import JSONL_SUFFIXES, check_text_corpus, check_token_files, existing_files
+from fsdp_cli.data.files import RECORD_SUFFIXES, check_text_corpus, check_token_files, existing_files
 from fsdp_cli.dotted import check_dotted
 from fsdp_cli.errors import ConfigError
 
@@ -123,7 +123,7 @@ def check_data_path(run: ResolvedRun) -> None:
                 vocab_size=data.vocab_size,
             )
         elif data.name in ("jsonl", "chat"):
-            existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, data.name)
+            existing_files(f"data.{key}", getattr(data, key), RECORD_SUFFIXES, data.name)
 
 
 def check_validation_data(run: ResolvedRun) -> None:

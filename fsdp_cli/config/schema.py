@@ -652,7 +652,8 @@ class JsonlDataConfig(DataConfig):
 
     name: str = "jsonl"
     path: str | None = None
-    """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob."""
+    """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob; also Parquet files and a folder
+    Hugging Face ``datasets`` saved (``save_to_disk``), read row by row (``pip install ".[parquet]"``)."""
     field: str = "text"
     """The key of each line's object that holds the document text."""
     tokenizer: str | None = None
@@ -681,7 +682,8 @@ class ChatDataConfig(DataConfig):
 
     name: str = "chat"
     path: str | None = None
-    """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob."""
+    """A ``.jsonl`` file, a folder (its ``*.jsonl`` files) or a glob; also Parquet files and a folder
+    Hugging Face ``datasets`` saved (``save_to_disk``), read row by row (``pip install ".[parquet]"``)."""
     val_path: str | None = None
     """Held-out conversations for validation every ``trainer.val_check_interval`` steps (same masking)."""
     tokenizer: str | None = "${oc.select:model.path,null}"

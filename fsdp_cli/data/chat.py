@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from fsdp_cli.data.chat_template import ROLES, ChatRenderer, NotPrefixStable, chat_template, load_tokenizer
-from fsdp_cli.data.files import JSONL_SUFFIXES, existing_files
+from fsdp_cli.data.files import RECORD_SUFFIXES, existing_files
 from fsdp_cli.data.packing import Layout, plan_sequences, supervised_prefix
+from fsdp_cli.data.tables import is_table, table_rows
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.rundir.files import check_writable_folder, write_atomically
 
@@ -142,10 +143,14 @@ def check_messages(messages: Any, where: str, key: str, field: str) -> None:
 
 
 def records(files: list[Path], key: str) -> Iterator[tuple[Any, str, int]]:
-    """(parsed JSON, ``file:line``, bytes read) of every non-blank line. A file saved on Windows
+    """(parsed JSON, ``file:line``, bytes read) of every non-blank line (of every row of a Parquet or
+    Arrow file: ``file:row N``). A file saved on Windows
     reads as any other: a byte-order mark before its first line is dropped (``utf-8-sig``), and a
     line's ``\r\n`` is whitespace to JSON."""
     for file in files:
+        if is_table(file):  # Parquet, a datasets folder's Arrow files: a row is a line's object
+            yield from table_rows(file, key)
+            continue
         with open(file, "rb") as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
@@ -200,7 +205,7 @@ def encode(
 
 def cache_folder(data: Any, key: str, template: str) -> Path:
     """Where the tokens of ``data.<key>`` are cached (it may not exist yet)."""
-    files = existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "chat")
+    files = existing_files(f"data.{key}", getattr(data, key), RECORD_SUFFIXES, "chat")
     digest = hashlib.sha256()
     for file in files:
         stat = file.stat()
@@ -318,7 +323,7 @@ def _wait_for(folder: Path) -> None:
 def _tokenize(data: Any, key: str, render: ChatRenderer, out: Path) -> None:
     """Write the arrays into ``<out>.<pid>.partial/`` (flushed), then rename the folder: whatever
     stops it (a bad line, a full disk, Ctrl-C), nothing half-written stays."""
-    files = existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "chat")
+    files = existing_files(f"data.{key}", getattr(data, key), RECORD_SUFFIXES, "chat")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     try:

@@ -7,12 +7,15 @@ the ranks read the same files through the same functions.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import math
 import os
 import sysconfig
 from pathlib import Path
 
+from fsdp_cli.data.tables import check_not_splits, is_table
 from fsdp_cli.errors import ConfigError
+from fsdp_cli.extras import install_hint
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 """What ``data=text`` reads from a folder."""
@@ -20,7 +23,9 @@ HELD_OUT_FRACTION = 0.05
 """The tail of a text corpus kept for validation."""
 TOKEN_SUFFIXES = (".bin",)
 """What ``data=tokens`` reads from a folder."""
-JSONL_SUFFIXES = (".jsonl",)
+RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+"""What ``data=jsonl`` and ``data=chat`` read: JSON lines, Parquet, a ``datasets`` folder's Arrow files
+(:mod:`fsdp_cli.data.tables`)."""
 """What ``data=jsonl`` reads from a folder."""
 ITEM_SIZES = {"uint16": 2, "uint32": 4}
 MAX_SCANNED_TOKENS = 1 << 28
@@ -48,6 +53,8 @@ def existing_files(key: str, path: str | None, suffixes: tuple[str, ...], kind: 
     """The non-empty files ``path`` names; a :class:`ConfigError` on ``key`` if there are none or one is empty."""
     if not path:
         raise ConfigError(key, None, f"data={kind} needs files to read", hint=f"{key}=GLOB")
+    if os.path.isdir(path) and ".arrow" in suffixes:
+        check_not_splits(key, path)
     files = matching_files(path, suffixes)
     if not files:
         wanted = "/".join(f"*{s}" for s in suffixes)
@@ -57,6 +64,11 @@ def existing_files(key: str, path: str | None, suffixes: tuple[str, ...], kind: 
     empty = [f for f in files if f.stat().st_size == 0]
     if empty:
         raise ConfigError(key, path, f"{empty[0]} is empty", hint="remove empty files from the glob")
+    tables = [f for f in files if is_table(f)]
+    if tables and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(
+            key, str(tables[0]), "reading Parquet and Arrow files needs pyarrow", hint=install_hint("parquet")
+        )
     return files
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_cli.data.files import JSONL_SUFFIXES, check_enough_tokens, existing_files
+from fsdp_cli.data.files import RECORD_SUFFIXES, check_enough_tokens, existing_files
+from fsdp_cli.data.tables import is_table, table_rows
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.extras import install_hint
 from fsdp_cli.rundir.files import check_writable_folder, write_atomically
@@ -141,7 +142,7 @@ def _encoder(spec: TokenizerSpec) -> Encoder:
 
 def cache_file(data: Any, key: str, spec: TokenizerSpec) -> Path:
     """Where the tokens of ``data.<key>`` (``path`` or ``val_path``) are cached (it may not exist yet)."""
-    files = existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
+    files = existing_files(f"data.{key}", getattr(data, key), RECORD_SUFFIXES, "jsonl")
     digest = hashlib.sha256()
     for file in files:
         stat = file.stat()
@@ -204,7 +205,7 @@ def _wait_for(path: Path) -> None:
 def _tokenize(data: Any, key: str, spec: TokenizerSpec, out: Path) -> None:
     """Write the tokens under a name of this process (``<out>.<pid>.partial``), then its description
     and the rename: whatever stops it (a bad line, a full disk, Ctrl-C), nothing half-written stays."""
-    files = existing_files(f"data.{key}", getattr(data, key), JSONL_SUFFIXES, "jsonl")
+    files = existing_files(f"data.{key}", getattr(data, key), RECORD_SUFFIXES, "jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     try:
@@ -263,16 +264,26 @@ def _batches(files: list[Path], field: str, key: str) -> Iterator[tuple[list[str
     texts: list[str] = []
     size = 0
     for file in files:
-        with open(file, "rb") as lines:
-            for number, line in enumerate(lines, start=1):
-                size += len(line)
-                if line.strip():
-                    texts.append(_document(line, file, number, field, key))
-                if size >= BATCH_BYTES:
-                    yield texts, size
-                    texts, size = [], 0
+        for text, nbytes in _documents(file, field, key):
+            size += nbytes
+            if text is not None:
+                texts.append(text)
+            if size >= BATCH_BYTES:
+                yield texts, size
+                texts, size = [], 0
     if texts or size:
         yield texts, size
+
+
+def _documents(file: Path, field: str, key: str) -> Iterator[tuple[str | None, int]]:
+    """(document text, bytes of input) of each line (None: a blank one) or Parquet/Arrow row."""
+    if is_table(file):
+        for record, where, nbytes in table_rows(file, key):
+            yield _text_of(record, where, field), nbytes
+        return
+    with open(file, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            yield (_document(line, file, number, field, key) if line.strip() else None), len(line)
 
 
 def _document(line: bytes, file: Path, number: int, field: str, key: str) -> str:
@@ -291,13 +302,17 @@ def _document(line: bytes, file: Path, number: int, field: str, key: str) -> str
         raise ConfigError(
             key, f"{file}:{number}", "not a JSON line", hint="one JSON object per line"
         ) from None
+    return _text_of(record, f"{file}:{number}", field)
+
+
+def _text_of(record: Any, where: str, field: str) -> str:
     text = record.get(field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(
             "data.field",
             field,
-            f"{file}:{number} has no text under that key",
+            f"{where} has no text under that key",
             allowed=keys,
             hint="data.field=KEY names the key that holds each document",
         )
