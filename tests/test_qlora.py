@@ -248,11 +248,12 @@ def test_qlora_mistakes_are_one_line_before_launch(
 
 
 def test_the_plan_holds_the_quantized_weights_at_about_half_a_byte() -> None:
-    """The plan of a QLoRA run: the adapted weights at NF4's 0.5 + 1/64 + 4/16384 bytes each, the
-    rest (embeddings, norms, head, adapters) as LoRA's plan has them."""
+    """The plan of a QLoRA run: the adapted weights at NF4's 0.5 + 1/64 + 4/16384 bytes each (and
+    each weight's code table and scale mean), the rest (embeddings, norms, head, adapters) as
+    LoRA's plan has them. (test_recipes holds the plan to the rehearsal's bytes, to the byte.)"""
     from fsdp_cli.config.resolved import ResolvedRun
     from fsdp_cli.launch.layout import resolve_layout
-    from fsdp_cli.parallel.nf4 import bytes_per_element
+    from fsdp_cli.parallel.nf4 import bytes_per_element, nf4_constant_bytes
     from fsdp_cli.plan.check import plan_for
 
     def params(*peft: str) -> int:
@@ -261,7 +262,7 @@ def test_the_plan_holds_the_quantized_weights_at_about_half_a_byte() -> None:
         return plan.peak.params
 
     quantized = 2 * (4 * 256 * 256 + 3 * 256 * 512) // 2  # per rank of 2
-    saved = quantized * 4 - round(quantized * bytes_per_element(4))
+    saved = quantized * 4 - round(quantized * bytes_per_element(4)) - 14 * nf4_constant_bytes(4)
     assert params("peft=lora") - params("peft=qlora") == pytest.approx(saved, abs=64)
 
 
@@ -282,3 +283,30 @@ def test_a_weight_written_whole_holds_the_bits_of_the_whole_tensors_quantization
         param.get_original_weight(), nf4_round_trip(weight, torch.float32), rtol=0, atol=0
     )
     assert (param.get_original_weight() - weight).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("pretrained", [True, False])
+def test_a_model_folders_base_is_the_nf4_round_trip_of_what_lora_starts_from(
+    tmp_path: Path, pretrained: bool
+) -> None:
+    """model=hf built as the ranks build it (meta, adapters, NF4, then filled): each base weight is
+    the NF4 round trip of the weight the same LoRA model gets, read from the folder or drawn fresh
+    by the model's own init (``model.pretrained=false``: drawn whole, then quantized)."""
+    from fsdp_cli.adapters.lora import apply_lora
+    from fsdp_cli.adapters.options import AdapterMethod, AdapterOptions, QuantizeBase
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+    from fsdp_cli.parallel.nf4 import is_quantized, nf4_round_trip
+
+    model_dir, _ = build_folder(tmp_path, hidden=256, layers=1, seq=16, windows=1)
+    built = {}
+    for quantize in (QuantizeBase.none, QuantizeBase.nf4):
+        model = build_hf_model(HFModelArgs(path=str(model_dir), pretrained=pretrained), seed=3)
+        apply_lora(model, AdapterOptions(name=AdapterMethod.lora, quantize_base=quantize), seed=3)
+        model.materialize("cpu")
+        built[quantize] = model.hf.model.layers[0].mlp.down_proj.base_layer.weight
+    plain, nf4 = built[QuantizeBase.none], built[QuantizeBase.nf4]
+    assert is_quantized(nf4) and not is_quantized(plain)
+    torch.testing.assert_close(
+        nf4.get_original_weight(), nf4_round_trip(plain.detach(), torch.float32), rtol=0, atol=0
+    )

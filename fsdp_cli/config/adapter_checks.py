@@ -53,8 +53,8 @@ def check_adapters(run: ResolvedRun) -> None:
 
 def check_quantized_base(run: ResolvedRun) -> None:
     """``peft.quantize_base=nf4`` (QLoRA): torchao installed; the base weights come from the
-    model's own (quantized as they are read): no checkpoint of a full fine-tune to start from, no
-    base in the checkpoints. The strategy and the parallel dimensions are the composition table's
+    model's own (quantized as they are read or drawn): no checkpoint of a full fine-tune to start
+    from, no base in the checkpoints. The strategy and the parallel dimensions are the composition table's
     (qlora's row; FSDP2 refuses float64 anyway)."""
     cfg = run.cfg
     value = cfg.peft.quantize_base.value
@@ -72,13 +72,6 @@ def check_quantized_base(run: ResolvedRun) -> None:
             True,
             "a 4-bit base is rebuilt from the model's own weights; checkpoints hold the adapters",
             allowed="false with peft.quantize_base=nf4",
-        )
-    if not getattr(cfg.model, "pretrained", True):
-        raise ConfigError(
-            key,
-            value,
-            "quantizes the model's pretrained weights, and model.pretrained=false has none",
-            hint="model.pretrained=true, or peft=lora to train adapters over a fresh base",
         )
     if cfg.start_from:
         raise ConfigError(

@@ -247,9 +247,36 @@ class WeightFiller:
                 if id(module) in ids and id(module) in self.owners:
                     torch.manual_seed(module_seed(self.source.seed, self.names.get(id(module), "")))
                     fresh = _fresh_padding_row(module)
-                    initialize_module(self.owners[id(module)], module, custom_code=self.custom_code)
+                    with _nf4_drawn_whole(module):
+                        initialize_module(self.owners[id(module)], module, custom_code=self.custom_code)
                     if fresh:
                         _zero_padding_row(module)
+
+
+@contextlib.contextmanager
+def _nf4_drawn_whole(module: nn.Module) -> Iterator[None]:
+    """A fresh init of a QLoRA base layer: its NF4 weight (not loaded, so not marked) is drawn as a
+    plain full tensor by the model's own init, then quantized whole and this rank's rows kept."""
+    from fsdp_cli.compat.transformers_internals import INIT_FLAG
+    from fsdp_cli.parallel.nf4 import is_quantized, write_full
+
+    swapped = {
+        name: param
+        for name, param in module.named_parameters(recurse=False)
+        if is_quantized(param) and not getattr(param, INIT_FLAG, False)
+    }
+    for name, param in swapped.items():
+        setattr(
+            module,
+            name,
+            nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype), requires_grad=False),
+        )
+    try:
+        yield
+    finally:
+        for name, param in swapped.items():
+            write_full(param, getattr(module, name).detach())
+            setattr(module, name, param)
 
 
 def _fresh_padding_row(module: nn.Module) -> bool:

@@ -46,6 +46,12 @@ def bytes_per_element(dtype_bytes: int) -> float:
     return 0.5 + 1 / BLOCK + dtype_bytes / UNIT
 
 
+def nf4_constant_bytes(dtype_bytes: int) -> int:
+    """What each NF4 weight (each rank's shard of one) holds besides its data: the 16-value code
+    table and the whole tensor's scale mean, in the weight's dtype."""
+    return (16 + 1) * dtype_bytes
+
+
 def is_quantized(tensor: Any) -> bool:
     """Whether ``tensor`` (a parameter, a DTensor or a plain tensor) holds NF4 data."""
     from fsdp_cli.compat.torch_internals import dtensor_local_object

@@ -30,7 +30,7 @@ from fsdp_cli.adapters.options import AdapterDtype
 from fsdp_cli.config.resolved import ResolvedRun
 from fsdp_cli.config.schema import FSDPConfig, ShardingStrategy
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.parallel.nf4 import bytes_per_element
+from fsdp_cli.parallel.nf4 import bytes_per_element, nf4_constant_bytes
 from fsdp_cli.parallel.options import ActivationCheckpointing
 from fsdp_cli.parallel.shapes import ParamShape, chunk_sizes, expert_rows, tp_local_shape
 from fsdp_cli.pipeline.sizes import PipelineSizes
@@ -363,10 +363,12 @@ def _fsdp2_pipeline_rank(
     stored = stored_bytes(run, spec, dtypes)
     shapes = Counter((p.shape, p.tp_dim, p.trainable, stored(p), p.expert and layout.ep > 1) for p in params)
     cache: dict[tuple[int, int], RankMemory] = {}
+    constants = sum(p.quantized for p in params) * nf4_constant_bytes(dtypes.param)
 
     def memory(coordinate: tuple[int, int]) -> RankMemory:
         if coordinate not in cache:
             mem = _fsdp2_rank(shapes, layout.shard * layout.cp, layout.tp, coordinate, ep=layout.ep)
+            mem.params += constants  # (each NF4 weight's code table and scale mean, on every rank)
             cache[coordinate] = dataclasses.replace(mem, buffers=buffers, stages=stages)
         return cache[coordinate]
 
