@@ -60,15 +60,3 @@ def quantize_base(model: nn.Module, dtype: torch.dtype | None = None) -> int:
             layer.weight = nn.Parameter(to_nf4(weight, BLOCK, SCALER_BLOCK), requires_grad=False)
             count += 1
     return count
-
-
-@torch.no_grad()
-def dequantize(model: nn.Module) -> int:
-    """Put each NF4 base weight back as the full-precision weight it stands for (what the run
-    trained against: merging adapters into it, exporting it); returns how many."""
-    count = 0
-    for _, layer in base_layers(model):
-        if is_quantized(layer.weight):
-            layer.weight = nn.Parameter(layer.weight.get_original_weight(), requires_grad=False)
-            count += 1
-    return count
