@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.extras import install_hint
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 BATCH_ROWS = 1024
@@ -46,59 +45,49 @@ def check_not_splits(key: str, path: str) -> None:
     )
 
 
-def pyarrow_or_error(key: str, file: Path) -> Any:
-    try:
-        import pyarrow
-    except ImportError:
-        raise ConfigError(
-            key, str(file), "reading Parquet and Arrow files needs pyarrow", hint=install_hint("parquet")
-        ) from None
-    return pyarrow
-
-
 def table_rows(file: Path, key: str) -> Iterator[tuple[Any, str, int]]:
-    """(row as a dict, ``FILE:row N``, its share of the file's bytes) of every row of ``file``."""
-    share = file.stat().st_size
-    rows = _row_count(file, key)
-    each = share // max(1, rows)
+    """(row as a dict, ``FILE:row N``, its share of the file's bytes) of every row of ``file``, in
+    one pass. (pyarrow's presence was checked with the files: :func:`fsdp_cli.data.files.existing_files`.)"""
+    import pyarrow as pa
+
     number = 0
-    for batch in _batches(file, key):
-        for record in batch.to_pylist():
-            number += 1
-            yield record, f"{file}:row {number}", each
-
-
-def _batches(file: Path, key: str) -> Iterator[Any]:
-    pa = pyarrow_or_error(key, file)
     try:
-        if file.suffix == ".parquet":
-            import pyarrow.parquet as pq
+        for batch, nbytes in _batches(pa, file):
+            records = batch.to_pylist()
+            for i, record in enumerate(records):
+                number += 1
+                last = i == len(records) - 1
+                yield (
+                    record,
+                    f"{file}:row {number}",
+                    nbytes // len(records) + (nbytes % len(records) if last else 0),
+                )
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ConfigError(key, str(file), f"not a readable {file.suffix[1:]} file ({err})") from None
 
-            yield from pq.ParquetFile(str(file)).iter_batches(batch_size=BATCH_ROWS)
+
+def _batches(pa: Any, file: Path) -> Iterator[tuple[Any, int]]:
+    """Record batches, each with the bytes of the file it came from (about: a Parquet file's
+    share by rows, from its footer; an Arrow stream's, by the position read up to)."""
+    size = file.stat().st_size
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(str(file))
+        rows = max(1, parquet.metadata.num_rows)
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS):
+            yield batch, size * batch.num_rows // rows
+        return
+    with pa.memory_map(str(file)) as source:
+        try:
+            stream = pa.ipc.open_stream(source)  # what ``datasets`` writes
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = pa.ipc.open_file(source)  # an Arrow IPC file
+            for index in range(reader.num_record_batches):
+                yield reader.get_batch(index), size // max(1, reader.num_record_batches)
             return
-        with pa.memory_map(str(file)) as source:
-            yield from _arrow_reader(pa, source)
-    except (pa.ArrowInvalid, OSError) as err:
-        raise ConfigError(key, str(file), f"not a readable {file.suffix[1:]} file ({err})") from None
-
-
-def _arrow_reader(pa: Any, source: Any) -> Any:
-    """An Arrow IPC stream (what ``datasets`` writes), else an Arrow IPC file."""
-    try:
-        return pa.ipc.open_stream(source)
-    except pa.ArrowInvalid:
-        source.seek(0)
-        return pa.ipc.open_file(source)
-
-
-def _row_count(file: Path, key: str) -> int:
-    pa = pyarrow_or_error(key, file)
-    try:
-        if file.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return int(pq.ParquetFile(str(file)).metadata.num_rows)
-        with pa.memory_map(str(file)) as source:
-            return sum(batch.num_rows for batch in _arrow_reader(pa, source))
-    except (pa.ArrowInvalid, OSError) as err:
-        raise ConfigError(key, str(file), f"not a readable {file.suffix[1:]} file ({err})") from None
+        read = source.tell()
+        for batch in stream:
+            yield batch, source.tell() - read
+            read = source.tell()
