@@ -271,12 +271,15 @@ def _nf4_drawn_whole(module: nn.Module) -> Iterator[None]:
             name,
             nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype), requires_grad=False),
         )
+    drawn = {}
     try:
         yield
+        drawn = {name: getattr(module, name).detach() for name in swapped}
     finally:
         for name, param in swapped.items():
-            write_full(param, getattr(module, name).detach())
             setattr(module, name, param)
+    for name, full in drawn.items():  # (not after an init that failed: the error is what counts)
+        write_full(swapped[name], full)
 
 
 def _fresh_padding_row(module: nn.Module) -> bool:
