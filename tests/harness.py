@@ -1,7 +1,8 @@
 """The one way tests start processes: ``fsdp-train`` (or any command) started as a user would,
 with its output in files, and everything it started killed when the test ends.
 
-A job is found by three marks, any of which is enough:
+A job is found by three marks, any of which is enough (the second and third only for a process
+that carries no job's variable: one exiting reads an empty environment):
 
 * an environment variable naming the job (``FSDP_CLI_TEST_JOB``), which every process it starts
   inherits: torch's agent, the ranks (torch starts each in a session of its own), their
@@ -153,10 +154,14 @@ class Job:
         sessions = {self.proc.pid, *self._recorded_sessions()}
         sessions |= {p.sid for p in table if p.tag == self.tag}
         named = str(self.run_dir) if self.run_dir is not None else None
+        # The other marks never take a process that carries another job's tag: pids are recycled
+        # (pid_max is 32,768 here, and every thread takes one), so a recorded rank's pid, long
+        # dead, can lead the session of another test's job started since.
         return [
             p.pid
             for p in table
-            if p.tag == self.tag or p.sid in sessions or (named is not None and named in p.cmdline)
+            if p.tag == self.tag
+            or (p.tag is None and (p.sid in sessions or (named is not None and named in p.cmdline)))
         ]
 
     def _recorded_sessions(self) -> set[int]:

@@ -49,3 +49,23 @@ def test_no_cuda_device_means_skip_and_a_broken_install_fails_loudly(monkeypatch
     assert gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0  # GPUs hidden on purpose
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert gpu_count({}) == 2
+
+
+@pytest.mark.distributed
+def test_killing_a_job_spares_another_jobs_process_that_took_a_recorded_pid(tmp_path: Path) -> None:
+    """Pids are recycled: a rank recorded in a heartbeat file, long dead, may share its pid with
+    the session leader of another test's job started since. Killing the first job spares it."""
+    from fsdp_cli.rundir.heartbeat import Heartbeat
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    other = start(sleep)  # a session leader: its sid is its pid
+    run_dir = tmp_path / "run"
+    Heartbeat(run_dir, rank=0, local_rank=0)
+    beat = run_dir / ".heartbeat" / "rank0"
+    header, rest = beat.read_text().split("\n", 1)
+    beat.write_text(header.replace(f'"pid": {os.getpid()}', f'"pid": {other.pid}') + "\n" + rest)
+    mine = start([*sleep, str(run_dir)], run_dir=run_dir)
+    assert other.pid not in mine.processes() and mine.pid in mine.processes()
+    mine.kill()
+    assert other.poll() is None and mine.poll() is not None
+    other.kill()
