@@ -33,6 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SEAMS = Path(__file__).resolve().parent / "seams"
 """The fault-injection seam a job loads when a test hands it FSDP_CLI_TEST_PAUSE_* variables."""
+JOB_LOG = "FSDP_CLI_TEST_JOB_LOG"
+"""A file each job appends a line to as it is closed (seconds from start to close, the test, the
+command): set it to see where the suite's time goes."""
 TAG = "FSDP_CLI_TEST_JOB"
 """The environment variable every process of a job inherits: its value names the job."""
 ENTRY_MODULES = {
@@ -109,6 +112,8 @@ class Job:
             self._remove_logs()
             raise
         self.args = cmd
+        self._started = time.monotonic()
+        self._ended: float | None = None
 
     # ------------------------------------------------------------------ as a Popen
 
@@ -136,6 +141,7 @@ class Job:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+        self._ended = time.monotonic()
         return self.output()
 
     def output(self) -> tuple[str, str]:
@@ -201,6 +207,12 @@ class Job:
     def close(self) -> None:
         self.kill()
         self._remove_logs()
+        log = os.environ.get(JOB_LOG)
+        if log:  # one line per job: what the suite's time is spent on
+            with open(log, "a") as f:
+                f.write(
+                    f"{(self._ended or time.monotonic()) - self._started:8.2f} {os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} {' '.join(self.args[1:])[:300]}\n"
+                )
 
     def _remove_logs(self) -> None:
         for name in ("stdout", "stderr"):
