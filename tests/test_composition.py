@@ -95,10 +95,10 @@ def test_a_refused_pair_is_one_line_naming_both_keys_before_launch(
 
 
 def test_a_pair_the_table_refuses_is_refused_by_the_table(files: dict[str, str], tmp_path: Path) -> None:
-    """tp x peft=lora is the table's own refusal: its words are the cell's."""
-    found = CELLS[composition.pair("tp", "lora")]
+    """tp x peft=qlora is the table's own refusal: its words are the cell's."""
+    found = CELLS[composition.pair("tp", "qlora")]
     assert isinstance(found, Refused) and found.check == composition.CHECK
-    result = cli_in_process(["accelerator=cpu", "devices=2", "tp=2", "peft=lora"], tmp_path / "run", env=CPU)
+    result = cli_in_process(["accelerator=cpu", "devices=2", "tp=2", "peft=qlora"], tmp_path / "run", env=CPU)
     assert result.returncode == 2 and found.reason in result.stderr, result.stderr
 
 

@@ -28,26 +28,33 @@ def check(nproc: int, *args: str) -> list[dict[str, Any]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("nproc", "layouts", "ways"),
+    ("nproc", "layouts", "ways", "lora"),
     [
-        (2, ["cp2"], "right,local_positions,shift_per_slice"),
-        (4, ["cp2xdp2", "cp2xtp2"], "right,sequence_parallel"),
+        (2, ["cp2"], "right,local_positions,shift_per_slice", "tp2"),
+        (4, ["cp2xdp2", "cp2xtp2"], "right,sequence_parallel", "cp2xtp2"),
     ],
     ids=["cp2", "cp2xdp2_and_cp2xtp2"],
 )
 def test_context_parallel_equals_one_process_in_float64(
-    nproc: int, layouts: list[str], ways: str, tmp_path: Path
+    nproc: int, layouts: list[str], ways: str, lora: str, tmp_path: Path
 ) -> None:
     """8 SGD steps of the built-in Llama in float64 (grouped-query attention: 2 key/value heads
     for 4 query heads), unpacked and packed: losses and whole gradients equal one process's
     (1e-10); each slice's positions counted from 0, or labels shifted inside each slice, move the
     gradients (by far more than 1e-3): the test sees either trap. The same for a Hugging Face
     LlamaForCausalLM in float32 (1e-5; its gradients over the first 3 steps; its attention
-    through transformers' registry)."""
+    through transformers' registry). In the same processes, LoRA under tensor parallel (tp=2, and
+    cp=2 x tp=2; with and without sequence parallel): the losses and the adapters' gradients
+    equal one process's (1e-10) (a frozen weight that trains moves the losses: seen, torch's
+    SequenceParallel thawing the frozen norms)."""
     from test_pipeline import hf_folder
 
     rows = check(
-        nproc, f"--layouts={','.join(layouts)}", f"--ways={ways}", f"--hf-folder={hf_folder(tmp_path)}"
+        nproc,
+        f"--layouts={','.join(layouts)}",
+        f"--ways={ways}",
+        f"--hf-folder={hf_folder(tmp_path)}",
+        f"--lora-layouts={lora}",
     )
     expected = {
         (layout, "llama", w, p)
@@ -57,6 +64,7 @@ def test_context_parallel_equals_one_process_in_float64(
         if w != "sequence_parallel" or layout == "cp2xtp2"
     }
     expected |= {(layout, "hf", "right", p) for layout in layouts for p in (False, True)}
+    expected |= {(lora, "llama_lora", w, p) for w in ("right", "sequence_parallel") for p in (False, True)}
     assert {(r["layout"], r["model"], r["way"], r["packed"]) for r in rows} == expected, rows
     for row in rows:
         if row["model"] == "hf":

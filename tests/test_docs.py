@@ -55,9 +55,21 @@ def test_the_readme_configuration_table_is_generated_from_the_schemas() -> None:
     """The README's table of groups, options and top-level keys is the schemas' and the YAML
     files' (it once stopped four features short): every group option and top-level key appears."""
     text = (REPO / "README.md").read_text()
-    assert text == reference.readme_with_table(text), f"README.md's table is stale: run `{reference.README_COMMAND}`"
+    assert text == reference.readme_with_table(text), (
+        f"README.md's table is stale: run `{reference.README_COMMAND}`"
+    )
     table = text[text.index(reference.README_START) : text.index(reference.README_END)]
-    for needle in ("`pp`", "`cp`", "`ep`", "`peft`", "`lora`", "`chat`", "`datamodule`", "`pipeline.*`", "`chat_lora_cpu`"):
+    for needle in (
+        "`pp`",
+        "`cp`",
+        "`ep`",
+        "`peft`",
+        "`lora`",
+        "`chat`",
+        "`datamodule`",
+        "`pipeline.*`",
+        "`chat_lora_cpu`",
+    ):
         assert needle in table, needle
 
 

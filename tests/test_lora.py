@@ -39,8 +39,7 @@ def lora_llama(options: AdapterOptions = LORA, seed: int = 3) -> Llama:
         (["peft.r=0"], "peft.r=0", ["at least 1"]),
         (["peft.r=200"], "peft.r=200", ["exceeds layer", "1..128"]),
         (["peft.trainable=[xyz]"], "peft.trainable=xyz", ["matches no module"]),
-        (["tp=2"], "tp=2", ["not with peft=lora", "adapters are not sharded", "tp=1"]),
-        (["pp=2"], "pp=2", ["not with peft=lora", "adapters are not sharded", "pp=1"]),
+        (["tp=2", "peft=qlora"], "tp > 1", ["NF4 base is sharded by FSDP2 alone", "tp=1"]),
         (["strategy=model_parallel", *LM], "strategy=model_parallel", ["peft=lora needs fsdp-train"]),
         (LM, "peft=lora", ["builds its layers in its own configure_model"]),
         (["strategy=fsdp", "devices=1"], "strategy.use_orig_params", ["unsharded FSDP1"]),
@@ -208,6 +207,29 @@ def test_the_plan_of_fp32_adapters_over_a_bf16_base_equals_the_rehearsal(strateg
     assert held["float32"].params - held["same"].params == held["same"].grads
 
 
+@pytest.mark.parametrize(
+    "layout", [["tp=2", "strategy.sequence_parallel=true"], ["pp=2"]], ids=["tp2", "pp2"]
+)
+def test_the_plan_of_lora_under_tp_and_pp_equals_the_rehearsal(layout: list[str]) -> None:
+    """Each rank's parameters, gradients and optimizer state: adapters laid out as the layers they
+    wrap (tp), or in the stage holding their layer (pp); the norms train."""
+    from fsdp_cli.plan.check import model_spec
+    from fsdp_cli.plan.memory import plan_memory
+    from fsdp_cli.plan.rehearsal import rehearse
+
+    args = ["strategy=fsdp2", "devices=2", "peft=lora", "peft.r=4", "precision=bf16-true", *layout]
+    run = run_of(composed(*args, "peft.trainable=[norms]"))
+    plans = plan_memory(run, model_spec(run)).ranks
+    for rank in (0, 1):
+        rehearsed = rehearse(run, rank, step=False).held_bytes
+        planned = plans[rank]
+        assert (planned.params, planned.grads, planned.optimizer) == (
+            rehearsed.params,
+            rehearsed.grads,
+            rehearsed.optimizer,
+        ), rank
+
+
 def test_fsdp1_units_of_a_bf16_true_lora_run_compute_and_reduce_in_their_own_dtype() -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -243,6 +265,9 @@ LAYOUTS = {
     "fsdp2": ["strategy=fsdp2", "devices=2", "peft.save_base=true"],
     "fsdp": ["strategy=fsdp", "devices=2"],
     "ddp": ["strategy=ddp", "devices=2"],
+    # Adapters laid out as the layers they wrap; and in the stages that hold their layers.
+    "tp": ["strategy=fsdp2", "devices=2", "tp=2", "strategy.sequence_parallel=true"],
+    "pp": ["strategy=fsdp2", "devices=2", "pp=2"],
 }
 
 
@@ -273,9 +298,11 @@ def _config(run: Path) -> Any:
 
 @pytest.mark.distributed
 def test_lora_losses_equal_one_process_under_fsdp2_fsdp_and_ddp(lora_runs: dict[str, Path]) -> None:
+    """And under tensor and pipeline parallel (FSDP2 at tp=2, at pp=2): the adapters' gradients at
+    tp are the float64 check's (tests/context_parallel_check.py, llama_lora)."""
     reference = losses(lora_runs["single"])
     assert len(reference) == 8
-    for name in ("fsdp2", "fsdp", "ddp"):
+    for name in ("fsdp2", "fsdp", "ddp", "tp", "pp"):
         assert _relative_gap(reference, losses(lora_runs[name])) < 1e-5, name
 
 
@@ -295,6 +322,8 @@ def test_held_bytes_count_gradients_and_optimizer_state_of_the_adapters_only(
         "dtype": ["float32"],
         "frozen_dtype": ["float32"],
     }
+    # (torch's SequenceParallel thaws the norms it replicates: they stay frozen at tp=2)
+    assert read_summary(lora_runs["tp"])["setup"]["trainable"]["parameters"] == trainable
     ddp = setup["held_bytes"][0]
     assert ddp["grads"] == 4 * trainable and ddp["params"] == 4 * everything
     for name in ("fsdp2", "fsdp"):  # sharded over 2 ranks (+ padding)
@@ -349,6 +378,17 @@ def test_resume_is_exact_at_another_layout(lora_runs: dict[str, Path], tmp_path:
     run_dir = tmp_path / "resumed"
     ckpt = _ckpt(lora_runs["fsdp"], 4)
     assert_ok(run_cli(["strategy=fsdp2", "devices=2", *LORA_RUN, f"resume={ckpt}"], run_dir), run_dir)
+    assert _relative_gap(losses(lora_runs["single"])[4:], losses(run_dir)) < 1e-5
+
+
+@pytest.mark.distributed
+def test_a_pipelined_lora_checkpoint_resumes_under_ddp_on_one_process(
+    lora_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """pp=2's adapters-only save (each stage's adapters) read back whole by DDP, frozen base rebuilt."""
+    run_dir = tmp_path / "resumed"
+    ckpt = _ckpt(lora_runs["pp"], 4)
+    assert_ok(run_cli(["strategy=ddp", "devices=1", *LORA_RUN, f"resume={ckpt}"], run_dir), run_dir)
     assert _relative_gap(losses(lora_runs["single"])[4:], losses(run_dir)) < 1e-5
 
 
@@ -423,7 +463,8 @@ def test_peft_export_loads_in_peft_with_the_runs_logits(lora_runs: dict[str, Pat
     from peft import PeftModel
 
     out = tmp_path / "adapter"
-    result = run_cli(["convert", str(_ckpt(lora_runs["ddp"], 8)), str(out), "--to", "peft"], prog="fsdp-ckpt")
+    # (the tp=2 run's: adapters saved as DTensors over the tensor-parallel ranks, exported whole)
+    result = run_cli(["convert", str(_ckpt(lora_runs["tp"], 8)), str(out), "--to", "peft"], prog="fsdp-ckpt")
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     cfg = _config(lora_runs["ddp"])
@@ -436,7 +477,7 @@ def test_peft_export_loads_in_peft_with_the_runs_logits(lora_runs: dict[str, Pat
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs, base = (
-            _trained_model(lora_runs["ddp"])(ids),
+            _trained_model(lora_runs["tp"])(ids),
             loaded(ids),
             Llama(cfg.model, seed=cfg.seed)(ids),
         )

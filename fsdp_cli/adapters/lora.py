@@ -26,6 +26,7 @@ from fsdp_cli.adapters.dtype import widen
 from fsdp_cli.adapters.options import AdapterDtype, AdapterOptions, QuantizeBase
 from fsdp_cli.adapters.quantize import quantize_base
 from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
+from fsdp_cli.adapters.tensor_parallel import lora_tp_plan
 from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.names import canonical_name
 
@@ -62,6 +63,7 @@ def apply_lora(
         model.get_submodule(_module_path(model, name)).requires_grad_(True)
     if options.adapter_dtype is AdapterDtype.float32:
         widen(model)  # before the init below: adapters drawn and stored in fp32 over a 16-bit base
+    chain_tp_plan(model)
     if on_meta:
         chain_init(model, seed)
     else:
@@ -113,6 +115,19 @@ def chain_init(model: nn.Module, seed: int) -> None:
         init_adapters(model, seed, modules)
 
     model.init_weights = init_weights  # type: ignore[method-assign]
+
+
+def chain_tp_plan(model: nn.Module) -> None:
+    """Give ``model`` (if it has a tensor-parallel plan) one that lays out each adapter pair as
+    the layer it wraps (:func:`fsdp_cli.adapters.tensor_parallel.lora_tp_plan`)."""
+    own: Callable[..., Any] | None = getattr(model, "tp_plan", None)
+    if own is None:
+        return
+
+    def tp_plan(*, sequence_parallel: bool) -> dict[str, Any]:
+        return lora_tp_plan(model, own(sequence_parallel=sequence_parallel))
+
+    model.tp_plan = tp_plan  # type: ignore[method-assign]
 
 
 @torch.no_grad()

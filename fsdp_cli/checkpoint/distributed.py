@@ -263,7 +263,7 @@ class DistributedCheckpointing:
             self.model,
             state,
             options=StateDictOptions(
-                full_state_dict=True, strict=strict and not _frozen_missing(self.model, state)
+                full_state_dict=True, strict=strict and not _frozen_missing(self.lightning_module, state)
             ),
         )
 
@@ -365,7 +365,7 @@ class DistributedCheckpointing:
         # An adapters-only save: the frozen base keeps the values the run built (read in place
         # into the saved keys' tensors; the whole state set back, as FSDP1 requires every key).
         reading = model_state
-        if _frozen_missing(self.model, saved):
+        if _frozen_missing(self.lightning_module, saved):
             reading = {k: v for k, v in model_state.items() if k in saved}
         dcp_load({"state_dict": reading}, path)
         set_model_state_dict(self.model, model_state)
@@ -399,7 +399,9 @@ def trained_names(model: Any) -> list[str] | None:
 
 def _frozen_missing(model: Any, saved: Any) -> bool:
     """Whether ``saved`` (state-dict keys) lacks parameters of ``model``, all of them frozen: a
-    checkpoint written without them (``save_frozen=False``). Missing trainable ones stay an error."""
+    checkpoint written without them (``save_frozen=False``). Missing trainable ones stay an error.
+    ``model``: the LightningModule, whose names are the state dict's (DDP's wrapper adds
+    ``module.`` to every name: read through it, nothing would match)."""
     names = {canonical_name(n): p.requires_grad for n, p in model.named_parameters()}
     missing = set(names) - {canonical_name(k) for k in saved}
     return bool(missing) and not any(names[n] for n in missing)

@@ -1,5 +1,6 @@
 """torch internals: mesh flattening, DTensor shard offsets, the activation-checkpoint wrapper,
-FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point, dispatch modes (to see every
+FSDP1's zero-2 hybrid strategy, the ParallelStyle extension point and the layouts a column- or
+row-parallel style holds, dispatch modes (to see every
 random fill of a tensor), a module's set of non-persistent buffers, whether a module was
 compiled in place, a function applied to every parameter and buffer of a module (``_apply``,
 the path ``Module.to`` takes), DDP's keyword for per-forward buffer syncing (renamed in torch 2.13), the
@@ -29,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _python_dispatch
@@ -43,6 +44,13 @@ ENTRIES: list[tuple[Any, str]] = [
     (_ac_wrapper, "CheckpointWrapper"),
     (_FSDP1ShardingStrategy, "_HYBRID_SHARD_ZERO2"),
     (ParallelStyle, "_apply"),
+    # The layouts a column- or row-parallel style was given (LoRA's adapters follow their layer's:
+    # fsdp_cli.adapters.tensor_parallel): public attributes, undocumented.
+    *(
+        (style(), name)
+        for style in (ColwiseParallel, RowwiseParallel)
+        for name in ("input_layouts", "output_layouts", "use_local_output")
+    ),
     (_python_dispatch, "TorchDispatchMode"),
     (Module(), "_non_persistent_buffers_set"),
     (Module(), "_compiled_call_impl"),

@@ -332,7 +332,7 @@ EXPLICIT = _table(
         _test("test_pipeline.py::test_fsdp_train_pp2_equals_one_process_and_resumes_on_other_layouts"),
     ),
     (
-        "fsdp2:lora fsdp:lora ddp:lora builtin:lora",
+        "fsdp2:lora fsdp:lora ddp:lora builtin:lora tp:lora pp:lora",
         _test("test_lora.py::test_lora_losses_equal_one_process_under_fsdp2_fsdp_and_ddp"),
     ),
     (
@@ -400,15 +400,6 @@ EXPLICIT = _table(
         Refused(
             "needs a LightningModule that parallelizes itself",
             check="config.strategies.check_strategy",
-        ),
-    ),
-    (
-        "tp:lora pp:lora",
-        Refused(
-            "adapters are not sharded across tp or pp ranks (lora_A/lora_B would need the plan of the layer they wrap)",
-            hint="LoRA needs far less memory than full training: dp alone (FSDP2) usually fits",
-            allowed="tp=1 and pp=1 with peft=lora",
-            lead="tp,pp",
         ),
     ),
     (
@@ -569,7 +560,17 @@ EXPLICIT = _table(
             lead="qlora",
         ),
     ),
-    ("qlora:tp,pp,ep", Moot("peft=qlora is peft=lora over an NF4 base: refused as lora x tp, pp, ep")),
+    (
+        "qlora:tp,pp",
+        Refused(
+            "the NF4 base is sharded by FSDP2 alone: torchao's NF4 tensor has no tensor-parallel "
+            "layouts, and NF4 pipeline stages are not built",
+            allowed="tp=1 and pp=1 with peft=qlora",
+            hint="peft=qlora over data-parallel ranks, or peft=lora under tp or pp",
+            lead="qlora",
+        ),
+    ),
+    ("qlora:ep", Moot("peft=qlora is peft=lora over an NF4 base: refused as lora x ep")),
     # Cannot be asked for.
     ("ddp:hsdp,ac,compile,float8,offload", Moot(_NO_KEY.format("ddp"))),
     ("fsdp:compile,float8", Moot(_NO_KEY.format("fsdp"))),
