@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import run
+from conftest import cli_in_process, run
 
 SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "cfg_job_imports.txt"
 # Hydra composing (and the Hydra plugins installed beside it); nothing of torch's world.
@@ -54,3 +55,26 @@ def test_cfg_job_imports_only_what_composing_needs(tmp_path: Path) -> None:
     assert others <= PACKAGES, f"--cfg job imports {sorted(others - PACKAGES)}"
     heavy = sorted(m for m in modules if m.startswith(HEAVY_STDLIB))
     assert not heavy, f"--cfg job imports {heavy}"
+
+
+def test_cfg_job_converts_only_the_schemas_it_composes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored schema becomes a config when a composition loads it: 4 of the store's 15 for
+    ``--cfg job``, not every one whenever Hydra copies its repository (it does, once per
+    composition, since 1.3.8: some 40 ms of each config-only command)."""
+    from fsdp_cli.compat import hydra_internals
+
+    converted: list[str] = []
+    convert = hydra_internals._Unconverted.__deepcopy__
+
+    def counted(self: Any, memo: dict[int, Any]) -> Any:
+        result = convert(self, memo)
+        if result is not self:
+            converted.append(self.schema.__name__)
+        return result
+
+    monkeypatch.setattr(hydra_internals._Unconverted, "__deepcopy__", counted)
+    result = cli_in_process(["--cfg", "job"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(converted) == ["FSDP2Config", "LlamaConfig", "SyntheticDataConfig", "TrainConfig"]

@@ -263,7 +263,7 @@ class DistributedCheckpointing:
             self.model,
             state,
             options=StateDictOptions(
-                full_state_dict=True, strict=strict and not _frozen_missing(self.lightning_module, state)
+                full_state_dict=True, strict=strict and not _frozen_missing(self._unwrapped_model(), state)
             ),
         )
 
@@ -280,6 +280,11 @@ class DistributedCheckpointing:
     # ------------------------------------------------------------------ internals
 
     _optimizers_restored = False
+
+    def _unwrapped_model(self) -> Any:
+        """The module whose names are the state dict's: the LightningModule (DDP's wrapper adds
+        ``module.``), or the model a strategy was handed without one."""
+        return self.lightning_module if self.lightning_module is not None else self.model
 
     def _restore_optimizer_states(self, states: list[dict[str, Any]]) -> None:
         check_optimizer_count(len(self.optimizers), len(states))
@@ -365,7 +370,7 @@ class DistributedCheckpointing:
         # An adapters-only save: the frozen base keeps the values the run built (read in place
         # into the saved keys' tensors; the whole state set back, as FSDP1 requires every key).
         reading = model_state
-        if _frozen_missing(self.lightning_module, saved):
+        if _frozen_missing(self._unwrapped_model(), saved):
             reading = {k: v for k, v in model_state.items() if k in saved}
         dcp_load({"state_dict": reading}, path)
         set_model_state_dict(self.model, model_state)
