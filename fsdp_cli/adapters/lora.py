@@ -26,12 +26,9 @@ from fsdp_cli.adapters.dtype import widen
 from fsdp_cli.adapters.options import AdapterDtype, AdapterOptions, QuantizeBase
 from fsdp_cli.adapters.quantize import quantize_base
 from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
-from fsdp_cli.adapters.tensor_parallel import lora_tp_plan
+from fsdp_cli.adapters.tensor_parallel import ADAPTER, lora_tp_plan
 from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.names import canonical_name
-
-ADAPTER = "default"
-"""peft's adapter name: its parameters are ``...lora_A.default.weight``."""
 
 
 def lora_config(options: AdapterOptions, layers: list[str]) -> Any:

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
 
 ADAPTER = "default"
-"""peft's adapter name (as :data:`fsdp_cli.adapters.lora.ADAPTER`)."""
+"""peft's adapter name: its parameters are ``...lora_A.default.weight``."""
 
 
 def lora_tp_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
