@@ -18,14 +18,13 @@ each key naming a LoRA layer names its three parts instead.
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from fsdp_cli.parallel.tensor_parallel import ReplicateParallel
+from fsdp_cli.parallel.tensor_parallel import ReplicateParallel, plan_key_matches
 
 ADAPTER = "default"
 """peft's adapter name: its parameters are ``...lora_A.default.weight``."""
@@ -43,11 +42,11 @@ def lora_tp_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     parts: dict[str, Any] = {}
     for key, style in plan.items():
-        hits = [n for n in lora if _matches(key, n)]
+        hits = [n for n in lora if plan_key_matches(key, n)]
         if not hits:
             kept[key] = style
             continue
-        kept.update({n: style for n in names if _matches(key, n) and n not in hits})
+        kept.update({n: style for n in names if plan_key_matches(key, n) and n not in hits})
         for name in hits:
             parts.update(adapter_styles(name, style))
     # The parts win over what the plan said of them on its own (a catch-all that replicates every
@@ -73,9 +72,3 @@ def adapter_styles(name: str, style: Any) -> dict[str, Any]:
             "for column-parallel, row-parallel and replicated layers"
         )
     return {f"{name}.base_layer": style, f"{name}.lora_A.{ADAPTER}": a, f"{name}.lora_B.{ADAPTER}": b}
-
-
-def _matches(key: str, name: str) -> bool:
-    """``parallelize_module``'s rule: ``*`` matches one segment of the dotted name."""
-    pattern, parts = key.split("."), name.split(".")
-    return len(pattern) == len(parts) and all(fnmatchcase(n, p) for n, p in zip(parts, pattern))

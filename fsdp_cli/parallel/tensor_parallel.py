@@ -57,16 +57,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> Non
 
 
 def check_plan_names(model: nn.Module, plan: dict[str, Any]) -> None:
-    """Every key of ``plan`` names a module of ``model`` (``*`` matching one name segment, as in
-    ``parallelize_module``, which only warns about such a key and leaves the module whole)."""
-    names = [name.split(".") for name, _ in model.named_modules() if name]
+    """Every key of ``plan`` names a module of ``model`` (:func:`plan_key_matches`;
+    ``parallelize_module`` only warns about a key that names none and leaves the module whole)."""
+    names = [name for name, _ in model.named_modules() if name]
     for key in plan:
-        pattern = key.split(".")
-        if not any(
-            len(name) == len(pattern) and all(fnmatchcase(n, p) for n, p in zip(name, pattern))
-            for name in names
-        ):
-            close = get_close_matches(key, [".".join(n) for n in names], n=3)
+        if not any(plan_key_matches(key, name) for name in names):
+            close = get_close_matches(key, names, n=3)
             raise ConfigError(
                 "tensor-parallel plan",
                 key,
@@ -74,6 +70,12 @@ def check_plan_names(model: nn.Module, plan: dict[str, Any]) -> None:
                 allowed=", ".join(close) if close else None,
                 hint="correct the module names in the model's tp_plan() (or the parallelize_fn's plan)",
             )
+
+
+def plan_key_matches(key: str, name: str) -> bool:
+    """``parallelize_module``'s rule: a plan key names a module, ``*`` matching one segment."""
+    pattern, parts = key.split("."), name.split(".")
+    return len(pattern) == len(parts) and all(fnmatchcase(n, p) for n, p in zip(parts, pattern))
 
 
 def _aliases(model: nn.Module) -> list[tuple[str, str]]:
