@@ -3,6 +3,7 @@ function does what its caller needs, and pyproject's version bounds are the test
 
 from __future__ import annotations
 
+import sys
 import types
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from fsdp_cli.compat import (
     hydra_internals,
     installed_version,
     lightning_internals,
+    multiprocessing_internals,
     require,
     torch_internals,
     transformers_internals,
@@ -23,7 +25,13 @@ from fsdp_cli.compat import (
 
 ENTRIES = [
     (module.__name__.rsplit(".", 1)[-1], owner, name)
-    for module in (hydra_internals, lightning_internals, torch_internals, transformers_internals)
+    for module in (
+        hydra_internals,
+        lightning_internals,
+        multiprocessing_internals,
+        torch_internals,
+        transformers_internals,
+    )
     for owner, name in module.ENTRIES
 ]
 
@@ -37,6 +45,16 @@ def test_every_private_name_exists(library: str, owner: object, name: str) -> No
 
         owner = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert hasattr(owner, name), f"{library}: {owner!r} has no {name}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank server is forked on Linux only")
+def test_this_python_s_forkserver_is_one_the_agent_can_fork() -> None:
+    """The agent forks its rank server from itself where the stdlib's forkserver has the shape
+    it knows (else it spawns one, importing torch a second time): a Python before 3.14 that
+    changes it fails here, to be adapted on purpose (3.14 authenticates the server's clients)."""
+    if sys.version_info >= (3, 14):
+        pytest.skip("Python 3.14's forkserver authenticates its clients: the agent spawns its server")
+    assert multiprocessing_internals.can_fork_server()
 
 
 def test_a_missing_name_is_one_line_naming_the_version() -> None:

@@ -88,7 +88,8 @@ class RankStart(Enum):
     forkserver = "forkserver"
     """Each rank is forked from a server process the agent starts, which imports torch, Lightning
     and fsdp_cli once (torchrun's ``--start-method=forkserver``): the ranks skip those imports,
-    and are forked from a process that runs nothing else."""
+    and are forked from a process that runs nothing else. On Linux the agent forks the server
+    from itself once it has imported torch, so that torch is imported once per node."""
     subprocess = "subprocess"
     """Each rank is a new ``python -m fsdp_cli.worker`` that imports everything itself (torchrun's
     default for a module)."""
@@ -866,9 +867,9 @@ class LauncherConfig:
     too."""
     start_method: RankStart = RankStart.forkserver
     """How the agent starts a node's ranks: ``forkserver`` forks them from a server process that
-    imported torch, Lightning and fsdp_cli once, while the agent imports its own torch and meets
-    its peers (on 2 CPU cores a 2-rank run starts ~0.7 s sooner than with ``fork``, for ~0.8
-    CPU-seconds more); ``fork`` forks them from the agent itself, which imported them before it met
+    imported Lightning and fsdp_cli once (forked from the agent after its torch import, on Linux),
+    while the agent meets its peers (on 2 CPU cores a 2-rank run starts ~0.7 s sooner than with
+    ``fork``); ``fork`` forks them from the agent itself, which imported them before it met
     its peers (ranks that copy a process that has run the agent: on CPUs their steps' model work
     is 2.5-4% slower, with ~36 more page faults a step in the optimizer); ``subprocess`` starts
     each as a fresh Python that imports everything itself (on 2 CPU cores a 2-rank run starts ~2 s

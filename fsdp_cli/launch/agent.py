@@ -26,6 +26,7 @@ on the process objects torch's ``start_processes`` returned, which the agent kee
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import logging
 import os
@@ -301,14 +302,35 @@ def _report(err: ChildFailedError) -> int:
 
 def start_rank_server() -> None:
     """Start the forkserver that torch's agent forks ranks from (``--start-method=forkserver``), now:
-    it imports what a rank needs (:mod:`fsdp_cli.worker.preload`) while this agent imports torch
-    and meets its peers. It ends once the agent and every rank forked from it have ended (they
-    hold its pipe); the ranks end with the agent (:func:`~fsdp_cli.launch.environment.die_with_process`)."""
+    it imports what a rank needs (:mod:`fsdp_cli.worker.preload`) while this agent meets its
+    peers. Forked from this agent once it has imported torch (before any thread starts), so that
+    torch is imported once per node, not twice; spawned as a fresh interpreter where this Python's
+    forkserver cannot be stood in for (:mod:`fsdp_cli.compat.multiprocessing_internals`). It ends
+    once the agent and every rank forked from it have ended (they hold its pipe); the ranks end
+    with the agent (:func:`~fsdp_cli.launch.environment.die_with_process`)."""
     import multiprocessing
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload([PRELOAD_MODULE])
-    forkserver.ensure_running()
+    from fsdp_cli.compat.multiprocessing_internals import can_fork_server, fork_server
+
+    if can_fork_server():
+        import_torch()
+        fork_server([PRELOAD_MODULE])
+    else:
+        multiprocessing.set_forkserver_preload([PRELOAD_MODULE])
+        forkserver.ensure_running()
+
+
+def import_torch() -> None:
+    """torch, imported before the rank server is forked from this agent, so that the server starts
+    with it (the rest of what torch's agent imports comes after the fork, beside the server's own
+    imports). The collector is paused meanwhile: its passes over the objects the import makes
+    (which live as long as the process) are a tenth of the import's CPU."""
+    collecting = gc.isenabled()
+    gc.disable()
+    importlib.import_module("torch")
+    if collecting:
+        gc.enable()
 
 
 def main(argv: list[str]) -> int:
