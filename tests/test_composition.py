@@ -131,7 +131,14 @@ def _runs(files: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
         # scaled by a constant, the norms do not.
         "trainer.gradient_clip_val=1000000",
     ]
-    tiny = ["model=tiny", "model.vocab_size=64", "precision=bf16-mixed"]
+    # Tied embeddings (most small models tie them): the embedding on the first stage, the head on
+    # the last, one weight (its gradient summed between the two stages every step).
+    tiny = [
+        "model=tiny",
+        "model.vocab_size=64",
+        "precision=bf16-mixed",
+        "model.tie_embeddings=true",
+    ]
     fp32 = ["model=tiny", "model.vocab_size=64", "precision=32-true"]
     module = [
         "model=custom",
@@ -232,9 +239,11 @@ def test_the_composed_hf_run_resumes_at_another_layout(composed_runs: dict[str, 
 
 @pytest.mark.distributed
 def test_a_composed_pipeline_run_in_bf16_and_float8_equals_one_process(composed_runs: dict[str, Any]) -> None:
-    """pp=2 of the built-in model on packed chat data in bf16-mixed with float8, compile,
-    activation checkpointing, CPU offload and a full save: one eager bf16 float8 process's losses,
-    within bf16's tolerance."""
+    """pp=2 of the built-in model with tied embeddings on packed chat data in bf16-mixed with
+    float8, compile, activation checkpointing, CPU offload and a full save: one eager bf16 float8
+    process's losses, within bf16's tolerance. (Not its gradient norms: this run's second step
+    moves them by 2.5-8% between equivalent one-process runs, compiled or eager, with float8 or
+    without; the fp32 tied runs of test_pipeline.py compare them, to 1e-5.)"""
     assert (
         relative_gap(losses(composed_runs["pipeline"]), losses(composed_runs["pipeline_one"]))
         < BF16_TOLERANCE

@@ -58,11 +58,15 @@ SWEEP = REPO / "tests" / "pipeline_sweep.py"
             ["ignored by pipeline.cut=balanced", "explicit"],
         ),
         (["pp=2", "strategy.sequence_parallel=true", "tp=1"], "strategy.sequence_parallel", ["pp=2"]),
-        (["pp=2", "model.tie_embeddings=true"], "model.tie_embeddings=True", ["first stage", "false"]),
         (
-            ["pp=2", "model=hf", "model.path=TIED"],
+            ["pp=2", "model.tie_embeddings=true", "pipeline.schedule=ZBVZeroBubble"],
+            "model.tie_embeddings=True",
+            ["V schedule", "on one rank", "pipeline.schedule=Interleaved1F1B"],
+        ),
+        (
+            ["pp=2", "model=hf", "model.path=TIED", "model.pretrained=false"],
             "model.tie_embeddings=null (tied in config.json)",
-            ["first stage", "model.tie_embeddings=false"],
+            ["model.pretrained=false", "own module's init", "model.tie_embeddings=false"],
         ),
         (
             ["model=hf", "model.path=UNTIED", "model.tie_embeddings=true"],
@@ -309,6 +313,75 @@ def test_a_tied_hf_model_untied_on_purpose_trains_under_pp_as_one_process_and_ex
     for key, value in state.items():
         assert torch.equal(value, trained[f"model.hf.{key}"]), key
     assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+@pytest.mark.distributed
+def test_a_tied_hf_model_trains_under_pp_as_one_process_and_saves_one_weight(tmp_path: Path) -> None:
+    """A tied LlamaForCausalLM folder at pp=2 (the embedding on the first stage, the head on the
+    last, their gradients summed every step), saving one file: the losses and gradient norms of
+    one process over 4 steps; the file is laid out as the one process's (the tied weight under
+    both names, equal, the optimizer state once); fsdp-ckpt convert --to hf writes a tied folder
+    (one tensor) from_pretrained reads back bit for bit."""
+    from test_hf import save_llama
+    from transformers import AutoModelForCausalLM
+
+    folder = save_llama(tmp_path / "tied", tie=True)
+    args = ["recipe=cpu_pp", "model=hf", f"model.path={folder}", "trainer.max_steps=4"]
+    args += ["trainer.log_every_n_steps=1", "trainer.gradient_clip_val=1000000"]  # norms logged, none clipped
+    saves = ["checkpoint=full", "checkpoint.every_n_steps=4"]
+    for name, layout in (("run", []), ("one", ["pp=1", "devices=1"])):
+        result = run_cli([*args, *saves, *layout], tmp_path / name, env=CPU)
+        assert result.returncode == 0, result
+    piped, one = tmp_path / "run", tmp_path / "one"
+    assert len(losses(piped)) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses(piped), losses(one), strict=True)) < 1e-5
+    norms = [[row["grad_norm"] for row in read_metrics(d) if "grad_norm" in row] for d in (piped, one)]
+    assert len(norms[0]) == 4 and max(abs(a - b) / b for a, b in zip(*norms, strict=True)) < 1e-5, norms
+    saved = piped / "checkpoints" / "step_00000004.pt"
+    assert_a_pp1_full_file(saved, one / "checkpoints" / "step_00000004.pt")
+    trained = load(saved, weights_only_model=True).state_dict
+    assert torch.equal(trained["model.hf.lm_head.weight"], trained["model.hf.model.embed_tokens.weight"])
+    assert fsdp_ckpt("convert", str(saved), str(tmp_path / "out"), "--to", "hf") == 0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as exported:
+        assert "lm_head.weight" not in exported.keys() and "model.embed_tokens.weight" in exported.keys()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert reloaded.config.tie_word_embeddings is True
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, trained[f"model.hf.{key}"]), key
+
+
+@pytest.mark.distributed
+def test_a_tied_model_under_pp_equals_one_process_and_resumes_across_layouts(tmp_path: Path) -> None:
+    """The built-in model with tied embeddings at pp=2 under an interleaved schedule (4 stages:
+    the embedding on rank 0's first, the head on rank 1's last) against one process over 6 steps,
+    losses and gradient norms (a tied gradient not summed between the stages moves the norm at the
+    first step); the step-3 sharded saves continue exactly on the other layout: pp=2 -> one
+    process, one process -> pp=2 (the head's optimizer state read from the embedding's)."""
+    args = [
+        "recipe=cpu_pp",
+        "model.tie_embeddings=true",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=1",
+    ]
+    args += ["data.seq_len=32", "checkpoint.every_n_steps=3", "trainer.gradient_clip_val=1000000"]
+    layouts = {"pp2": ["pipeline.schedule=Interleaved1F1B"], "one": ["pp=1", "devices=1"]}
+    for name, layout in layouts.items():
+        result = run_cli([*args, *layout], tmp_path / name, env=CPU)
+        assert result.returncode == 0, result
+    gap = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))  # noqa: E731
+    norms = {n: [r["grad_norm"] for r in read_metrics(tmp_path / n) if "grad_norm" in r] for n in layouts}
+    straight = losses(tmp_path / "one")
+    assert len(straight) == 6 and gap(losses(tmp_path / "pp2"), straight) < 1e-5
+    assert len(norms["one"]) == 6 and gap(norms["pp2"], norms["one"]) < 1e-5, norms
+    for saved_by, resumed_at in (("pp2", "one"), ("one", "pp2")):
+        save = tmp_path / saved_by / "checkpoints" / "step_00000003"
+        run_dir = tmp_path / f"{saved_by}_to_{resumed_at}"
+        result = run_cli([*args, *layouts[resumed_at], f"resume={save}"], run_dir, env=CPU)
+        assert result.returncode == 0, result
+        assert gap(losses(run_dir), straight[3:]) < 1e-5, (saved_by, losses(run_dir), straight)
 
 
 def test_a_head_untied_on_purpose_starts_as_a_copy_of_the_embedding(tmp_path: Path) -> None:

@@ -265,6 +265,27 @@ def test_a_pp_rank_fake_steps_through_its_schedule_and_holds_the_planned_forward
     assert result.step["by_kind"]["activation"] > 0 and result.step["peak_bytes"] > 0
 
 
+def test_tied_float8_stages_hold_what_the_plan_says_and_convert_what_one_process_converts() -> None:
+    """A tied model at pp=2 with float8: the last stage's copy of the tied weight (the head) is in
+    the plan of that stage (plan = rehearsal on both ranks), and the two stages swap the linear
+    layers one process swaps, 28 of them (the first stage once kept its own last layer out, taking
+    it for the head)."""
+    from fsdp_cli.cli.plan import resolved
+    from fsdp_cli.plan.rehearsal import disagreements, rehearse
+
+    run = resolved(
+        ["recipe=cpu_pp", "model.tie_embeddings=true", "strategy.float8=true", "precision=bf16-mixed"], 2
+    )
+    plan = plan_for(run)
+    assert plan is not None
+    converted = 0
+    for rank in (0, 1):
+        result = rehearse(run, rank, step=False)
+        assert disagreements(result, plan) == [], rank
+        converted += result.float8_linears
+    assert converted == 4 * 7
+
+
 def test_the_plans_held_forwards_off_by_one_is_a_disagreement(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan counting one forward too many for 1F1B's first rank: the rehearsal's fake step
     disagrees, in one line naming both counts (fsdp-plan --rehearse then exits 1)."""

@@ -360,6 +360,11 @@ class DistributedCheckpointing:
             raise RunFailure(next(r for r in reports if r))
         phases.reached("after_rename", int(checkpoint.get("global_step", -1)) if plain else None)
 
+    def _optimizer_aliases(self) -> dict[str, str]:
+        """This rank's parameters whose optimizer state a checkpoint keeps under another name:
+        {name here: name saved} (a tied weight's copy on the last pipeline stage)."""
+        return {}
+
     def _load_sharded(self, path: Path, metadata: Any) -> dict[str, Any]:
         from fsdp_cli.checkpoint.format import torch_load
         from fsdp_cli.checkpoint.untrusted import dcp_load
@@ -374,14 +379,26 @@ class DistributedCheckpointing:
             reading = {k: v for k, v in model_state.items() if k in saved}
         dcp_load({"state_dict": reading}, path)
         set_model_state_dict(self.model, model_state)
+        aliases = self._optimizer_aliases()
         for index, optimizer in enumerate(map(_unwrap, self.optimizers)):
-            optim_state = get_optimizer_state_dict(self.model, optimizer)
-            dcp_load({"optimizer_states": {str(index): optim_state}}, path)
+            # Read under the names the checkpoint keeps them by (aliases), set under this rank's.
+            reading = renamed(get_optimizer_state_dict(self.model, optimizer), aliases)
+            dcp_load({"optimizer_states": {str(index): reading}}, path)
+            optim_state = renamed(reading, {saved: own for own, saved in aliases.items()})
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state)
         self._optimizers_restored = bool(self.optimizers)
         meta = torch_load(path / META_FILE, map_location="cpu")
         meta["optimizer_states"] = []  # restored above; tells Lightning the checkpoint has them
         return meta
+
+
+def renamed(state: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by name (``get_optimizer_state_dict``'s), with the parameters
+    of ``names`` under their new names (the same values: tensors loaded in place stay shared)."""
+    if not names:
+        return dict(state)
+    groups = [{**g, "params": [names.get(n, n) for n in g["params"]]} for g in state.get("param_groups", [])]
+    return {**state, "state": {names.get(n, n): v for n, v in state["state"].items()}, "param_groups": groups}
 
 
 def frozen_names(model: Any) -> set[str]:

@@ -362,7 +362,8 @@ EXPLICIT = _table(
     (
         "hf:pp",
         _test(
-            "test_pipeline.py::test_a_tied_hf_model_untied_on_purpose_trains_under_pp_as_one_process_and_exports_to_hf"
+            "test_pipeline.py::test_a_tied_hf_model_trains_under_pp_as_one_process_and_saves_one_weight",
+            "a tied LlamaForCausalLM folder: its embedding on the first stage, its head on the last",
         ),
     ),
     (

@@ -53,18 +53,12 @@ def _check_strategy_for_stages(cfg: TrainConfig) -> None:
 
 
 def _check_model_for_stages(run: ResolvedRun) -> None:
-    """The model's settings the stages cannot take: tied embeddings (its registry entry says),
+    """The model's settings the stages cannot take: tied embeddings where the first and last stage
+    would share a rank (V schedules) or a fresh Hugging Face init would draw the two copies apart,
     attention other than sdpa."""
     cfg = run.cfg
     if run.model_kind.tied_embeddings(cfg.model):
-        shown = getattr(cfg.model, "tie_embeddings", None)
-        raise ConfigError(
-            "model.tie_embeddings",
-            "null (tied in config.json)" if shown is None else shown,
-            f"the embedding sits on the first stage and the head on the last, pp={cfg.pp}: one weight cannot be both",
-            allowed="false with pp > 1",
-            hint="model.tie_embeddings=false (the head starts as a copy of the embedding and trains apart), or pp=1",
-        )
+        _check_tied_stages(cfg)
     attention = getattr(cfg.model, "attn_implementation", "sdpa")
     if attention != "sdpa":
         raise ConfigError(
@@ -73,4 +67,33 @@ def _check_model_for_stages(run: ResolvedRun) -> None:
             f"pipeline stages run the decoder layers without a mask (causal under sdpa), pp={cfg.pp}",
             allowed="sdpa with pp > 1",
             hint="model.attn_implementation=sdpa, or pp=1",
+        )
+
+
+def _check_tied_stages(cfg: TrainConfig) -> None:
+    """A tied embedding and head are one weight held twice, by the first stage and the last (its
+    gradient summed between them every step): not where one rank holds both stages (the V
+    schedules), nor from a fresh Hugging Face init (each copy would be drawn by its own module)."""
+    from fsdp_cli.pipeline.schedules import schedule_facts
+
+    shown = getattr(cfg.model, "tie_embeddings", None)
+    tied = "null (tied in config.json)" if shown is None else shown
+    facts = schedule_facts(cfg.pipeline.schedule)
+    if facts is not None and facts.v_shape:
+        raise ConfigError(
+            "model.tie_embeddings",
+            tied,
+            f"not with pipeline.schedule={cfg.pipeline.schedule}: a V schedule puts the first and the last stage "
+            "(the tied embedding and head) on one rank",
+            allowed="false with a V schedule",
+            hint="pipeline.schedule=Interleaved1F1B (or 1F1B, GPipe, LoopedBFS), or model.tie_embeddings=false",
+        )
+    if getattr(cfg.model, "pretrained", True) is False:
+        raise ConfigError(
+            "model.tie_embeddings",
+            tied,
+            f"not with model.pretrained=false and pp={cfg.pp}: the first and last stage would each draw "
+            "their copy of the tied weight with their own module's init",
+            allowed="false with model.pretrained=false and pp > 1",
+            hint="load the folder's weights (model.pretrained=true), or model.tie_embeddings=false, or pp=1",
         )

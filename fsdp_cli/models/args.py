@@ -41,7 +41,8 @@ class LlamaArgs:
     max_seq_len: int = field(default=2048, metadata=at_least(1))
     """Longest sequence the rotary tables cover (``data.seq_len`` may not exceed it)."""
     tie_embeddings: bool = False
-    """Share the input embedding with the output head (not with tp > 1)."""
+    """Share the input embedding with the output head (not with tp > 1; under pp the first and
+    last stage each hold it, their gradients summed every step)."""
     init_std: float = field(default=0.02, metadata=positive())
     """Standard deviation of the normal initialisation of weights."""
     n_experts: int = field(default=0, metadata=at_least(0))
@@ -101,9 +102,9 @@ class HFModelArgs:
     expert parallel it computes this rank's experts on the tokens routed to them."""
     tie_embeddings: bool | None = None
     """null: the head shares the input embedding's weight as ``config.json`` says
-    (``tie_word_embeddings``); false: untie a tied model on purpose, its head starting as a copy of
-    the embedding and training apart (pipeline parallel needs it: the two sit on different stages).
-    Exports then say ``tie_word_embeddings: false`` and hold the head."""
+    (``tie_word_embeddings``; under pp the first and last stage each hold it, their gradients
+    summed every step); false: untie a tied model on purpose, its head starting as a copy of the
+    embedding and training apart. Exports then say ``tie_word_embeddings: false`` and hold the head."""
 
 
 class Scheduler(Enum):

@@ -144,6 +144,9 @@ class HFCausalLM(TrainsBalanceLoss, nn.Module):
         from fsdp_cli.pipeline.stages import PipelineSplit
 
         inner = getattr(self.hf, "model", None)
+        tied = self.hf.get_output_embeddings() is not None and (
+            self.hf.get_output_embeddings().weight is self.hf.get_input_embeddings().weight
+        )
         parts = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
         missing = [p for p in parts if _find(self.hf, p) is None]
         if inner is None or missing:
@@ -159,7 +162,8 @@ class HFCausalLM(TrainsBalanceLoss, nn.Module):
             first=("hf.model.embed_tokens",),
             last=("hf.model.norm", "hf.lm_head"),
             forward=_hf_stage_forward,
-            tied=bool(getattr(self.hf.config, "tie_word_embeddings", False)),
+            tied=tied,
+            tied_names=("hf.model.embed_tokens.weight", "hf.lm_head.weight") if tied else None,
         )
 
     @property

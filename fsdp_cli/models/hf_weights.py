@@ -133,9 +133,11 @@ class WeightFiller:
     def _retie(self, ids: set[int]) -> None:
         """``to_empty`` of plain modules gives each tied name its own tensor again; tie them back
         (for the pairs whose holder is being filled)."""
+        present = {id(m) for m in self.hf.modules()}
         for target, source in self.tied.items():
             (dst_owner, dst_name), (src_owner, src_name) = (self._holder(target), self._holder(source))
-            if id(dst_owner) not in ids:
+            if id(dst_owner) not in ids or id(src_owner) not in present:
+                # (a source cut away: the last pipeline stage's head, read from the embedding's key)
                 continue
             src, dst = getattr(src_owner, src_name), getattr(dst_owner, dst_name)
             if src is dst:
@@ -224,7 +226,9 @@ class WeightFiller:
             raise RuntimeError(
                 f"{self.source.path}: checkpoint keys {', '.join(unexpected[:8])} match no {type(self.hf).__name__} tensor"
             )
-        for name, source in self.source.copies.items():
+        # A head untied on purpose, or tied to an embedding this rank does not hold (the last
+        # pipeline stage's copy): read from the embedding's key.
+        for name, source in {**self.tied, **self.source.copies}.items():
             if name not in locations and source in locations:
                 locations[name] = locations[source]
         self._locations = locations

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.models.init import seeded_normal_, seeded_normal_whole_
+from fsdp_cli.models.llama_shapes import TIED_NAMES
 from fsdp_cli.parallel.context_parallel import ContextParallel, attend
 from fsdp_cli.parallel.expert_parallel import TrainsBalanceLoss
 from fsdp_cli.parallel.names import canonical_name
@@ -272,6 +273,7 @@ class Llama(TrainsBalanceLoss, nn.Module):
             last=("norm", "output"),
             forward=_llama_stage_forward,
             tied=self.cfg.tie_embeddings,
+            tied_names=TIED_NAMES if self.cfg.tie_embeddings else None,
         )
 
     @torch.no_grad()
@@ -296,6 +298,10 @@ class Llama(TrainsBalanceLoss, nn.Module):
             std = (
                 depth_std if canonical_name(name).endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
             )
+            if self.cfg.tie_embeddings and canonical_name(name) == TIED_NAMES[1]:
+                name = TIED_NAMES[
+                    0
+                ]  # the last pipeline stage's copy of the tied weight: drawn as the embedding
             seeded_normal_(param, std=std, seed=self.seed, name=name)
 
     def tp_plan(self, *, sequence_parallel: bool) -> dict[str, Any]:

@@ -13,6 +13,11 @@ from fsdp_cli.parallel.shapes import ParamShape
 COLWISE, ROWWISE = 0, 1  # the weight dimension each tensor-parallel style splits ([out, in] layout)
 
 
+TIED_NAMES = ("tok_embeddings.weight", "output.weight")
+"""The tied embedding's name, and the head's (``tie_embeddings``): one weight, named once (the
+first) in :func:`llama_params`; the last pipeline stage holds a copy under the second."""
+
+
 def llama_params(cfg: LlamaArgs) -> list[ParamShape]:
     dim, head_dim = cfg.dim, cfg.dim // cfg.n_heads
     kv_dim = (cfg.n_kv_heads or cfg.n_heads) * head_dim

@@ -84,12 +84,16 @@ def float8_candidates(model: nn.Module) -> list[str]:
     ]
 
 
-def apply_float8(model: nn.Module, *, emulate: bool = False) -> int:
+def apply_float8(model: nn.Module, *, emulate: bool = False, chosen: set[str] | None = None) -> int:
     """Swap the chosen ``nn.Linear`` modules for torchao's Float8Linear; returns how many.
-    ``emulate``: high-precision matmuls on the float8 values (devices without float8 tensor cores)."""
+    ``emulate``: high-precision matmuls on the float8 values (devices without float8 tensor cores).
+    ``chosen``: the names to swap, where the model was chosen from whole and is now a part of it
+    (a pipeline stage: its own last linear layer is not the head); default
+    :func:`float8_candidates` of ``model``."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    chosen = set(float8_candidates(model))
+    present = {name for name, _ in model.named_modules()}
+    chosen = set(float8_candidates(model)) if chosen is None else chosen & present
     convert_to_float8_training(
         model,
         config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate),

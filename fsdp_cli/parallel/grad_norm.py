@@ -12,6 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+COUNTED_ELSEWHERE = "_fsdp_cli_norm_counted_elsewhere"
+"""Set (True) on a parameter whose gradient another rank's copy already counts in the global
+norm (a tied weight's copy on the last pipeline stage): clipped, not counted twice."""
+
 
 def clip_grad_norm(
     wrapped: nn.Module | None, parameters: Any, max_norm: float, *, across: Any = None
@@ -30,7 +34,10 @@ def clip_grad_norm(
     groups = list(_by_mesh(params).values())
     norms = []
     for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        counted = [p.grad for p in group if not getattr(p, COUNTED_ELSEWHERE, False)]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else torch.zeros(())
     if across is not None:

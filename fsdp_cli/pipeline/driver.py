@@ -20,6 +20,7 @@ from torch import nn
 
 from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.float8 import float8_candidates
 from fsdp_cli.parallel.fsdp2 import apply_fsdp
 from fsdp_cli.parallel.parallelize import tp_plan_of
 from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
@@ -67,6 +68,8 @@ def parallelize_stages(
     model = split.model
     # The plan of the whole model (it may name every part; a stage applies what it still holds).
     plan = tp_plan_of(model, dims, options, instead="use tp=1") if dims.tp_enabled else {}
+    # float8's layers chosen on the whole model: a stage's own last linear layer is not the head.
+    float8_layers = set(float8_candidates(model)) if options.float8 else set()
     prune(split, layout.ranges, layout.ids)
     units = wrap_units(model, options.wrap)
     block_classes = repeated_block_classes(model)
@@ -76,7 +79,7 @@ def parallelize_stages(
     if options.float8:
         from fsdp_cli.parallel.float8 import apply_float8, emulates_float8
 
-        apply_float8(model, emulate=emulates_float8(dims.mesh.device_type))
+        apply_float8(model, emulate=emulates_float8(dims.mesh.device_type), chosen=float8_layers)
     apply_ac(model, blocks, options.activation_checkpointing, options.ac_every_n_blocks)
     if options.compile:
         from fsdp_cli.parallel.compile import compile_blocks
@@ -161,7 +164,7 @@ class PipelineDriver:
         )
         self.holds_first = 0 in layout.ids
         self.holds_last = layout.n_stages - 1 in layout.ids
-        self.last_rank = _owner(layout)
+        self.last_rank = last_stage_rank(layout)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (self.step_loss_fn or self.loss_fn)(output, target) * self.scale
@@ -198,7 +201,7 @@ class PipelineDriver:
         return loss
 
 
-def _owner(layout: PipelineLayout) -> int:
+def last_stage_rank(layout: PipelineLayout) -> int:
     """The pipeline rank holding the last stage: rank 0 for V schedules, else the last rank."""
     pp = layout.n_stages // layout.stages_per_rank
     return 0 if layout.facts.v_shape else (layout.n_stages - 1) % pp

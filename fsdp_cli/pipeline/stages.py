@@ -43,7 +43,12 @@ class PipelineSplit:
     forward: StageForward | None = None
     """``(view, x) -> y`` for one stage; None: :func:`sequential_forward`."""
     tied: bool = False
-    """The first and last stage share a parameter (tied embeddings): cannot be cut."""
+    """The first and last stage share a parameter (tied embeddings); cannot be cut unless
+    :attr:`tied_names` names it."""
+    tied_names: tuple[str, str] | None = None
+    """The shared parameter's name inside :attr:`model` in the first stage's part and in the last
+    stage's (``("tok_embeddings.weight", "output.weight")``): each stage then holds a copy, and
+    their gradients are summed every step, so the two stay one weight (Megatron's way)."""
 
 
 @dataclass
@@ -122,7 +127,7 @@ def split_of(model: nn.Module) -> PipelineSplit:
             "ModuleList/ModuleDict of repeated blocks and no pipeline_split() method",
             hint="define pipeline_split() returning fsdp_cli.pipeline.stages.PipelineSplit, or use pp=1",
         )
-    if split.tied:
+    if split.tied and split.tied_names is None:
         raise ConfigError(
             "pp",
             "> 1",

@@ -31,9 +31,16 @@ class PipelineTraining:
     """This rank's stages, their schedule (once made) and the step's gradients in waiting."""
 
     def __init__(
-        self, stages: list[nn.Module], layout: Any, dims: ParallelDims, whole_model_names: list[str]
+        self,
+        stages: list[nn.Module],
+        layout: Any,
+        dims: ParallelDims,
+        whole_model_names: list[str],
+        tied: Any = None,
     ) -> None:
         self.stages, self.layout, self.dims = stages, layout, dims
+        self.tied = tied
+        """A weight the first and last stage share (:class:`fsdp_cli.pipeline.tied.TiedWeight`), or None."""
         self.whole_model_names = whole_model_names
         """The whole model's parameter names in its order, read before the cut: a full save under
         pp numbers the optimizer state by them, as a pp=1 full save does."""
@@ -70,7 +77,8 @@ class PipelineTraining:
         )
         layout = layout_of(pipeline, dims, dims.pp_mesh.get_local_rank(), n_blocks)
         names = [canonical_name(n) for n, _ in module.named_parameters()]
-        return cls(parallelize_stages(split, layout, dims, options), layout, dims, names)
+        stages = parallelize_stages(split, layout, dims, options)
+        return cls(stages, layout, dims, names, tied=_tied_weight(module, split, layout, dims))
 
     @property
     def group(self) -> Any:
@@ -109,6 +117,8 @@ class PipelineTraining:
             kwargs=piped.kwargs,
             loss_fn=piped.loss,
         )
+        if train and self.tied is not None:
+            self.tied.sum_gradients()
         if train:
             # Lightning zeroes gradients between the step and its backward, and this step has run
             # backward already: the gradients wait aside until backward() puts them back.
@@ -155,6 +165,18 @@ class PipelineTraining:
             names = sorted(entry for rank in gathered for entry in rank[index])
             merged.append({**group, "params": [name for _, _, name in names]})
         return merged
+
+
+def _tied_weight(module: Any, split: Any, layout: Any, dims: ParallelDims) -> Any:
+    """The weight the first and last stage share, where the model ties one (its split names it)."""
+    if split.tied_names is None:
+        return None
+    from fsdp_cli.pipeline.driver import last_stage_rank
+    from fsdp_cli.pipeline.tied import TiedWeight
+
+    inside = next((n for n, m in module.named_modules() if m is split.model), "")
+    prefix = canonical_name(inside) + "." if inside else ""
+    return TiedWeight.of(split.model, split.tied_names, dims.pp_mesh, last_stage_rank(layout), prefix)
 
 
 def _summed(earlier: Any, new: Any) -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_cli.models.args import LlamaArgs
-from fsdp_cli.models.llama_shapes import llama_block_names, llama_params
+from fsdp_cli.models.llama_shapes import TIED_NAMES, llama_block_names, llama_params
 from fsdp_cli.parallel.options import WrapOptions, WrapPolicy
 from fsdp_cli.parallel.shapes import ParamShape
 
@@ -68,6 +68,9 @@ class ModelSpec:
     notes: list[str] = field(default_factory=list)
     unit_sizes: dict[tuple[int, int, float], dict[str, int]] = field(default_factory=dict)
     """Cache: elements per unit on a tensor-parallel rank, by (tp, ep, NF4's share of an element)."""
+    tied: tuple[str, str] | None = None
+    """A parameter held under two names (tied embeddings: the embedding's, the head's): counted
+    once in :attr:`params`, under the first; pipeline stages hold it twice (first and last)."""
 
     def unit_of(self, param: ParamShape) -> str:
         """The innermost unit holding ``param`` ("" = the root)."""
@@ -98,6 +101,7 @@ def llama_spec(cfg: LlamaArgs, wrap: WrapOptions) -> ModelSpec | None:
         units=units,
         blocks=blocks,
         activations=lambda seq, act: llama_activations(cfg, seq, act),
+        tied=TIED_NAMES if cfg.tie_embeddings else None,
     )
 
 
@@ -168,8 +172,24 @@ def module_spec(
         return cache[(seq, act)]
 
     return ModelSpec(
-        params=params, units=units, blocks=blocks, activations=activations, source="meta build", notes=notes
+        params=params,
+        units=units,
+        blocks=blocks,
+        activations=activations,
+        source="meta build",
+        notes=notes,
+        tied=_tied_pair(model),
     )
+
+
+def _tied_pair(model: Any) -> tuple[str, str] | None:
+    """The first parameter held under two names, by those names (tied embeddings), or None."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            return first[id(param)], name
+        first[id(param)] = name
+    return None
 
 
 def _param_shapes(

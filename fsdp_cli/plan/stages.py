@@ -45,6 +45,9 @@ def stage_params(spec: ModelSpec, sizes: PipelineSizes) -> list[list[ParamShape]
         seen_block = seen_block or block is not None
         stage = stage_of_block[block] if block is not None else (last if seen_block else 0)
         out[stage].append(p)
+    if spec.tied is not None and last > 0:  # the last stage's copy of a tied weight (the head)
+        first = next(p for p in spec.params if p.name == spec.tied[0])
+        out[last].append(replace(first, name=spec.tied[1]))
     return out
 
 

@@ -492,6 +492,13 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self.pipeline_room is None:
             return DistributedCheckpointing.optimizer_state(self, optimizer)
         state = self._local_optimizer_state(optimizer)
+        copies = self._optimizer_aliases()  # a tied weight's second copy: saved once, by the first stage
+        state = {
+            "state": {n: v for n, v in state["state"].items() if n not in copies},
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if n not in copies]} for g in state["param_groups"]
+            ],
+        }
         if state.get("param_groups"):
             groups = state["param_groups"]
             state["param_groups"] = self.pipeline_room.whole_model_param_groups(self.lightning_module, groups)
@@ -502,6 +509,12 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         return numbered(whole, self._parameter_names()) if self.is_global_zero else {}
 
     # ------------------------------------------------------------------ full files under pp
+
+    def _optimizer_aliases(self) -> dict[str, str]:
+        """Under pp, the last stage's copy of a tied weight: its optimizer state is the first
+        stage's copy's (equal, step by step), saved and read under that name."""
+        room = self.pipeline_room
+        return dict(room.tied.aliases) if room is not None and room.tied is not None else {}
 
     def _parameter_names(self) -> list[str]:
         """Under pp the whole model's (this rank's module holds only its stages' parameters)."""
@@ -557,11 +570,17 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
                 [g["params"] for g in self._local_optimizer_state(optimizer)["param_groups"]]
                 for optimizer in self.optimizers
             ]
+            from fsdp_cli.checkpoint.distributed import renamed
             from fsdp_cli.checkpoint.pipeline_full import stage_optimizer_state
 
             names = self.pipeline_room.whole_model_names
+            aliases = self._optimizer_aliases()
+            back = {saved: own for own, saved in aliases.items()}
             states = [
-                stage_optimizer_state(state, names, mine) for state, mine in zip(states, groups, strict=True)
+                renamed(
+                    stage_optimizer_state(state, names, [[aliases.get(n, n) for n in g] for g in mine]), back
+                )
+                for state, mine in zip(states, groups, strict=True)
             ]
         super()._restore_optimizer_states(states)
 
