@@ -21,6 +21,7 @@ every weight came back bit for bit (``round_trip_equal``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -54,6 +55,8 @@ FAMILIES = {
     "olmoe": ("olmoe", torch.float32, None, 4, 2, False),
     # fsdp_cli's own Llama with 4 experts (top-2) and a shared expert in every block
     "builtin": ("", torch.float64, None, 4, 2, False),
+    # ... balanced without a loss (DeepSeek-V3): a routing bias per expert moved after every step
+    "builtin_bias": ("", torch.float64, None, 4, 2, False),
 }
 BUILTIN = LlamaArgs(
     vocab_size=VOCAB,
@@ -69,6 +72,8 @@ BUILTIN = LlamaArgs(
     aux_loss_coef=0.1,
     init_std=0.3,
 )
+BUILTIN_BIAS = dataclasses.replace(BUILTIN, aux_loss_coef=0.0, balance_bias_rate=0.05)
+"""(0.05 a step: the bias changes which experts tokens go to within the 5 steps.)"""
 
 
 def moe_folder(
@@ -129,9 +134,9 @@ def build(path: Path, family: str):
     from fsdp_cli.models.hf import build_hf_model
 
     _, _, kernel, _, _, weights = FAMILIES[family]
-    if family == "builtin":
+    if family.startswith("builtin"):
         with torch.device("meta"):
-            return Llama(BUILTIN, seed=0)
+            return Llama(BUILTIN_BIAS if family == "builtin_bias" else BUILTIN, seed=0)
     return build_hf_model(
         HFModelArgs(path=str(path), pretrained=weights, experts_implementation=kernel), seed=0
     )
@@ -145,7 +150,8 @@ def batches(steps: int) -> list[torch.Tensor]:
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1).to(torch.float64), ids[:, 1:].flatten())
-    return loss + model.pop_auxiliary_loss().to(loss.dtype)
+    auxiliary = model.pop_auxiliary_loss()
+    return loss if auxiliary is None else loss + auxiliary.to(loss.dtype)
 
 
 def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool):
@@ -162,6 +168,8 @@ def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool):
         grads.append({n: _whole(p.grad).double() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
+        if hasattr(model, "update_balance_bias"):  # (as CausalLMModule.optimizer_step does)
+            model.update_balance_bias()
     return losses, grads
 
 

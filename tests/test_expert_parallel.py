@@ -12,6 +12,7 @@ that cannot run, refused before launch in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -69,6 +70,43 @@ def test_the_balance_loss_is_transformers_own_at_one_process() -> None:
     assert int(stats.tokens.sum()) == 3 * 24 * 2  # every layer's top-2 assignments
     loads = stats.loads()
     assert loads["moe_tokens_min"] <= 24 * 2 / 6 <= loads["moe_tokens_max"] and loads["moe_imbalance"] >= 1
+
+
+def test_the_routing_bias_chooses_experts_weighs_nothing_and_moves_towards_balance() -> None:
+    """Auxiliary-loss-free balancing (model.balance_bias_rate): the bias decides which experts a
+    token goes to, its gates stay the router's own probabilities (renormalised over the chosen);
+    after a step every expert's bias moves by the rate, down where it got more tokens than the
+    mean, up where fewer; the counts are consumed (the next update starts from none)."""
+    from fsdp_cli.models.args import LlamaArgs, OptimizerArgs
+    from fsdp_cli.models.causal_lm import CausalLMModule
+    from fsdp_cli.models.llama import Llama, MoE
+
+    cfg = LlamaArgs(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_experts=4, experts_per_token=2)
+    cfg = dataclasses.replace(cfg, moe_hidden_dim=8, aux_loss_coef=0.0, balance_bias_rate=0.1)
+    model = Llama(cfg, seed=0).train()
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    assert moe.expert_bias is not None and "layers.0.feed_forward.expert_bias" in model.state_dict()
+    seen: dict[str, torch.Tensor] = {}
+    forward = moe.experts.forward
+    moe.experts.forward = lambda flat, index, weights: (
+        seen.update(flat=flat, weights=weights) or forward(flat, index, weights)
+    )
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 5.0]))  # experts 2 and 3 for every token
+        model(ids)
+        assert torch.equal(moe.chosen.sort(dim=-1).values, torch.tensor([[2, 3]]).expand(16, 2))
+        probs = torch.softmax(moe.router(seen["flat"]), dim=-1)
+        gates = probs.gather(-1, moe.chosen)
+        assert torch.allclose(seen["weights"], gates / gates.sum(dim=-1, keepdim=True))
+    # The LightningModule's optimizer step moves it (what fsdp-train runs after each step).
+    module = CausalLMModule(lambda: model, OptimizerArgs(), max_steps=1)
+    module.configure_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    module.optimizer_step(0, 0, optimizer, lambda: None)
+    assert torch.allclose(moe.expert_bias, torch.tensor([0.1, 0.1, 4.9, 4.9]))
+    module.optimizer_step(0, 1, optimizer, lambda: None)  # nothing counted since: unchanged
+    assert torch.allclose(moe.expert_bias, torch.tensor([0.1, 0.1, 4.9, 4.9]))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -254,8 +292,8 @@ def check(nproc: int, *args: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     ("nproc", "layouts", "families", "ways"),
     [
-        (2, "ep2", "qwen3_moe,builtin", "right,per_rank_balance,unscaled"),
-        (4, "ep2xdp2,ep2xhsdp,ep4", "qwen3_moe,qwen3_moe_2,mixtral,olmoe,builtin", "right"),
+        (2, "ep2", "qwen3_moe,builtin,builtin_bias", "right,per_rank_balance,unscaled"),
+        (4, "ep2xdp2,ep2xhsdp,ep4", "qwen3_moe,qwen3_moe_2,mixtral,olmoe,builtin,builtin_bias", "right"),
     ],
     ids=["ep2", "ep2xdp2_hsdp_ep4"],
 )
@@ -267,7 +305,8 @@ def test_expert_parallel_equals_one_process_in_float64(
     included) and whole gradients of ep=2 on 2 ranks, ep=2 x dp=2, ep=2 x HSDP and ep=4 on 4
     equal one process's within 1e-10; with 2 experts at ep=2 x dp=2 (one expert per rank, its rows
     sharded by FSDP2 over 2 ranks) too, and the built-in Llama with 4 experts and a shared one at
-    ep=2 on 2 and 4 ranks; Mixtral and OLMoE (transformers' default experts kernel, fresh weights)
+    ep=2 on 2 and 4 ranks, with its load-balancing loss and balanced by a routing bias instead
+    (auxiliary-loss-free, moved after every step from every rank's token counts); Mixtral and OLMoE (transformers' default experts kernel, fresh weights)
     in float32 within 1e-5. Each rank's
     own routing statistics in the balance loss (seen: 3.0), or expert gradients not divided by ep
     (seen: 1.0 — AdamW's losses would hide it), move the gradients by far more than 1e-3. The

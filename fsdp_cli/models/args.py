@@ -59,6 +59,12 @@ class LlamaArgs:
     aux_loss_coef: float = field(default=0.01, metadata=at_least(0))
     """Weight of the load-balancing loss added to training (Switch Transformer's, from routing
     statistics summed over every rank); 0: none."""
+    balance_bias_rate: float = field(default=0.0, metadata=at_least(0))
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer keeps a bias per expert, added
+    to the router's probabilities to choose a token's experts (not to weigh them), and after each
+    optimizer step moved by this much towards balance: up for an expert that got fewer tokens than
+    the layer's mean, down for one that got more (counted over every rank). 0: off; DeepSeek-V3
+    uses 0.001, with ``aux_loss_coef`` near 0. Saved in checkpoints (``expert_bias``)."""
 
     def expert_dim(self) -> int:
         """Each routed expert's SwiGLU hidden size."""

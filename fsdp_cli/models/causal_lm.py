@@ -90,6 +90,14 @@ class CausalLMModule(L.LightningModule):
         auxiliary = pop() if pop is not None else None
         return loss if auxiliary is None else loss + auxiliary.to(loss.dtype)
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step, then what the model updates after one: a mixture of experts' routing
+        bias (auxiliary-loss-free balancing, ``update_balance_bias()``)."""
+        super().optimizer_step(*args, **kwargs)
+        update = getattr(self.model, "update_balance_bias", None)
+        if update is not None:
+            update()
+
     def step_metrics(self) -> dict[str, float]:
         """What metrics.jsonl adds to a logged step's row (read only then: a host sync): a mixture
         of experts' load-balancing loss and its experts' load, over every rank's tokens."""

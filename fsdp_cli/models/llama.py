@@ -170,13 +170,23 @@ class MoE(nn.Module):
             FeedForward(cfg.dim, cfg.shared_experts * cfg.expert_dim()) if cfg.shared_experts else None
         )
         self.router_logits: torch.Tensor | None = None  # the last forward's, for the balance loss
+        # Auxiliary-loss-free balancing: chooses experts, weighs nothing (None: off, not saved).
+        bias = torch.zeros(cfg.n_experts, dtype=torch.float32) if cfg.balance_bias_rate else None
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", bias)
+        self.chosen: torch.Tensor | None = None  # the last forward's experts per token [tokens, k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.router(flat)
         self.router_logits = logits
         probs = torch.softmax(at_least_fp32(logits), dim=-1)
-        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, index = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            index = torch.topk(probs + self.expert_bias.to(probs.dtype), self.top_k, dim=-1).indices
+            weights = probs.gather(-1, index)
+        self.chosen = index
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         out = self.experts(flat, index, weights)
         if self.shared is not None:
@@ -242,7 +252,21 @@ class Llama(TrainsBalanceLoss, nn.Module):
         if cfg.n_experts and cfg.aux_loss_coef and self.training:
             logits = [m.router_logits for m in self.modules() if isinstance(m, MoE)]
             self.record_balance(logits, cfg.n_experts, cfg.experts_per_token, cfg.aux_loss_coef)
+        if cfg.balance_bias_rate and self.training:
+            # (here, not in the blocks: activation checkpointing runs their forward again)
+            self.count_routed([m.chosen for m in self.modules() if isinstance(m, MoE)], cfg.n_experts)
         return self.output(self.norm(h))
+
+    def update_balance_bias(self) -> None:
+        """After an optimizer step: each MoE layer's expert bias moved by ``balance_bias_rate``
+        towards balance, from the tokens each expert got since the last update, over every rank."""
+        counts = self.pop_routed()
+        if counts is None:
+            return
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        step = self.cfg.balance_bias_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
+        for moe, change in zip(moes, step, strict=True):
+            moe.expert_bias.add_(change.to(moe.expert_bias.dtype))
 
     def expert_modules(self) -> list[nn.Module]:
         """The fused experts of each MoE block (none for a dense model)."""
@@ -284,6 +308,9 @@ class Llama(TrainsBalanceLoss, nn.Module):
             device = torch.device("cpu")
         head_dim = self.cfg.dim // self.cfg.n_heads
         self.rope = rope_table(head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        for moe in self.modules():
+            if isinstance(moe, MoE) and moe.expert_bias is not None:
+                moe.expert_bias.zero_()
         # Output projections of each residual branch are scaled down with depth (GPT-2 / Llama practice).
         depth_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():

@@ -227,6 +227,27 @@ class TrainsBalanceLoss:
         )
         self._auxiliary_loss = coef * loss
 
+    _routed: torch.Tensor | None = None
+
+    def count_routed(self, chosen: Sequence[torch.Tensor], num_experts: int) -> None:
+        """Add a training forward's choices (each MoE layer's experts per token) to the tokens
+        per expert counted since :meth:`pop_routed` (auxiliary-loss-free balancing)."""
+        counts = torch.stack([torch.bincount(c.reshape(-1), minlength=num_experts) for c in chosen])
+        self._routed = counts if self._routed is None else self._routed + counts
+
+    def pop_routed(self) -> torch.Tensor | None:
+        """The tokens each layer's experts got since the last call ``[layers, experts]``, summed
+        over every rank (``balance_across_ranks``: a one-process reference counts its own), once;
+        None when no training forward counted any. Every rank must call it (an all-reduce)."""
+        counts, self._routed = self._routed, None
+        if counts is None:
+            return None
+        counts = counts.to(torch.float64)
+        dist = torch.distributed
+        if self.balance_across_ranks and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts)
+        return counts
+
     def pop_auxiliary_loss(self) -> torch.Tensor | None:
         """The load-balancing loss (times its coefficient) of the last training forward, once;
         None when the model trains none."""
