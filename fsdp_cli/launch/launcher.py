@@ -35,6 +35,7 @@ from fsdp_cli.launch.watchdog import (
     StepTimes,
     hang_report,
     kill_groups,
+    leftovers,
     own_beats,
     rank_pids,
 )
@@ -196,9 +197,13 @@ class Supervisor:
     def _look(self) -> int | None:
         """Wait a poll for the agent, then one look at the ranks: the exit status once it is known."""
         try:
-            return self.proc.wait(timeout=POLL_S)
+            code = self.proc.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
+        else:
+            if code != 0:
+                self._end_leftovers()
+            return code
         if self._interrupted is not None and time.monotonic() - self._interrupted > self.interrupt_grace_s:
             return self._end_interrupted_job()
         if self._save_on_sigterm_overdue():
@@ -211,6 +216,16 @@ class Supervisor:
             print(f"fsdp-train: warning: the hang and dead-rank watch stopped: {err!r}", file=sys.stderr)
             self._watching = False
             return None
+
+    def _end_leftovers(self) -> None:
+        """A failed run's processes the agent left (a killed rank's loader workers, the server
+        waiting for them): killed, so that nothing of the run outlives fsdp-train."""
+        beats = own_beats(read_heartbeats(self.run_dir), self.proc.pid)
+        for pid in leftovers(str(self.run_dir), [beat.pid for beat in beats.values()], os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _watch(self) -> int | None:
         """One look at the heartbeats; the exit status when the job had to be ended."""

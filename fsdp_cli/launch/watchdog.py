@@ -68,6 +68,29 @@ def kill_groups(pids: Iterable[int]) -> None:
             pass
 
 
+def leftovers(run_dir: str, rank_pids: Iterable[int], own_pid: int) -> list[int]:
+    """Processes of an ended run still alive once its agent has exited: in a rank's session (the
+    data-loader workers of a killed rank, orphaned until their own watchdog notices, up to 5 s)
+    or orphaned (adopted by init) in this process's session (the agent's rank server, waiting for
+    those workers), and naming ``run_dir`` on their command line (a recycled pid is never one; a
+    ``tee`` of the user's in the same session is not orphaned). Linux; elsewhere none."""
+    sessions, own_sid = set(rank_pids), os.getsid(own_pid)
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == own_pid:
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rpartition(")")[2].split()
+            ppid, sid = int(fields[1]), int(fields[3])
+            if sid not in sessions and not (sid == own_sid and ppid == 1):
+                continue
+            if run_dir.encode() in open(f"/proc/{entry}/cmdline", "rb").read():
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 class HangWatchdog:
     """``check(beats)`` is True once no rank has beaten for the timeout of the phases they are in,
     measured on this process's monotonic clock from the last change it saw; ``limit`` is then
