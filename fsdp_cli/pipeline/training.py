@@ -117,9 +117,9 @@ class PipelineTraining:
             kwargs=piped.kwargs,
             loss_fn=piped.loss,
         )
-        if train and self.tied is not None:
-            self.tied.sum_gradients()
         if train:
+            if self.tied is not None:  # the embedding's and the head's gradients, one weight's
+                self.tied.sum_gradients()
             # Lightning zeroes gradients between the step and its backward, and this step has run
             # backward already: the gradients wait aside until backward() puts them back.
             pairs = [(p, _summed(earlier.get(id(p)), p.grad)) for p in module.parameters()]
