@@ -48,6 +48,7 @@ class CausalLMModule(L.LightningModule):
         self.max_steps = max_steps
         self.num_parameters: int | None = None
         self._val_sums: torch.Tensor | None = None  # labelled validation: (loss sum, supervised labels)
+        self._after_step: Callable[[], None] | None = None  # the model's update after an optimizer step
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning names the hook it is in (a str, or None) before and after every hook it calls:
@@ -61,6 +62,8 @@ class CausalLMModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = self.model_factory()
+            # Looked up once: a model without it would raise inside nn.Module's lookup every step.
+            self._after_step = getattr(self.model, "update_balance_bias", None)
             # Counted before any sharding (meta tensors have sizes too).
             self.num_parameters = sum(p.numel() for p in self.model.parameters())
 
@@ -94,9 +97,8 @@ class CausalLMModule(L.LightningModule):
         """Lightning's step, then what the model updates after one: a mixture of experts' routing
         bias (auxiliary-loss-free balancing, ``update_balance_bias()``)."""
         super().optimizer_step(*args, **kwargs)
-        update = getattr(self.model, "update_balance_bias", None)
-        if update is not None:
-            update()
+        if self._after_step is not None:
+            self._after_step()
 
     def step_metrics(self) -> dict[str, float]:
         """What metrics.jsonl adds to a logged step's row (read only then: a host sync): a mixture

@@ -12,9 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-COUNTED_ELSEWHERE = "_fsdp_cli_norm_counted_elsewhere"
-"""Set (True) on a parameter whose gradient another rank's copy already counts in the global
-norm (a tied weight's copy on the last pipeline stage): clipped, not counted twice."""
+_COUNTED_ELSEWHERE: set[int] = set()
+"""``id`` of each parameter whose gradient another rank's copy already counts in the global norm
+(a tied weight's copy on the last pipeline stage): clipped, not counted twice. Empty, as nearly
+always, the norm looks at no parameter's identity."""
+
+
+def count_elsewhere(param: nn.Parameter) -> None:
+    """Leave ``param``'s gradient out of the global norm this rank adds (it still gets clipped)."""
+    _COUNTED_ELSEWHERE.add(id(param))
 
 
 def clip_grad_norm(
@@ -34,7 +40,7 @@ def clip_grad_norm(
     groups = list(_by_mesh(params).values())
     norms = []
     for group in groups:
-        counted = [p.grad for p in group if not getattr(p, COUNTED_ELSEWHERE, False)]
+        counted = [p.grad for p in group if not _COUNTED_ELSEWHERE or id(p) not in _COUNTED_ELSEWHERE]
         if not counted:
             continue
         norm = torch.nn.utils.get_total_norm(counted, foreach=True)

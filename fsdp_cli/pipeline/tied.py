@@ -4,7 +4,7 @@ The first stage holds it as the embedding, the last as the head: each rank of th
 copy (the same values: loaded from one checkpoint tensor, or drawn from one seed), and after each
 step's backward the two gradients are summed between them, so both copies take the same update
 and stay equal, as Megatron keeps a tied embedding under pipeline parallel. The global gradient
-norm counts the weight once (the last stage's copy is marked :data:`COUNTED_ELSEWHERE`).
+norm counts the weight once (the last stage's copy is left out of it: :func:`count_elsewhere`).
 Checkpoints hold each copy under its own name (as a one-process model's ``state_dict`` holds a
 tied weight under both), so a save reads back at any layout.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_cli.parallel.grad_norm import COUNTED_ELSEWHERE
+from fsdp_cli.parallel.grad_norm import count_elsewhere
 
 
 class TiedWeight:
@@ -68,8 +68,8 @@ class TiedWeight:
             return
         if self.counted_elsewhere:
             # Marked now, not when the stages were cut: materializing a model from the meta device
-            # swaps its parameters' contents (``torch.utils.swap_tensors``), attributes included.
-            setattr(self.param, COUNTED_ELSEWHERE, True)
+            # swaps its parameters' contents (``torch.utils.swap_tensors``; the object stays).
+            count_elsewhere(self.param)
         grad = self.param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         if local.device.type == "cpu" and dist.get_backend(self.group) != "gloo":
