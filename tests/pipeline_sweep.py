@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.parallelize import ParallelizeOptions
+from fsdp_cli.pipeline.cut_check import check_sequential_cut
 from fsdp_cli.pipeline.driver import PipelineDriver, layout_of, parallelize_stages
 from fsdp_cli.pipeline.options import PipelineOptions
 from fsdp_cli.pipeline.schedules import SCHEDULES
@@ -48,16 +49,18 @@ class Block(nn.Module):
 
 
 class PlainModel(nn.Module):
-    """Embedding, a ModuleList of blocks, a head: cut by its block list."""
+    """Embedding, a ModuleList of blocks, a head, and learned positions added to the embedding in
+    forward (nanoGPT's shape): cut by torch's tracer at its block list."""
 
     def __init__(self, dim: int = 16, n_blocks: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Embedding(SEQ, dim)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
         self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
+        x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
         return self.head(x)
@@ -142,7 +145,7 @@ def pipelined(
 ) -> list[float]:
     with torch.device("meta"):
         model = factory()
-    split = split_of(model)
+    split = check_sequential_cut(split_of(model), torch.zeros(1, SEQ, dtype=torch.long, device="meta"))
     pp_rank = dims.pp_mesh.get_local_rank()
     layout = layout_of(PipelineOptions(schedule=schedule), dims, pp_rank, block_count(split))
     stages = parallelize_stages(split, layout, dims, ParallelizeOptions())

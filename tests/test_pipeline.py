@@ -162,7 +162,8 @@ def test_every_schedule_equals_one_process(
 ) -> None:
     """4 steps of AdamW on the built-in Llama (8 blocks, so each stage holds several FSDP units:
     the zero-bubble and V schedules give wrong gradients when a unit reshards after forward), a
-    Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module;
+    Hugging Face LlamaForCausalLM built from its config (never downloaded) and a plain module
+    adding learned positions to its embedding in forward (nanoGPT's shape, cut by torch's tracer);
     at pp=2 the two models packed (``+packed``: documents' position_ids reach every stage by
     keyword, each stage's attention keeps the documents apart, as one process's forward does;
     unpacked, they run at pp x dp and pp x tp; the plain module at pp and pp x tp)."""

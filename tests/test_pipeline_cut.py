@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_process, composed, run_of
+from conftest import assert_ok, cli_in_process, composed, grad_norms, losses, relative_gap, run_cli, run_of
 
 from benchmarks.gpt import GPT
 from fsdp_cli.errors import ConfigError
@@ -23,16 +23,13 @@ REFUSED = [
     (cut.RunsABlockTwice, "blocks.0 runs 2 times in one forward"),
     (cut.OneBlockTwice, "blocks.0 and blocks.2 are one module"),
     (cut.TiedHead, "head.weight is embed.weight (tied weights)"),
-    (cut.LongResidual, "blocks.3's input is not blocks.2's output"),
-    (cut.TwoTensors, "blocks.0 is called with (Tensor, Tensor)"),
-    (cut.ScalesBetweenBlocks, "blocks.1's input is not blocks.0's output"),
-    (cut.ScalesInPlace, "blocks.0's output is modified in place before blocks.1"),
+    # Work between the parts that a whole-forward trace cannot cut either: its reason follows.
+    (cut.LongResidual, "traced whole by torch.distributed.pipelining: blocks.2 would receive 2 tensors"),
+    (cut.TwoTensors, "traced whole by torch.distributed.pipelining: blocks.1 would receive 2 tensors"),
+    (cut.ScalesByAParameter, "its forward reads scale outside the modules it calls"),
     (cut.ReturnsATuple, "its forward returns a tuple"),
     (cut.BlocksReturnTuples, "blocks.0 returns tuple, not one tensor"),
     (cut.BranchesOnValues, "its forward did not run on a meta batch of token ids [1, 8]"),
-    # Its position embedding is added to the token embedding in forward: stage 0 would run
-    # pos(tok(ids)).
-    (GPT, "pos's input is not tok's output"),
 ]
 
 
@@ -106,7 +103,7 @@ def test_a_bad_cut_is_one_line_before_launch(tmp_path: Path) -> None:
     ("target", "extra", "words"),
     [
         ("tests.assets.cut_modules.Chain", [], None),
-        ("benchmarks.gpt.GPT", ["+model.n_layers=4"], "model=GPT: "),
+        ("benchmarks.gpt.GPT", ["+model.n_layers=4"], None),
         (
             "tests.assets.cut_modules.Chain",
             ["pipeline.schedule=Interleaved1F1B", "pipeline.stages_per_rank=3"],
@@ -161,3 +158,79 @@ def test_the_library_path_refuses_bad_pipeline_options_in_one_line() -> None:
         FSDP2Strategy(pipeline_parallel_size=2, pipeline=PipelineOptions(schedule="Foo"))
     line = rank_refusal(cut.Chain(), PipelineOptions(cut=CutPolicy.explicit, cuts=[1, 2]))
     assert line.startswith("pipeline.cuts=[1, 2]: 2 stages need 1 cut points, got 2"), line
+
+
+TRACED = [
+    (lambda: GPT(n_layers=4), ("tok", "pos"), ("ln_f", "head")),
+    (cut.ScalesBetweenBlocks, ("embed",), ("head",)),
+    (cut.ScalesInPlace, ("embed",), ("head",)),
+]
+
+
+@pytest.mark.parametrize(("make", "first", "last"), TRACED, ids=["gpt", "scales_between", "scales_in_place"])
+def test_work_between_the_parts_is_cut_by_torchs_tracer_and_runs_as_the_whole_forward(
+    make: object, first: tuple[str, ...], last: tuple[str, ...]
+) -> None:
+    """nanoGPT's positions added before the blocks (and work between blocks): torch's tracing front
+    end cuts the forward; two stages over the model's own modules give its forward and gradients
+    exactly, for the traced shape and for another one (traced again), in train and eval mode."""
+    import copy
+
+    import torch
+
+    from fsdp_cli.pipeline.stages import prune, views
+    from fsdp_cli.pipeline.traced import TracedForward
+
+    torch.manual_seed(0)
+    model = make()
+    whole = copy.deepcopy(model)
+    split = check_sequential_cut(split_of(model), token_example(8))
+    assert isinstance(split.forward, TracedForward) and (split.first, split.last) == (first, last)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # the tracer's wrappers removed
+    ranges = [range(0, 2), range(2, 4)]
+    prune(split, ranges, [0, 1])
+    stages = views(split, ranges, [0, 1])
+    for shape, train in (((2, 8), True), ((3, 5), True), ((3, 5), False)):
+        ids = torch.randint(0, 64, shape)
+        for m in (whole, *stages):
+            m.train(train)
+        split.forward.prepare(ids, train=train, device=torch.device("cpu"))
+        out, expected = stages[1](stages[0](ids)), whole(ids)
+        assert torch.equal(out, expected), (shape, train)
+        out.square().mean().backward()
+        expected.square().mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert set(grads) == {n for n, _ in whole.named_parameters()}
+        for name, param in whole.named_parameters():
+            assert torch.equal(grads[name], param.grad), name
+        model.zero_grad(), whole.zero_grad()
+
+
+@pytest.mark.distributed
+def test_a_nanogpt_style_module_trains_at_pp2_as_one_process(tmp_path: Path) -> None:
+    """fsdp-train with benchmarks.gpt.GPT (positions added to the token embedding in forward) at
+    pp=2: its stages cut by torch's tracer, 8 steps equal to one process (losses and gradient norms,
+    fp32), and its checkpoint's names the model's (a full file read whole by one process)."""
+    common = [
+        "model=custom",
+        "model._target_=benchmarks.gpt.GPT",
+        "+model.n_layers=4",
+        "data.vocab_size=256",
+        "trainer.max_steps=8",
+        "data.global_batch_size=8",
+        "data.seq_len=32",
+        "precision=32-true",
+        "accelerator=cpu",
+        "seed=11",
+        "trainer.gradient_clip_val=1000000",
+    ]
+    piped, one = tmp_path / "pp2", tmp_path / "one"
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    assert_ok(run_cli([*common, "pp=2", "devices=2", "checkpoint=full"], piped, env=env), piped)
+    assert_ok(run_cli([*common, "strategy=ddp", "devices=1", "checkpoint=full"], one, env=env), one)
+    assert relative_gap(losses(piped), losses(one)) < 1e-5
+    assert relative_gap(grad_norms(piped), grad_norms(one)) < 1e-5
+    from test_pipeline import assert_a_pp1_full_file
+
+    last = Path("checkpoints") / "step_00000008.pt"
+    assert_a_pp1_full_file(piped / last, one / last)

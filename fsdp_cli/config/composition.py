@@ -367,8 +367,15 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "fsdp2:module module:tp,pp",
+        "fsdp2:module module:tp",
         _test("test_pipeline.py::test_every_schedule_equals_one_process", "the library's stages"),
+    ),
+    (
+        "module:pp",
+        _test(
+            "test_pipeline_cut.py::test_a_nanogpt_style_module_trains_at_pp2_as_one_process",
+            "positions added in forward: cut by torch's tracer (every schedule: test_pipeline.py's sweep)",
+        ),
     ),
     (
         "lightning:pp",

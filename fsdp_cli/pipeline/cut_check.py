@@ -40,6 +40,12 @@ from fsdp_cli.compat.torch_internals import inplace_version
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.pipeline.stages import PipelineSplit
 
+
+class Untraceable(str):
+    """A problem no whole-forward trace mends (a part or the forward returning other than one
+    tensor)."""
+
+
 HINT = (
     "make forward run the embedding, then each block on the previous one's output, then the rest; "
     "or give the LightningModule pipeline_split() (and the pipeline hooks; docs/strategies.md, "
@@ -64,24 +70,38 @@ def token_example(seq_len: int = 2) -> torch.Tensor:
     return torch.zeros(1, seq_len, dtype=torch.long, device="meta")
 
 
-def check_sequential_cut(split: PipelineSplit, example: torch.Tensor) -> None:
-    """Refuse, in one line, a module whose forward is not the chain its sequential cut runs.
-    A split with its own stage forward (a ``pipeline_split()``) is trusted as given."""
+def check_sequential_cut(split: PipelineSplit, example: torch.Tensor) -> PipelineSplit:
+    """The split a plain module's stages run: its sequential cut where its forward is that chain,
+    else (work between the parts) the cut torch's tracing front end makes
+    (:mod:`fsdp_cli.pipeline.traced`); refused in one line where neither holds. A split with its
+    own stage forward (a ``pipeline_split()``) is trusted as given."""
     if split.forward is not None:
-        return
+        return split
     parts = part_names(split)
-    problem = shared_part(split.model, parts)
+    problem, traceable = shared_part(split.model, parts), False
     if problem is None:
-        problem = chain_problem(split.model, parts, example.to("meta"))
+        problem, traceable = chain_problem(split.model, parts, example.to("meta"))
+    if problem is not None and traceable:
+        from fsdp_cli.pipeline.traced import traced_split
+
+        traced = traced_split(split, example)
+        if not isinstance(traced, PipelineSplit):
+            problem = f"{problem}; traced whole by torch.distributed.pipelining: {traced}"
+        elif (shared := shared_part(split.model, part_names(traced))) is not None:
+            problem = shared
+        else:
+            return traced
     if problem is not None:
         raise ConfigError(
             "model",
             type(split.model).__name__,
             f"cannot be cut into pipeline stages by its block list '{split.blocks}': {problem}",
             allowed="a forward that runs the parts before the block list, each block on the previous "
-            "one's output, then the parts after it, and returns the last one's tensor",
+            "one's output, then the parts after it, and returns the last one's tensor (work between "
+            "them: one tensor handed from block to block, traced by torch.export)",
             hint=HINT,
         )
+    return split
 
 
 def part_names(split: PipelineSplit) -> list[str]:
@@ -108,17 +128,18 @@ def shared_part(model: nn.Module, parts: list[str]) -> str | None:
     return None
 
 
-def chain_problem(model: nn.Module, parts: list[str], example: torch.Tensor) -> str | None:
-    """Why the traced forward is not the chain of ``parts`` (None: it is)."""
+def chain_problem(model: nn.Module, parts: list[str], example: torch.Tensor) -> tuple[str | None, bool]:
+    """Why the traced forward is not the chain of ``parts`` (None: it is), and whether the problem
+    is work between the parts (which a whole-forward trace may still cut)."""
     traced = traced_forward(model, parts, example)
     if isinstance(traced, str):
-        return traced
+        return traced, False
     calls, output = traced
-    return (
-        order_problem(parts, [c.name for c in calls])
-        or inputs_problem(calls, example)
-        or (output_problem(calls[-1], output))
-    )
+    problem = order_problem(parts, [c.name for c in calls])
+    if problem is not None:
+        return problem, False
+    problem = inputs_problem(calls, example) or output_problem(calls[-1], output)
+    return problem, problem is not None and not isinstance(problem, Untraceable)
 
 
 def traced_forward(
@@ -182,7 +203,7 @@ def inputs_problem(calls: list[PartCall], example: torch.Tensor) -> str | None:
         if inplace_version(previous) != version:
             return f"{source} is modified in place before {call.name} (work in forward between them)"
         if not isinstance(call.output, torch.Tensor):
-            return f"{call.name} returns {type(call.output).__name__}, not one tensor"
+            return Untraceable(f"{call.name} returns {type(call.output).__name__}, not one tensor")
         previous, source, version = call.output, f"{call.name}'s output", call.version
     return None
 
@@ -195,5 +216,7 @@ def output_problem(last: PartCall, output: Any) -> str | None:
             return f"{last.name}'s output is modified in place after it (work after the last part)"
         return None
     if isinstance(output, (tuple, list, dict)):
-        return f"its forward returns a {type(output).__name__}; a pipeline's last stage hands the loss one tensor"
+        return Untraceable(
+            f"its forward returns a {type(output).__name__}; a pipeline's last stage hands the loss one tensor"
+        )
     return f"its forward's result is not {last.name}'s output (work after the last part)"

@@ -162,6 +162,7 @@ class PipelineDriver:
             loss_fn=self._scaled_loss,
             scale_grads=True,
         )
+        self.traced = traced_forwards(stages)
         self.holds_first = 0 in layout.ids
         self.holds_last = layout.n_stages - 1 in layout.ids
         self.last_rank = last_stage_rank(layout)
@@ -190,6 +191,10 @@ class PipelineDriver:
         args = (inputs.contiguous(),) if self.holds_first else ()
         target = targets.contiguous() if self.holds_last else None
         given = {k: v.contiguous() for k, v in (kwargs or {}).items()}
+        for traced in self.traced:
+            traced.prepare(
+                inputs[: inputs.shape[0] // self.layout.microbatches], train=train, device=self.device
+            )
         if train:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **given)
         else:
@@ -199,6 +204,13 @@ class PipelineDriver:
             loss = torch.stack([x.detach().float() for x in losses]).mean() / scale
         torch.distributed.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
+
+
+def traced_forwards(stages: list[StageView]) -> list[Any]:
+    """The stages' forwards cut by torch's tracer (:mod:`fsdp_cli.pipeline.traced`), once each:
+    they are told each step's micro-batch."""
+    runs = {id(v.stage_forward): v.stage_forward for v in stages}
+    return [run for run in runs.values() if hasattr(run, "prepare")]
 
 
 def last_stage_rank(layout: PipelineLayout) -> int:

@@ -77,6 +77,11 @@ class StageView(nn.Module):
         object.__setattr__(self, "owner", split.model)
         object.__setattr__(self, "_run", split.forward or sequential_forward)
 
+    @property
+    def stage_forward(self) -> StageForward:
+        """What this view's forward runs (the split's, or :func:`sequential_forward`)."""
+        return self._run
+
     def forward(self, x: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         return self._run(self, x, **kwargs)
 

@@ -66,8 +66,7 @@ class PipelineTraining:
 
         refuse_missing_hooks(module, dims.pp)
         own = getattr(module, "pipeline_split", None)
-        split = own() if callable(own) else split_of(target)
-        check_sequential_cut(split, example)
+        split = check_sequential_cut(own() if callable(own) else split_of(target), example)
         n_blocks = block_count(split)
         check_cut(
             dims.pp,

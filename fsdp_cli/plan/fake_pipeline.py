@@ -87,15 +87,18 @@ class HiddenProbe:
     def __call__(self, built: Any) -> None:
         import torch
 
+        from fsdp_cli.pipeline.cut_check import check_sequential_cut
         from fsdp_cli.pipeline.stages import StageView, split_of
 
         own = getattr(built.module, "pipeline_split", None)
-        split = own() if callable(own) else split_of(built.target)
+        tokens = torch.zeros(self.microbatch, dtype=torch.long, device="meta")
+        split = check_sequential_cut(own() if callable(own) else split_of(built.target), tokens)
         container = split.model.get_submodule(split.blocks)
         first_block = next(iter(container.values() if hasattr(container, "values") else container))
         view = StageView(split, {"0": first_block}, first=True, last=False)
+        _prepare([view], tokens, tokens.device)
         with torch.no_grad():
-            self.hidden = view(torch.zeros(self.microbatch, dtype=torch.long, device="meta"))
+            self.hidden = view(tokens)
 
 
 def make_driver(built: Any, probe: HiddenProbe) -> HeldCount:
@@ -122,6 +125,7 @@ def stage_shapes(
 
     from fsdp_cli.pipeline.driver import StageShapes
 
+    _prepare(views.values(), torch.zeros(microbatch, dtype=torch.long, device=device), device)
     first = min(views)
     dtype = _block_dtype(views[first], first, hidden, microbatch, device)
     # In training a stage's floating inputs and outputs require gradients (torch derives the
@@ -135,6 +139,14 @@ def stage_shapes(
             output = view(example)
         shapes[s] = StageShapes(input=example, output=output.requires_grad_(output.is_floating_point()))
     return shapes
+
+
+def _prepare(views: Any, tokens: Any, device: Any) -> None:
+    """Stages cut by torch's tracer (:mod:`fsdp_cli.pipeline.traced`) told the micro-batch, as the
+    driver tells them before each step."""
+    for view in views:
+        if hasattr(view.stage_forward, "prepare"):
+            view.stage_forward.prepare(tokens, train=True, device=device)
 
 
 def _block_dtype(view: Any, s: int, hidden: Any, microbatch: tuple[int, int], device: Any) -> Any:

@@ -165,3 +165,17 @@ class TiedHead(Chain):
         super().__init__()
         self.head = nn.Linear(16, 64, bias=False)
         self.head.weight = self.embed.weight
+
+
+class ScalesByAParameter(SkipsABlock):
+    """Work between blocks that reads a parameter of the model itself (not of a part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h) * self.scale
+        return self.head(h)
