@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_ok, cli_in_process, grad_norms, losses, relative_gap, run_cli, torchrun_rows
+from conftest import (
+    assert_ok,
+    cli_in_process,
+    composed,
+    grad_norms,
+    losses,
+    relative_gap,
+    run_cli,
+    run_of,
+    torchrun_rows,
+)
 from harness import REPO
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -217,3 +227,67 @@ def test_a_cp_layout_that_cannot_run_is_one_line_before_launch(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, (overrides, result.stderr)
     assert words in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------- torch's ring attention
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "words"),
+    [
+        (["cp_impl=ring"], 0, "cp_impl=ring: torch's ring attention has no CPU kernel"),
+        (
+            ["cp_impl=ring", "data=chat", "data.path=c.jsonl", "data.tokenizer=t", "data.packing=true"],
+            2,
+            "cp_impl=ring: not with data.packing=true",
+        ),
+        (
+            ["cp_impl=ring", "data.seq_len=34"],
+            2,
+            "data.seq_len=34: must divide by 2 x cp=4 with cp_impl=ring",
+        ),
+    ],
+    ids=["cpu", "packing", "seq_len"],
+)
+def test_ring_attention_that_cannot_run_is_refused_before_launch(
+    overrides: list[str], gpus: int, words: str
+) -> None:
+    """cp_impl=ring on CPU processes, with packed documents, on a sequence that does not split
+    into 2 x cp chunks: one line each (the CPU case through fsdp-train itself, exit 2)."""
+    from fsdp_cli.config.model_kinds import check_context_parallel
+    from fsdp_cli.errors import ConfigError
+
+    run = run_of(composed("devices=2", "cp=2", "data.seq_len=32", *overrides), gpus=gpus)
+    with pytest.raises(ConfigError) as caught:
+        check_context_parallel(run)
+    assert str(caught.value).startswith(words), caught.value
+
+
+def test_ring_attention_on_cpu_processes_is_one_line_from_fsdp_train(tmp_path: Path) -> None:
+    result = cli_in_process(
+        ["accelerator=cpu", "devices=2", "cp=2", "cp_impl=ring"], tmp_path / "run", env=CPU
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("fsdp-train: error: cp_impl=ring: torch's ring attention has no CPU kernel")
+
+
+def test_ring_slices_are_head_and_tail_chunks_with_their_global_positions_and_labels() -> None:
+    """cp_impl=ring: rank r holds chunks r and 2cp-1-r of 2cp (torch's load balancing), and its
+    positions and shifted labels are those chunks' (the whole sequence's, put back together)."""
+    import torch
+
+    from fsdp_cli.parallel.context_parallel import RingContextParallel
+
+    cp, length = 4, 16
+    ranks = [RingContextParallel(group=None, size=cp, rank=r) for r in range(cp)]
+    batch = torch.arange(100, 100 + length + 1).expand(2, length + 1)
+    parts = [rank.split_batch(batch) for rank in ranks]
+    order = torch.cat([rank.split(torch.arange(length).unsqueeze(0)) for rank in ranks], dim=1)[0]
+    assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    inputs, targets, positions = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
+    assert torch.equal(inputs, batch[:, :-1][:, order]) and torch.equal(targets, batch[:, 1:][:, order])
+    assert torch.equal(positions, order.expand(2, length))
+    assert torch.equal(targets, inputs + 1)  # shifted before the split: no boundary lost
+    rows = torch.randn(length, 3)
+    assert torch.equal(torch.cat([r.split(rows, dim=0) for r in ranks]), rows[order])

@@ -112,3 +112,34 @@ def test_memory_plan_total_is_within_15_percent_of_the_cuda_peak(tmp_path: Path,
     assert plan is not None
     predicted, measured = plan.ranks[0].total, summary["peak_memory_bytes"][0]
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="ring attention needs 2 GPUs (one NCCL rank per GPU)")
+def test_ring_attention_at_cp2_equals_one_process(tmp_path: Path) -> None:
+    """cp_impl=ring (torch's ring attention, head-tail slices) at cp=2 on 2 GPUs against one GPU,
+    fp32 (torch's flash and efficient kernels take bf16: bf16-true compute, fp32 masters), 8
+    steps: losses within bf16's tolerance, and apart from the all-to-all form's by bf16 rounding
+    only."""
+    common = [
+        "model=tiny",
+        "precision=bf16-mixed",
+        "trainer.max_steps=8",
+        "data.seq_len=128",
+        "data.global_batch_size=8",
+        "accelerator=gpu",
+        "seed=11",
+        "checkpoint.save_last=false",
+    ]
+    layouts = {
+        "one": ["devices=1"],
+        "ring": ["devices=2", "cp=2", "cp_impl=ring"],
+        "all_to_all": ["devices=2", "cp=2"],
+    }
+    losses = {}
+    for name, layout in layouts.items():
+        run_dir = tmp_path / name
+        assert_ok(run_cli([*common, *layout], run_dir), run_dir)
+        losses[name] = [row["loss"] for row in read_metrics(run_dir)]
+    for name in ("ring", "all_to_all"):
+        gap = max(abs(a - b) / b for a, b in zip(losses[name], losses["one"], strict=True))
+        assert gap < 0.02, (name, losses)

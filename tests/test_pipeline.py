@@ -376,7 +376,12 @@ def test_a_tied_model_under_pp_equals_one_process_and_resumes_across_layouts(tmp
     norms = {n: [r["grad_norm"] for r in read_metrics(tmp_path / n) if "grad_norm" in r] for n in layouts}
     straight = losses(tmp_path / "one")
     assert len(straight) == 6 and gap(losses(tmp_path / "pp2"), straight) < 1e-5
-    assert len(norms["one"]) == 6 and gap(norms["pp2"], norms["one"]) < 1e-5, norms
+    # The first two steps' norms come from the same weights on both layouts; later ones from
+    # weights AdamW moved, where fp32 reduction-order rounding (thread counts differ: one process
+    # uses 2, each rank 1) grows step by step (1.15e-5 at step 6 seen under load). A tied gradient
+    # not summed, or counted twice, moves the first norm by 1e-2 to 24%.
+    assert len(norms["one"]) == 6 and gap(norms["pp2"][:2], norms["one"][:2]) < 1e-6, norms
+    assert gap(norms["pp2"], norms["one"]) < 1e-4, norms
     for saved_by, resumed_at in (("pp2", "one"), ("one", "pp2")):
         save = tmp_path / saved_by / "checkpoints" / "step_00000003"
         run_dir = tmp_path / f"{saved_by}_to_{resumed_at}"

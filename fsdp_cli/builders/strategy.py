@@ -77,6 +77,7 @@ def parallelize_options(run: ResolvedRun) -> ParallelizeOptions:
         # Pinned host memory needs CUDA; on a CPU run the "offload" is a no-op move anyway.
         offload_policy=CPUOffloadPolicy(pin_memory=run.layout.on_gpu) if strategy.cpu_offload else None,
         wrap=run.cfg.wrap,
+        context_parallel_impl=run.cfg.cp_impl,
     )
 
 

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import ShardingStrategy as _FSDP1ShardingStrategy
 from torch.distributed.tensor import _utils as _dtensor_utils
+from torch.distributed.tensor.experimental._context_parallel import _attention as _cp_attention
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -72,6 +73,11 @@ ENTRIES: list[tuple[Any, str]] = [
     (_dcp_metadata, "_MEM_FORMAT_ENCODING"),
     (_serialization, "_get_layout"),
     (_torch.empty(0), "_version"),
+    # torch's ring attention (cp_impl=ring, GPUs): SDPA on DTensors sharded along the sequence is
+    # dispatched to it once its handlers are on; load-balanced (head-tail) slices.
+    (_cp_attention, "_enable_cp_dtensor_dispatcher"),
+    (_cp_attention, "_cp_options"),
+    (_cp_attention, "_DispatchMode"),
 ]
 for _owner, _name in ENTRIES:
     require(_owner, _name, "torch")
@@ -124,6 +130,22 @@ def all_to_all(tensor: _torch.Tensor, group: Any) -> _torch.Tensor:
     """Equal slices of dim 0 of ``tensor`` exchanged over ``group``, the gradient exchanged back
     in backward (the functional collective: ``torch.distributed.nn``'s is deprecated)."""
     return wait_if_async_collective(_funcol.all_to_all_single_autograd(tensor, None, None, group))
+
+
+def ring_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, mesh: DeviceMesh, scale: Any) -> Any:
+    """Causal attention of this rank's load-balanced slices ``[B, H, T / cp, d]`` of q, k and v
+    over the whole sequence of the ``cp`` ranks of ``mesh``, by torch's ring attention (GPU
+    kernels only: the CPU SDPA op has no sharding rule); the output slice, with its backward."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not getattr(ring_attention, "enabled", False):
+        _cp_attention._dispatch_mode = _cp_attention._DispatchMode.MODULE_WRAPPER  # F left unpatched
+        _cp_attention._cp_options.enable_load_balance = True  # the slices are head-tail
+        _cp_attention._enable_cp_dtensor_dispatcher()
+        ring_attention.enabled = True  # type: ignore[attr-defined]
+    q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (q, k, v))
+    out = _torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.to_local()
 
 
 def all_to_all_uneven(

@@ -151,6 +151,8 @@ def check_context_parallel(run: ResolvedRun) -> None:
     cp, kind = run.layout.cp, run.model_kind
     if cp == 1:
         return
+    if run.cfg.cp_impl.value == "ring":
+        _check_ring_attention(run)
     seq = getattr(run.cfg.data, "seq_len", None)
     if isinstance(seq, int) and seq % cp:
         raise ConfigError(
@@ -181,6 +183,35 @@ def check_context_parallel(run: ResolvedRun) -> None:
             "ranks: the all-to-all gives each rank whole heads",
             allowed="cp in " + ", ".join(map(str, good)),
             hint=f"use cp={max(good)} (or a smaller tp)",
+        )
+
+
+def _check_ring_attention(run: ResolvedRun) -> None:
+    """``cp_impl=ring``: torch's ring attention runs GPU kernels, causal only, on head-tail slices."""
+    cp, seq = run.layout.cp, getattr(run.cfg.data, "seq_len", None)
+    if not run.layout.on_gpu:
+        raise ConfigError(
+            "cp_impl",
+            "ring",
+            "torch's ring attention has no CPU kernel (the CPU SDPA op has no sharding rule for it)",
+            allowed="cp_impl=ring on GPUs; cp_impl=all_to_all anywhere",
+            hint="cp_impl=all_to_all (the default) on CPU processes",
+        )
+    if getattr(run.cfg.data, "packing", False):
+        raise ConfigError(
+            "cp_impl",
+            "ring",
+            "not with data.packing=true: ring attention is causal only, and packed documents need a document mask",
+            allowed="cp_impl=all_to_all with packing",
+            hint="cp_impl=all_to_all, or data.packing=false",
+        )
+    if isinstance(seq, int) and seq % (2 * cp):
+        raise ConfigError(
+            "data.seq_len",
+            seq,
+            f"must divide by 2 x cp={2 * cp} with cp_impl=ring: each rank holds two of 2 x cp equal chunks",
+            allowed=f"a multiple of {2 * cp}",
+            hint=f"data.seq_len={seq + 2 * cp - seq % (2 * cp)}",
         )
 
 

@@ -20,7 +20,13 @@ from omegaconf import MISSING
 from fsdp_cli.adapters.options import AdapterOptions
 from fsdp_cli.checkpoint_format import CheckpointFormat
 from fsdp_cli.models.args import HFModelArgs, LlamaArgs, OptimizerArgs, Scheduler
-from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions, WrapPolicy
+from fsdp_cli.parallel.options import (
+    ActivationCheckpointing,
+    ContextParallelImpl,
+    ParallelizeSettings,
+    WrapOptions,
+    WrapPolicy,
+)
 from fsdp_cli.pipeline.options import PipelineOptions
 from fsdp_cli.ranges import at_least, between, positive
 
@@ -926,6 +932,10 @@ class TrainConfig:
     cp: int = field(default=1, metadata=at_least(1))
     """Context-parallel size: each sequence split over cp ranks, attention exchanged all-to-all
     over heads (``strategy=fsdp2``; docs/context-parallel.md); world = pp x dp x cp x tp."""
+    cp_impl: ContextParallelImpl = ContextParallelImpl.all_to_all
+    """With cp > 1: ``all_to_all`` (two all-to-alls over heads around ordinary attention; any device,
+    packed documents) or ``ring`` (torch's ring attention over load-balanced slices; GPUs only,
+    causal only, ``data.seq_len`` a multiple of 2 x cp)."""
     ep: int = field(default=1, metadata=at_least(1))
     """Expert-parallel size: each MoE layer's experts split over ep of the data-parallel ranks,
     tokens routed to them all-to-all (``strategy=fsdp2``, a MoE ``model=hf``;

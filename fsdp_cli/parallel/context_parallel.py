@@ -49,8 +49,13 @@ class ContextParallel:
     """(a weak reference to a tensor, what :meth:`remembered` computed from it)."""
 
     @classmethod
-    def of_mesh(cls, mesh: Any) -> ContextParallel:
-        """From the 1-D context-parallel slice of the run's device mesh."""
+    def of_mesh(cls, mesh: Any, impl: Any = "all_to_all") -> ContextParallel:
+        """From the 1-D context-parallel slice of the run's device mesh; ``impl``: a
+        :class:`~fsdp_cli.parallel.options.ContextParallelImpl` (or its name)."""
+        if getattr(impl, "value", impl) == "ring":
+            return RingContextParallel(
+                group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank(), mesh=mesh
+            )
         return cls(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
 
     # ------------------------------------------------------------------ the batch
@@ -120,6 +125,42 @@ class ContextParallel:
         return received.transpose(0, 1).reshape(rows, self.size * heads, local, dim)
 
 
+@dataclass(frozen=True, eq=False)
+class RingContextParallel(ContextParallel):
+    """torch's ring attention (``cp_impl=ring``, GPUs): each rank keeps its queries and passes its
+    keys and values around the ring. The sequence is cut into ``2 cp`` chunks and rank r holds
+    chunks r and ``2 cp - 1 - r`` (torch's head-tail load balancing: every rank then has as much
+    causal work), so its positions and labels are those chunks' too; causal only (no document
+    masks: packing is refused before launch)."""
+
+    mesh: Any = None
+    """The 1-D context-parallel mesh (ring attention runs on DTensors over it)."""
+
+    def split(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp`` along ``dim``, in that order."""
+        length, chunks = tensor.shape[dim], 2 * self.size
+        if length % chunks:
+            raise ValueError(f"ring attention: sequence length {length} does not divide by 2 x cp={chunks}")
+        part = length // chunks
+        head, tail = self.rank * part, (chunks - 1 - self.rank) * part
+        return torch.cat([tensor.narrow(dim, head, part), tensor.narrow(dim, tail, part)], dim).contiguous()
+
+    def positions(self, rows: int, length: int, device: Any) -> torch.Tensor:
+        """``[rows, length / cp]``: the global positions of this rank's two chunks."""
+        return self.split(torch.arange(length, device=device).expand(rows, length))
+
+    def whole_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        raise ValueError("ring attention takes no document mask (cp_impl=ring is refused with packing)")
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """``[B, H, T / cp, d]`` slices (key/value heads as many as the queries') -> the output slice."""
+        from fsdp_cli.compat.torch_internals import ring_attention
+
+        return ring_attention(q, k, v, self.mesh, scale)
+
+
 def _all_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Equal slices of dim 0 exchanged, with its gradient exchanged back in backward."""
     from fsdp_cli.compat.torch_internals import all_to_all
@@ -153,6 +194,12 @@ def attend(
             scale=scale,
         )
         return out.transpose(1, 2)
+    if isinstance(cp, RingContextParallel):
+        if mask is not None:
+            raise ValueError("ring attention takes no document mask (cp_impl=ring is refused with packing)")
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        return cp.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
     if k.shape[2] % cp.size:
         k, v, repeat = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2), 1
     q, k, v = cp.to_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

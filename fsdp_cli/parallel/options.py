@@ -28,6 +28,18 @@ class ActivationCheckpointing(Enum):
     """Recompute every ``ac_every_n_blocks``-th block only: a memory/compute trade-off in between."""
 
 
+class ContextParallelImpl(Enum):
+    """How attention sees the whole sequence under cp > 1 (docs/context-parallel.md)."""
+
+    all_to_all = "all_to_all"
+    """Two all-to-alls over heads around ordinary attention (DeepSpeed-Ulysses): any kernel,
+    document masks, CPU and GPU; query heads split over tp x cp."""
+    ring = "ring"
+    """torch's ring attention: key/value slices passed around the cp ranks, load-balanced
+    (head-tail) slices of the sequence; GPUs only (flash, efficient or cuDNN SDPA), causal only
+    (no packed documents)."""
+
+
 class WrapPolicy(Enum):
     block = "block"
     """The model's repeated block class (``TransformerBlock`` for the built-in model; for other

@@ -29,7 +29,12 @@ from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.fsdp2 import apply_fsdp, apply_fsdp_to_experts
 from fsdp_cli.parallel.names import canonical_name
-from fsdp_cli.parallel.options import ActivationCheckpointing, ParallelizeSettings, WrapOptions
+from fsdp_cli.parallel.options import (
+    ActivationCheckpointing,
+    ContextParallelImpl,
+    ParallelizeSettings,
+    WrapOptions,
+)
 from fsdp_cli.parallel.tensor_parallel import apply_tp, model_tp_plan
 from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
 
@@ -52,6 +57,8 @@ class ParallelizeOptions(ParallelizeSettings):
     """Which module classes become FSDP units (default: the model's repeated block)."""
     tp_shard_plan: dict[str, Any] | None = None
     """A tensor-parallel plan to use instead of ``model.tp_plan()``."""
+    context_parallel_impl: ContextParallelImpl = ContextParallelImpl.all_to_all
+    """With cp > 1: the all-to-all form (any device) or torch's ring attention (GPUs)."""
 
     def __post_init__(self) -> None:
         # Keywords as users write them: "full", True/False.
@@ -59,6 +66,7 @@ class ParallelizeOptions(ParallelizeSettings):
         if isinstance(ac, bool):
             ac = ActivationCheckpointing.full if ac else ActivationCheckpointing.none
         self.activation_checkpointing = ActivationCheckpointing(ac)
+        self.context_parallel_impl = ContextParallelImpl(self.context_parallel_impl)
 
     @classmethod
     def from_settings(cls, settings: ParallelizeSettings, **objects: Any) -> ParallelizeOptions:
@@ -157,16 +165,16 @@ def _split_layers_and_sequences(
         apply_tp(model, dims.tp_mesh, plan)
         report.tp_modules = len(plan)
     if dims.cp_enabled:
-        report.cp_modules = apply_cp(model, dims)
+        report.cp_modules = apply_cp(model, dims, options.context_parallel_impl)
 
 
-def apply_cp(model: nn.Module, dims: ParallelDims) -> int:
+def apply_cp(model: nn.Module, dims: ParallelDims, impl: Any = "all_to_all") -> int:
     """Context parallel: this rank's :class:`ContextParallel` on every module of ``model`` that
     declares ``context_parallel`` (how many); one line when none does (checked before launch for
     the model kinds fsdp-train knows)."""
     from fsdp_cli.parallel.context_parallel import ContextParallel, install
 
-    count = install(model, ContextParallel.of_mesh(dims.cp_mesh))
+    count = install(model, ContextParallel.of_mesh(dims.cp_mesh, impl))
     if count == 0:
         raise ConfigError(
             "cp",

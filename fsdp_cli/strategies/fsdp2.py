@@ -251,7 +251,10 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
         if self.dims.cp_enabled:  # the LightningModule's steps split the batch (its model may be the target)
             from fsdp_cli.parallel.context_parallel import ContextParallel, install
 
-            install(self.lightning_module, ContextParallel.of_mesh(self.dims.cp_mesh))
+            install(
+                self.lightning_module,
+                ContextParallel.of_mesh(self.dims.cp_mesh, self.options.context_parallel_impl),
+            )
         self._parallelized = True
 
     def _parallelize_stages(self, target: nn.Module) -> None:
