@@ -55,6 +55,26 @@ def check_model_arguments(run: ResolvedRun) -> None:
         check_pipeline_hooks(target, cfg.pp)
     if cfg.cp > 1:
         check_context_parallel_hook(target, cfg.cp)
+    if run.entry.user_parallelizes:
+        check_parallelizes_itself(target, cfg.model.target)
+
+
+def check_parallelizes_itself(target: Any, name: str) -> None:
+    """``strategy=model_parallel``: Lightning's ModelParallelStrategy leaves parallelizing to a
+    LightningModule's ``configure_model()``; a plain module class would train unsharded and
+    unsynchronized. (A function target is told apart by what it returns, in the rank.)"""
+    import lightning as L
+
+    if inspect.isclass(target) and not issubclass(target, L.LightningModule):
+        raise ConfigError(
+            "strategy",
+            "model_parallel",
+            f"not with a plain nn.Module (model._target_={name}): Lightning's ModelParallelStrategy "
+            "leaves parallelizing to a LightningModule's configure_model(), and nothing would shard or "
+            "synchronize a plain module",
+            allowed="strategy=model_parallel with a LightningModule that defines configure_model()",
+            hint="use strategy=fsdp2 for a plain nn.Module: it parallelizes the model for you",
+        )
 
 
 def check_context_parallel_hook(target: Any, cp: int) -> None:

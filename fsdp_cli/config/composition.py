@@ -378,6 +378,13 @@ EXPLICIT = _table(
         ),
     ),
     (
+        "fsdp:module module:resume_layout",
+        _test(
+            "test_pipeline_cut.py::test_a_nanogpt_style_module_trains_at_pp2_as_one_process",
+            "its pp=2 full file resumed under FSDP1 on 2 ranks",
+        ),
+    ),
+    (
         "lightning:pp",
         _test("test_pipeline.py::test_a_lightning_module_with_the_pipeline_hooks_trains_under_pp"),
     ),
@@ -589,11 +596,15 @@ EXPLICIT = _table(
             "strategy=model_parallel trains a LightningModule, for which packing is refused (lightning x packing)"
         ),
     ),
-    # Not refused, not yet compared with one process.
     (
         "model_parallel:module",
-        Untested("a plain module under ModelParallelStrategy: nothing parallelizes it"),
+        Refused(
+            "Lightning's ModelParallelStrategy leaves parallelizing to a LightningModule's "
+            "configure_model(), and nothing would shard or synchronize a plain module",
+            check="config.callback_classes.check_parallelizes_itself",
+        ),
     ),
+    # Not refused, not yet compared with one process.
     (
         "model_parallel:chat,bf16 lightning:chat,bf16",
         Untested("the LightningModule's own steps receive the batches"),
@@ -602,7 +613,7 @@ EXPLICIT = _table(
         "lightning:hsdp,ac,compile,float8,offload",
         Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
-    ("module:hsdp,resume_layout fsdp:module ddp:module", Untested()),
+    ("module:hsdp ddp:module", Untested()),
     (
         "compile:hf,hsdp,resume_layout",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
