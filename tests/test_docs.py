@@ -304,7 +304,7 @@ def trains_for_real(line: str, args: list[str]) -> bool:
 
 
 TRAINED_BY = {
-    "tp=": "tests/test_fsdp2.py (dp=2 x tp=2 and tp=2 layouts against one process)",
+    "tp=": "tests/test_fsdp2.py (HSDP 2x2 x tp=2 and tp=2 layouts against one process)",
     "strategy.replicate_size=": "tests/test_fsdp2.py (HSDP 2x2 against one process)",
     "strategy=ddp": "tests/test_checkpoints.py, tests/test_precision.py (DDP runs)",
     "logger=": "tests/test_callbacks_loggers_epochs.py (mlflow and wandb runs)",

@@ -29,17 +29,19 @@ def assert_synced_once_per_step(run_dir: Path, units: int) -> None:
 # three runs; each option's effect is read from the live modules (setup report), from the
 # profiler's trace, or by the library checks below, and every run must keep the losses.
 OPTIONS = {
-    # dp2 x tp2 with sequence parallel; every second block checkpointed after tensor parallel
-    # split it (the order parallelize applies them); one FSDP unit, the root; 8 sequences per step
-    # = 2 replicas x 2 micro-batches x 2 sequences: the same optimisation as one process.
-    "dp2_tp2_sequence_parallel": [
-        "devices=4",
+    # HSDP 2x2 x tp2 (8 ranks) with sequence parallel; every second block checkpointed after
+    # tensor parallel split it (the order parallelize applies them); one FSDP unit, the root; 8
+    # sequences per step = 4 data-parallel ranks x 2 micro-batches x 1 sequence: the same
+    # optimisation as one process.
+    "hsdp2x2_tp2_sequence_parallel": [
+        "devices=8",
         "tp=2",
+        "strategy.replicate_size=2",
         "strategy.sequence_parallel=true",
         "wrap=none",
         "strategy.activation_checkpointing=selective",
         "strategy.ac_every_n_blocks=2",
-        "data.micro_batch_size=2",
+        "data.micro_batch_size=1",
     ],
     # Also accumulates 2 micro-batches per step and profiles them: the trace shows which backward
     # passes reduce-scatter and all-reduce across the replicas (only the last of each step).
@@ -63,8 +65,8 @@ OPTIONS = {
     ],
 }
 EXPECTED_SETUP = {
-    "dp2_tp2_sequence_parallel": {
-        "mesh": {"data_parallel_replicate": 1, "data_parallel_shard": 2, "tensor_parallel": 2},
+    "hsdp2x2_tp2_sequence_parallel": {
+        "mesh": {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 2},
         "activation_checkpointing": 2,
         "fsdp_units": ["<root>"],
     },

@@ -324,7 +324,7 @@ EXPLICIT = _table(
     ),
     ("ddp:lightning", _test("test_loader_workers.py::test_loader_workers_train_as_under_plain_lightning")),
     (
-        "fsdp2:hsdp,ac,offload builtin:hsdp,ac,offload tp:ac ac:offload",
+        "fsdp2:hsdp,ac,offload builtin:hsdp,ac,offload tp:ac,hsdp ac:offload",
         _test("test_fsdp2.py::test_option_keeps_single_process_losses"),
     ),
     (
@@ -618,7 +618,7 @@ EXPLICIT = _table(
         "compile:hf,hsdp,resume_layout",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
     ),
-    ("hsdp:tp,pp", Untested("needs 8 ranks (hsdp x tp or pp)")),
+    ("hsdp:pp", Untested("needs 8 ranks (hsdp x pp)")),
     ("tp:bf16", Untested("the composed tensor-parallel run is fp32")),
 )
 
