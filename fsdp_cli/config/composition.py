@@ -378,10 +378,10 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "fsdp:module module:resume_layout",
+        "fsdp:module ddp:module module:resume_layout",
         _test(
             "test_pipeline_cut.py::test_a_nanogpt_style_module_trains_at_pp2_as_one_process",
-            "its pp=2 full file resumed under FSDP1 on 2 ranks",
+            "its pp=2 full file resumed under FSDP1 and under DDP on 2 ranks",
         ),
     ),
     (
@@ -613,7 +613,7 @@ EXPLICIT = _table(
         "lightning:hsdp,ac,compile,float8,offload",
         Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
-    ("module:hsdp ddp:module", Untested()),
+    ("module:hsdp", Untested()),
     (
         "compile:hf,hsdp,resume_layout",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
