@@ -102,7 +102,9 @@ class FSDP2Strategy(GlobalNormClipping, DistributedCheckpointing, ModelParallelS
             tensor parallel): every module of the LightningModule that declares a class attribute
             ``context_parallel`` gets this rank's
             :class:`~fsdp_cli.parallel.context_parallel.ContextParallel` (docs/context-parallel.md);
-            parameters are sharded over the data-parallel x cp ranks.
+            parameters are sharded over the data-parallel x cp ranks. Its attention is the
+            all-to-all form unless ``context_parallel_impl="ring"`` (an option, as every field of
+            ``ParallelizeOptions``: torch's ring attention, GPUs only).
         expert_parallel_size: ranks each mixture-of-experts layer's experts are split over (ep),
             borrowed from the data-parallel shard ranks: the model answers ``expert_modules()``
             and ``use_expert_parallel(mesh)`` (``model=hf`` MoE models do;
