@@ -4,6 +4,8 @@ first step and never again (no graph breaks, no recompiles: torch._dynamo's coun
 each rank by tests/assets/live_probe.py), and the losses are eager's to 1e-5 relative.
 
 The eager references are the shared parity runs of the same layouts (conftest ``layout_run``).
+The compiled tensor-parallel run starts from the eager dp=2 run's step-3 checkpoint (compile
+across a resume at another layout): its steps 4-6 are eager's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ pytestmark = pytest.mark.distributed
 BLOCKS = 4  # the tiny model's layers
 
 
+RESUMED_FROM = {"fsdp2_tp2": "fsdp2"}
+"""A compiled layout that starts from the step-3 checkpoint of another layout's eager run."""
+
+
 @pytest.fixture(scope="module")
-def compiled_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, Any]]]:
+def compiled_run(
+    tmp_path_factory: pytest.TempPathFactory, layout_run: Any
+) -> Callable[[str], tuple[Path, dict[str, Any]]]:
     """``compiled_run(layout)`` -> (probe root, summary) of ``LAYOUTS[layout]`` with compile on."""
     root = tmp_path_factory.mktemp("compile")
     done: dict[str, tuple[Path, dict[str, Any]]] = {}
@@ -33,6 +41,9 @@ def compiled_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tu
             where = root / layout
             run_dir = where / "run"
             args = [*LAYOUTS[layout], *PARITY, "strategy.compile=true"]
+            if layout in RESUMED_FROM:
+                saved = layout_run(RESUMED_FROM[layout]) / "checkpoints" / "step_00000003"
+                args.append(f"resume={saved}")
             done[layout] = (where, assert_ok(run_cli(args, run_dir, env=probe_env(where)), run_dir))
         return done[layout]
 
@@ -52,6 +63,8 @@ def test_blocks_compile_once_and_train_like_eager(layout_run: Any, compiled_run:
         assert first["unique_graphs"] == 1, dynamo
         assert end == first, dynamo  # nothing compiled after the first step: no recompiles
     eager, compiled = losses(layout_run(layout)), losses(root / "run")
-    assert len(compiled) == len(eager) >= 5
+    if layout in RESUMED_FROM:
+        eager = eager[3:]  # (steps 4-6: the same optimisation in every layout)
+    assert len(compiled) == len(eager) >= 3
     worst = max(abs(a - b) / b for a, b in zip(compiled, eager))
     assert worst <= 1e-5, (worst, compiled, eager)

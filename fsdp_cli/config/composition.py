@@ -344,8 +344,11 @@ EXPLICIT = _table(
         _test("test_precision.py::test_losses_within_tolerance_of_fp32", "within bf16's tolerance of fp32"),
     ),
     (
-        "fsdp2:compile builtin:compile tp:compile",
-        _test("test_compile.py::test_blocks_compile_once_and_train_like_eager"),
+        "fsdp2:compile builtin:compile tp:compile compile:resume_layout",
+        _test(
+            "test_compile.py::test_blocks_compile_once_and_train_like_eager",
+            "the compiled tp=2 run starts from the eager dp=2 run's step-3 checkpoint",
+        ),
     ),
     (
         "fsdp2:float8 builtin:float8 bf16:float8",
@@ -615,7 +618,7 @@ EXPLICIT = _table(
     ),
     ("module:hsdp", Untested()),
     (
-        "compile:hf,hsdp,resume_layout",
+        "compile:hf,hsdp",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
     ),
     ("hsdp:pp", Untested("needs 8 ranks (hsdp x pp)")),

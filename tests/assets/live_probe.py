@@ -253,8 +253,7 @@ class LiveProbe(L.Callback):
             self.info["grads"] = dtypes_of(p.grad for p in pl_module.parameters())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        idx = args[-1]
-        if idx == 0:
+        if "dynamo" not in self.info:  # this process's first batch (a resumed run's too)
             self.info["optimizer_state"] = dtypes_of(
                 v
                 for opt in trainer.optimizers
