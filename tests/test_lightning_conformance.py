@@ -508,10 +508,17 @@ RUNS = {
             "+model.param_dtype=bfloat16",
         ],
     ),
-    # Encoder and decoder stacks, manual optimization, a batch that returns None.
+    # Encoder and decoder stacks, manual optimization, a batch that returns None; fsdp-train's
+    # activation checkpointing (every layer of both stacks) and CPU offload on the module's own
+    # layers, which change nothing of its losses.
     "encoder_decoder": (
         "encoder_decoder",
-        ["strategy=fsdp2", "model._target_=tests.assets.lightning_style.EncoderDecoderLM"],
+        [
+            "strategy=fsdp2",
+            "model._target_=tests.assets.lightning_style.EncoderDecoderLM",
+            "strategy.activation_checkpointing=full",
+            "strategy.cpu_offload=true",
+        ],
     ),
 }
 
@@ -542,6 +549,7 @@ def test_lightning_modules_train_as_under_a_plain_trainer(
     if run == "encoder_decoder":
         units = setup["fsdp_units"]
         assert "model.encoder.layers.1" in units and "model.decoder.layers.1" in units and "<root>" in units
+        assert setup["activation_checkpointing"] == 4 and setup["param_device"] == ["cpu"], setup
 
 
 @pytest.mark.distributed

@@ -306,6 +306,13 @@ EXPLICIT = _table(
         _test("test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer"),
     ),
     (
+        "lightning:ac,offload",
+        _test(
+            "test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer",
+            "an encoder-decoder LightningModule with manual optimization, against plain Lightning",
+        ),
+    ),
+    (
         "model_parallel:lightning,tp lightning:tp",
         _test(
             "test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer",
@@ -613,7 +620,7 @@ EXPLICIT = _table(
         Untested("the LightningModule's own steps receive the batches"),
     ),
     (
-        "lightning:hsdp,ac,compile,float8,offload",
+        "lightning:hsdp,compile,float8",
         Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
     ("module:hsdp", Untested()),
