@@ -38,7 +38,7 @@ from torch import nn
 
 from fsdp_cli.compat.torch_internals import inplace_version
 from fsdp_cli.errors import ConfigError
-from fsdp_cli.pipeline.stages import PipelineSplit
+from fsdp_cli.pipeline.stages import PipelineSplit, block_names
 
 
 class Untraceable(str):
@@ -106,10 +106,7 @@ def check_sequential_cut(split: PipelineSplit, example: torch.Tensor) -> Pipelin
 
 def part_names(split: PipelineSplit) -> list[str]:
     """The parts in the order the stages run them."""
-    container = split.model.get_submodule(split.blocks)
-    keys = container.keys() if isinstance(container, nn.ModuleDict) else range(len(container))
-    blocks = [f"{split.blocks}.{key}" for key in keys]  # (named_children would drop a repeated one)
-    return [*split.first, *blocks, *split.last]
+    return [*split.first, *block_names(split.model, split.blocks), *split.last]
 
 
 def shared_part(model: nn.Module, parts: list[str]) -> str | None:

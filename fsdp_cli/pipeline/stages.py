@@ -142,6 +142,14 @@ def split_of(model: nn.Module) -> PipelineSplit:
     return split
 
 
+def block_names(model: nn.Module, blocks: str) -> list[str]:
+    """The dotted names of the blocks of ``model``'s block list ``blocks``, in order (a repeated
+    module once per place it holds)."""
+    container = model.get_submodule(blocks)
+    keys = container.keys() if isinstance(container, nn.ModuleDict) else range(len(container))
+    return [f"{blocks}.{key}" for key in keys]
+
+
 def block_count(split: PipelineSplit) -> int:
     return len(split.model.get_submodule(split.blocks))
 

@@ -30,13 +30,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fsdp_cli.pipeline.stages import PipelineSplit
-
-
-def block_names(model: nn.Module, blocks: str) -> list[str]:
-    container = model.get_submodule(blocks)
-    keys = container.keys() if isinstance(container, nn.ModuleDict) else range(len(container))
-    return [f"{blocks}.{key}" for key in keys]
+from fsdp_cli.pipeline.stages import PipelineSplit, block_names
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -79,7 +73,7 @@ def outputs(piece: fx.GraphModule) -> list[Any]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-def pieces_problem(model: nn.Module, pieces: list[fx.GraphModule], blocks: list[str]) -> str | None:
+def pieces_problem(pieces: list[fx.GraphModule], blocks: list[str]) -> str | None:
     """Why these pieces cannot be the stages' work (None: they can)."""
     if len(pieces) != len(blocks) + 1:
         return f"its traced forward splits into {len(pieces)} pieces, not one per block and one before them"
@@ -110,14 +104,14 @@ def traced_split(split: PipelineSplit, example: torch.Tensor) -> PipelineSplit |
     reason when it cannot be cut so."""
     model = split.model
     blocks = block_names(model, split.blocks)
-    copy_ = meta_copy(model)
+    copy_ = meta_copy(model).train(True)  # (keyed as a training trace below)
     try:
         pieces = trace_pieces(copy_, blocks, example.to("meta"))
     except Exception as err:  # noqa: BLE001 - torch.export's reason, in one line
         cause = err.__cause__ or err
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         return f"torch.export cannot trace its forward ({type(cause).__name__}: {first[:160]})"
-    problem = pieces_problem(copy_, pieces, blocks)
+    problem = pieces_problem(pieces, blocks)
     if problem:
         return problem
     first, last = tuple(calls(pieces[0])), tuple(calls(pieces[-1])[1:])
