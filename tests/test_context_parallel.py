@@ -291,3 +291,15 @@ def test_ring_slices_are_head_and_tail_chunks_with_their_global_positions_and_la
     assert torch.equal(targets, inputs + 1)  # shifted before the split: no boundary lost
     rows = torch.randn(length, 3)
     assert torch.equal(torch.cat([r.split(rows, dim=0) for r in ranks]), rows[order])
+
+
+def test_ring_attention_keeps_every_head_so_heads_need_not_split_over_cp() -> None:
+    """2 heads at cp=4: refused for the all-to-all form (each rank takes whole heads), not for ring
+    attention (each rank keeps every head of its slice)."""
+    from fsdp_cli.config.model_kinds import check_context_parallel
+    from fsdp_cli.errors import ConfigError
+
+    sizes = ["devices=4", "cp=4", "model.n_heads=2", "model.n_kv_heads=2", "model.dim=32", "data.seq_len=32"]
+    check_context_parallel(run_of(composed(*sizes, "cp_impl=ring"), gpus=4))
+    with pytest.raises(ConfigError, match=r"^cp=4: model.n_heads=2 does not split over tp=1 x cp=4"):
+        check_context_parallel(run_of(composed(*sizes), gpus=4))

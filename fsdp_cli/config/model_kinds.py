@@ -151,7 +151,8 @@ def check_context_parallel(run: ResolvedRun) -> None:
     cp, kind = run.layout.cp, run.model_kind
     if cp == 1:
         return
-    if run.cfg.cp_impl.value == "ring":
+    ring = run.cfg.cp_impl.value == "ring"
+    if ring:  # (its heads need not split over cp: each rank keeps every head of its slice)
         _check_ring_attention(run)
     seq = getattr(run.cfg.data, "seq_len", None)
     if isinstance(seq, int) and seq % cp:
@@ -174,7 +175,7 @@ def check_context_parallel(run: ResolvedRun) -> None:
         )
     heads = kind.tp_sizes(run.cfg.model).get(kind.attention_heads)
     split = run.layout.tp * cp
-    if isinstance(heads, int) and heads % split:
+    if isinstance(heads, int) and heads % split and not ring:
         good = [d for d in range(1, cp + 1) if heads % (run.layout.tp * d) == 0]
         raise ConfigError(
             "cp",
