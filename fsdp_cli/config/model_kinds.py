@@ -299,21 +299,15 @@ def check_llama_sizes(run: ResolvedRun) -> None:
 
 def check_llama_experts(run: ResolvedRun) -> None:
     """The built-in mixture of experts: no tensor-parallel plan for its experts (refused at tp > 1);
-    its routing bias (``balance_bias_rate``) needs experts, and the whole model on each rank's
-    stage (pipeline stages hold some of the layers)."""
+    its routing bias (``balance_bias_rate``) needs experts."""
     model: LlamaConfig = run.cfg.model
-    if model.balance_bias_rate and (not model.n_experts or run.layout.pp > 1):
+    if model.balance_bias_rate and not model.n_experts:
         raise ConfigError(
             "model.balance_bias_rate",
             model.balance_bias_rate,
-            "is a mixture of experts' routing bias"
-            + (
-                f": not with pp={run.layout.pp} (its update counts every layer's tokens)"
-                if model.n_experts
-                else ""
-            ),
-            allowed="0" + (" with pp > 1" if model.n_experts else " with model.n_experts=0"),
-            hint="model.n_experts > 0" if not model.n_experts else "pp=1 (split the experts over ep instead)",
+            "is a mixture of experts' routing bias",
+            allowed="0 with model.n_experts=0",
+            hint="model.n_experts > 0",
         )
     if model.n_experts and run.layout.tp > 1:
         raise ConfigError(

@@ -254,7 +254,7 @@ class Llama(TrainsBalanceLoss, nn.Module):
             self.record_balance(logits, cfg.n_experts, cfg.experts_per_token, cfg.aux_loss_coef)
         if cfg.balance_bias_rate and self.training:
             # (here, not in the blocks: activation checkpointing runs their forward again)
-            self.count_routed([m.chosen for m in self.modules() if isinstance(m, MoE)], cfg.n_experts)
+            self.count_routed(routed(self.layers), cfg.n_experts, cfg.n_layers)
         return self.output(self.norm(h))
 
     def update_balance_bias(self) -> None:
@@ -263,10 +263,9 @@ class Llama(TrainsBalanceLoss, nn.Module):
         counts = self.pop_routed()
         if counts is None:
             return
-        moes = [m for m in self.modules() if isinstance(m, MoE)]
         step = self.cfg.balance_bias_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
-        for moe, change in zip(moes, step, strict=True):
-            moe.expert_bias.add_(change.to(moe.expert_bias.dtype))
+        for index, moe in moe_layers(self.layers).items():  # (a pipeline stage: its own layers)
+            moe.expert_bias.add_(step[index].to(moe.expert_bias.dtype))
 
     def expert_modules(self) -> list[nn.Module]:
         """The fused experts of each MoE block (none for a dense model)."""
@@ -380,4 +379,18 @@ def _llama_stage_forward(
         rope, mask = model.rope[position_ids], document_mask(position_ids)
     for layer in view.blocks.values():
         h = layer(h, rope, mask)
+    cfg = model.cfg
+    if cfg.balance_bias_rate and model.training:  # this stage's layers' rows (Llama.forward's count)
+        model.count_routed(routed(view.blocks), cfg.n_experts, cfg.n_layers)
     return model.output(model.norm(h)) if view.is_last else h
+
+
+def moe_layers(layers: Any) -> dict[int, MoE]:
+    """Each block's mixture of experts by the block's index in the whole model (``layers``: the
+    model's block dict, or a pipeline stage's)."""
+    return {int(key): m for key, block in layers.items() for m in block.modules() if isinstance(m, MoE)}
+
+
+def routed(layers: Any) -> dict[int, torch.Tensor]:
+    """The experts each MoE block of ``layers`` chose per token in its last forward, by block index."""
+    return {index: moe.chosen for index, moe in moe_layers(layers).items()}

@@ -30,7 +30,7 @@ Two things must be global, not per rank (each a test of tests/test_expert_parall
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,11 +229,21 @@ class TrainsBalanceLoss:
 
     _routed: torch.Tensor | None = None
 
-    def count_routed(self, chosen: Sequence[torch.Tensor], num_experts: int) -> None:
-        """Add a training forward's choices (each MoE layer's experts per token) to the tokens
-        per expert counted since :meth:`pop_routed` (auxiliary-loss-free balancing)."""
-        counts = torch.stack([torch.bincount(c.reshape(-1), minlength=num_experts) for c in chosen])
+    def count_routed(self, chosen: Mapping[int, torch.Tensor], num_experts: int, layers: int) -> None:
+        """Add a training forward's choices (the experts per token of the MoE layers it ran, by
+        their index among the model's ``layers``) to the tokens per expert counted since
+        :meth:`pop_routed` (auxiliary-loss-free balancing). A pipeline stage counts its own layers'
+        rows; the sum over the ranks fills every row."""
+        first = next(iter(chosen.values()))
+        counts = torch.zeros(layers, num_experts, dtype=torch.long, device=first.device)
+        for index, experts in chosen.items():
+            counts[index] += torch.bincount(experts.reshape(-1), minlength=num_experts)
         self._routed = counts if self._routed is None else self._routed + counts
+
+    def discard_routed(self) -> None:
+        """Forget what was counted since the last :meth:`pop_routed` (a forward that was not
+        training: a pipeline's metadata inference)."""
+        self._routed = None
 
     def pop_routed(self) -> torch.Tensor | None:
         """The tokens each layer's experts got since the last call ``[layers, experts]``, summed

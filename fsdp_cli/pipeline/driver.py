@@ -134,7 +134,6 @@ class PipelineDriver:
         """``shapes``: each stage's example input and output, by stage id, where they are known
         before the first step (the rehearsal's, :mod:`fsdp_cli.plan.fake_step`); None: torch
         infers them at the first step, exchanging them with the neighbouring stages."""
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         group = dims.pp_mesh.get_group()
@@ -143,8 +142,9 @@ class PipelineDriver:
         self.loss_fn = loss_fn
         self.step_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         given = shapes or {}
+        stage_class = _stage_class()
         piped = [
-            PipelineStage(
+            stage_class(
                 view,
                 stage_index=s,
                 num_stages=layout.n_stages,
@@ -204,6 +204,26 @@ class PipelineDriver:
             loss = torch.stack([x.detach().float() for x in losses]).mean() / scale
         torch.distributed.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
+
+
+def _stage_class() -> type:
+    """torch's ``PipelineStage``, whose clean-up after its first step's metadata inference (a real
+    forward and backward of every stage, before the step's own) also drops what that forward
+    counted for the model's routing bias (``discard_routed``: the step counts its own tokens)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from fsdp_cli.compat import require
+
+    require(PipelineStage, "_post_metadata_inference_cleanup", "torch")
+
+    class Stage(PipelineStage):
+        def _post_metadata_inference_cleanup(self) -> None:
+            super()._post_metadata_inference_cleanup()
+            discard = getattr(self.submod.owner, "discard_routed", None)
+            if discard is not None:
+                discard()
+
+    return Stage
 
 
 def traced_forwards(stages: list[StageView]) -> list[Any]:
