@@ -211,7 +211,7 @@ def test_a_nanogpt_style_module_trains_at_pp2_as_one_process(tmp_path: Path) -> 
     """fsdp-train with benchmarks.gpt.GPT (positions added to the token embedding in forward) at
     pp=2: its stages cut by torch's tracer, 8 steps equal to one process (losses and gradient norms,
     fp32), its full file laid out as one process's (the model's names), and its step-4 file resumed
-    under FSDP1 and under DDP on 2 ranks, each continuing as the one process did."""
+    under FSDP1 and DDP on 2 ranks and HSDP 2x2 on 4, each continuing as the one process did."""
     common = [
         "model=custom",
         "model._target_=benchmarks.gpt.GPT",
@@ -237,8 +237,12 @@ def test_a_nanogpt_style_module_trains_at_pp2_as_one_process(tmp_path: Path) -> 
     last = Path("checkpoints") / "step_00000008.pt"
     assert_a_pp1_full_file(piped / last, one / last)
     saved = piped / "checkpoints" / "step_00000004.pt"
-    for strategy in ("fsdp", "ddp"):
-        resumed = tmp_path / strategy
-        args = [*common, f"strategy={strategy}", "devices=2", f"resume={saved}"]
-        assert_ok(run_cli(args, resumed, env=env), resumed)
-        assert relative_gap(losses(resumed), losses(one)[4:]) < 1e-5, strategy
+    layouts = {
+        "fsdp": ["strategy=fsdp", "devices=2"],
+        "ddp": ["strategy=ddp", "devices=2"],
+        "hsdp": ["strategy=fsdp2", "devices=4", "strategy.replicate_size=2"],
+    }
+    for name, layout in layouts.items():
+        resumed = tmp_path / name
+        assert_ok(run_cli([*common, *layout, f"resume={saved}"], resumed, env=env), resumed)
+        assert relative_gap(losses(resumed), losses(one)[4:]) < 1e-5, name

@@ -388,10 +388,10 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "fsdp:module ddp:module module:resume_layout",
+        "fsdp:module ddp:module module:resume_layout,hsdp",
         _test(
             "test_pipeline_cut.py::test_a_nanogpt_style_module_trains_at_pp2_as_one_process",
-            "its pp=2 full file resumed under FSDP1 and under DDP on 2 ranks",
+            "its pp=2 full file resumed under FSDP1 and DDP on 2 ranks and HSDP 2x2",
         ),
     ),
     (
@@ -623,7 +623,6 @@ EXPLICIT = _table(
         "lightning:hsdp,compile,float8",
         Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
-    ("module:hsdp", Untested()),
     (
         "compile:hf,hsdp",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
