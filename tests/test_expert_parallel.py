@@ -490,8 +490,8 @@ def test_pipeline_stages_count_their_own_layers_routing_and_the_sum_is_the_whole
 
 @pytest.mark.distributed
 def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> None:
-    """The built-in MoE balanced by its routing bias (no balance loss) at pp=2 against one process,
-    fp32, 6 steps: losses within 1e-5, the first step's gradient norm equal, and every layer's
+    """The built-in MoE balanced by its routing bias (no balance loss) at pp=2 x HSDP 2x2 against
+    one process, fp32, 6 steps: losses within 1e-5, the first step's gradient norm equal, and every layer's
     expert_bias in the step-6 full files bit for bit one process's (the stages count their own
     layers' tokens; the tokens of torch's metadata-inference forward, before the first step, are
     not counted: counted, layer 3's bias moved the other way after step 1)."""
@@ -509,7 +509,11 @@ def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> No
         "trainer.gradient_clip_val=1000000",
         "checkpoint=full",
     ]
-    runs = {"pp2": [], "one": ["pp=1", "devices=1"]}
+    # pp=2 x HSDP 2x2 (8 ranks): the stages' counts summed over the replicas and shards too.
+    runs = {
+        "pp2": ["devices=8", "strategy.replicate_size=2", "pipeline.microbatches=2"],
+        "one": ["pp=1", "devices=1"],
+    }
     for name, layout in runs.items():
         assert_ok(run_cli([*args, *layout], tmp_path / name, env=CPU), tmp_path / name)
     assert relative_gap(losses(tmp_path / "pp2"), losses(tmp_path / "one")) < 1e-5

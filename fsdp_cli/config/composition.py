@@ -614,6 +614,13 @@ EXPLICIT = _table(
             check="config.callback_classes.check_parallelizes_itself",
         ),
     ),
+    (
+        "hsdp:pp",
+        _test(
+            "test_expert_parallel.py::test_the_routing_bias_under_pp_moves_as_in_one_process",
+            "pp=2 x HSDP 2x2 on 8 ranks: the built-in MoE balanced by its routing bias",
+        ),
+    ),
     # Not refused, not yet compared with one process.
     (
         "model_parallel:chat,bf16 lightning:chat,bf16",
@@ -627,7 +634,6 @@ EXPLICIT = _table(
         "compile:hf,hsdp",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
     ),
-    ("hsdp:pp", Untested("needs 8 ranks (hsdp x pp)")),
     ("tp:bf16", Untested("the composed tensor-parallel run is fp32")),
 )
 
