@@ -351,10 +351,11 @@ EXPLICIT = _table(
         _test("test_precision.py::test_losses_within_tolerance_of_fp32", "within bf16's tolerance of fp32"),
     ),
     (
-        "fsdp2:compile builtin:compile tp:compile compile:resume_layout",
+        "fsdp2:compile builtin:compile tp:compile compile:resume_layout,hsdp",
         _test(
             "test_compile.py::test_blocks_compile_once_and_train_like_eager",
-            "the compiled tp=2 run starts from the eager dp=2 run's step-3 checkpoint",
+            "HSDP 2x2 compiled against one process; the compiled tp=2 run starts from the eager dp=2 run's "
+            "step-3 checkpoint",
         ),
     ),
     (
@@ -631,7 +632,7 @@ EXPLICIT = _table(
         Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
     (
-        "compile:hf,hsdp",
+        "compile:hf",
         Untested("the composed hf run is eager (compiling it costs the suite a minute)"),
     ),
     ("tp:bf16", Untested("the composed tensor-parallel run is fp32")),
