@@ -12,7 +12,9 @@ also trains the whole model in one process on the whole batch. Prints one JSON l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fsdp_cli.models.args import LlamaArgs
 from fsdp_cli.parallel.dims import ParallelDims
+from fsdp_cli.parallel.grad_norm import clip_grad_norm
 from fsdp_cli.parallel.parallelize import ParallelizeOptions
 from fsdp_cli.pipeline.cut_check import check_sequential_cut
 from fsdp_cli.pipeline.driver import PipelineDriver, layout_of, parallelize_stages
@@ -88,6 +91,16 @@ def llama() -> nn.Module:
     return Llama(args, seed=0)
 
 
+def moe() -> nn.Module:
+    """The built-in Llama with 4 routed experts, top-2, no balance loss: at pp x dp its experts
+    split over the data-parallel ranks (ep = dp), tokens exchanged all-to-all inside the stages."""
+    from fsdp_cli.models.llama import Llama
+
+    args = LlamaArgs(dim=16, n_layers=4, n_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, tie_embeddings=False)
+    args = dataclasses.replace(args, n_experts=4, experts_per_token=2, moe_hidden_dim=16, aux_loss_coef=0.0)
+    return Llama(args, seed=0)
+
+
 def hf(folder: str) -> nn.Module:
     from fsdp_cli.models.args import HFModelArgs
     from fsdp_cli.models.hf import build_hf_model
@@ -124,25 +137,29 @@ def step_kwargs(packed: bool, steps: int) -> list[dict[str, torch.Tensor]]:
     return [{"position_ids": p} for p in packed_positions(steps)] if packed else [{}] * steps
 
 
-def one_process(factory: Callable[[], nn.Module], steps: int, packed: bool = False) -> list[float]:
+def one_process(
+    factory: Callable[[], nn.Module], steps: int, packed: bool = False
+) -> tuple[list[float], list[float]]:
+    """Per step: the loss and the gradient norm."""
     with torch.device("meta"):
         model = factory()
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = []
+    out, norms = [], []
     for batch, kwargs in zip(batches(steps), step_kwargs(packed, steps), strict=True):
         loss = loss_fn(model(batch[:, :-1], **kwargs), batch[:, 1:])
         loss.backward()
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         opt.step()
         opt.zero_grad()
         out.append(loss.item())
-    return out
+    return out, norms
 
 
 def pipelined(
     factory: Callable[[], nn.Module], dims: ParallelDims, schedule: str, steps: int, packed: bool = False
-) -> list[float]:
+) -> tuple[list[float], list[float]]:
     with torch.device("meta"):
         model = factory()
     split = check_sequential_cut(split_of(model), torch.zeros(1, SEQ, dtype=torch.long, device="meta"))
@@ -154,16 +171,19 @@ def pipelined(
     driver = PipelineDriver(stages, layout, dims, torch.device("cpu"), loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dp_rank, dp = dims.data_parallel_mesh.get_local_rank(), dims.dp
-    out = []
+    out, norms = [], []
     for batch, kwargs in zip(batches(steps), step_kwargs(packed, steps), strict=True):
         mine = batch.chunk(dp)[dp_rank]
         given = {k: v.chunk(dp)[dp_rank] for k, v in kwargs.items()}
         loss = driver.step(mine[:, :-1], mine[:, 1:], train=True, kwargs=given)
+        norms.append(
+            float(clip_grad_norm(None, model.parameters(), math.inf, across=dims.pp_mesh.get_group()))
+        )
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss, group=dims.data_parallel_mesh.get_group())
         out.append(loss.item() / dp)
-    return out
+    return out, norms
 
 
 def main() -> None:
@@ -177,15 +197,19 @@ def main() -> None:
     parser.add_argument("--hf-folder", default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    factories = {"llama": llama, "module": PlainModel, "hf": lambda: hf(args.hf_folder)}
+    factories = {"llama": llama, "moe": moe, "module": PlainModel, "hf": lambda: hf(args.hf_folder)}
     for name in args.models.split(","):
         # "llama+packed": packed documents, their position_ids given to every stage by keyword.
         kind, packed = name.removesuffix("+packed"), name.endswith("+packed")
-        reference = one_process(factories[kind], args.steps, packed) if dist.get_rank() == 0 else []
+        reference, ref_norms = (
+            one_process(factories[kind], args.steps, packed) if dist.get_rank() == 0 else ([], [])
+        )
         for schedule in args.schedules.split(","):
-            dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, pp=args.pp)
+            # The MoE's experts split over the data-parallel ranks (ep = dp).
+            ep = args.dp if kind == "moe" else 1
+            dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, pp=args.pp, ep=ep)
             dims.build_mesh("cpu")
-            losses = pipelined(factories[kind], dims, schedule, args.steps, packed)
+            losses, norms = pipelined(factories[kind], dims, schedule, args.steps, packed)
             if dist.get_rank() == 0:
                 worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
                 row = {
@@ -194,6 +218,9 @@ def main() -> None:
                     "losses": losses,
                     "reference": reference,
                     "rel": worst,
+                    # The first step's gradient norm (the same weights on both): a gradient
+                    # scaled wrong, which AdamW's losses hide, shows here.
+                    "norm_rel": abs(norms[0] - ref_norms[0]) / ref_norms[0],
                 }
                 print(json.dumps(row), flush=True)
     dist.destroy_process_group()

@@ -191,14 +191,19 @@ QWEN3_235B_A22B = {
 """Qwen3-235B-A22B's sizes (its config.json's, as published)."""
 
 
-def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 4])
+def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, tmp_path: Path) -> None:
     """Rank 511 of 64 nodes x 8 GPUs at ep=8, built on the fake backend: its mesh place, its held
     bytes as the plan says, and the experts sharded along their rows (128 experts over 8 ep ranks
     leave 16 per rank for 64 shard ranks): about 1.8 GB of bf16-mixed fp32 parameters per rank,
-    where sharding the experts along dim 0 would leave every rank one whole expert per layer (7 GB)."""
+    where sharding the experts along dim 0 would leave every rank one whole expert per layer (7 GB).
+    At pp=4 x ep=8 (its last stage: 23 MoE layers, each stage's experts split over its own 8 ep
+    ranks, over 16 shard ranks): the stages' shapes found with the experts' value-dependent routing
+    left out (meta and fake tensors have no values to route by), held bytes as planned."""
     from fsdp_cli.plan.rehearsal import HELD
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_235B_A22B))
+    config = {**QWEN3_235B_A22B, "output_router_logits": pp == 1}  # (no balance loss under pp)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     args = [
         "--rehearse",
         "model=hf",
@@ -206,6 +211,7 @@ def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(tmp_path: Path) -> 
         "model.pretrained=false",
         "num_nodes=64",
         "ep=8",
+        f"pp={pp}",
         "precision=bf16-mixed",
         "data.seq_len=4096",
         "data.global_batch_size=512",
@@ -215,16 +221,20 @@ def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(tmp_path: Path) -> 
     out = json.loads(r.stdout)
     rehearsal = out["rehearsal"]
     assert (rehearsal["world_size"], rehearsal["rank"]) == (512, 511)
+    shard_ranks = 64 // pp
     assert rehearsal["mesh_coordinates"] == {
+        **({"pipeline_parallel": pp - 1} if pp > 1 else {}),
         "data_parallel_replicate": 0,
-        "expert_data_parallel_shard": 63,
+        "expert_data_parallel_shard": shard_ranks - 1,
         "expert_parallel": 7,
         "tensor_parallel": 0,
     }
-    assert sum(u.endswith("mlp.experts") for u in rehearsal["fsdp_units"]) == 94
+    layers = 94 if pp == 1 else 23  # (blocks 71-93 on the last of 4 stages)
+    assert sum(u.endswith("mlp.experts") for u in rehearsal["fsdp_units"]) == layers
     assert rehearsal["disagreements"] == []
     assert rehearsal["held_bytes"] == {k: out["ranks"][511][k] for k in HELD}
-    assert 1.7e9 < rehearsal["held_bytes"]["params"] < 1.9e9
+    if pp == 1:
+        assert 1.7e9 < rehearsal["held_bytes"]["params"] < 1.9e9
 
 
 # --------------------------------------------------------------------------- refused before launch
@@ -490,8 +500,9 @@ def test_pipeline_stages_count_their_own_layers_routing_and_the_sum_is_the_whole
 
 @pytest.mark.distributed
 def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> None:
-    """The built-in MoE balanced by its routing bias (no balance loss) at pp=2 x HSDP 2x2 against
-    one process, fp32, 6 steps: losses within 1e-5, the first step's gradient norm equal, and every layer's
+    """The built-in MoE balanced by its routing bias (no balance loss) at pp=2 x HSDP 2x2, its
+    experts split over ep=2 inside each stage, against one process, fp32, 6 steps: losses within
+    1e-5, the first step's gradient norm equal (expert gradients not divided by ep would move it), and every layer's
     expert_bias in the step-6 full files bit for bit one process's (the stages count their own
     layers' tokens; the tokens of torch's metadata-inference forward, before the first step, are
     not counted: counted, layer 3's bias moved the other way after step 1)."""
@@ -509,13 +520,19 @@ def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> No
         "trainer.gradient_clip_val=1000000",
         "checkpoint=full",
     ]
-    # pp=2 x HSDP 2x2 (8 ranks): the stages' counts summed over the replicas and shards too.
+    # pp=2 x HSDP 2x2 (8 ranks), each stage's experts split over its 2 shard ranks (ep=2): the
+    # stages' counts summed over the replicas and shards too.
     runs = {
-        "pp2": ["devices=8", "strategy.replicate_size=2", "pipeline.microbatches=2"],
+        "pp2": ["devices=8", "strategy.replicate_size=2", "ep=2", "pipeline.microbatches=2"],
         "one": ["pp=1", "devices=1"],
     }
     for name, layout in runs.items():
         assert_ok(run_cli([*args, *layout], tmp_path / name, env=CPU), tmp_path / name)
+    setup = read_summary(tmp_path / "pp2")["setup"]
+    assert setup["mesh"]["expert_parallel"] == 2 and setup["mesh"]["pipeline_parallel"] == 2
+    assert [u for u in setup["fsdp_units"] if u.endswith("experts")] == [
+        f"layers.{i}.feed_forward.experts" for i in range(2)
+    ]
     assert relative_gap(losses(tmp_path / "pp2"), losses(tmp_path / "one")) < 1e-5
     norms = [grad_norms(tmp_path / name)[0] for name in runs]
     assert abs(norms[0] - norms[1]) <= 1e-6 * norms[1], norms

@@ -504,15 +504,6 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "ep:pp",
-        Refused(
-            "pipeline stages with the experts' all-to-all inside them are not built",
-            allowed="pp=1 with ep > 1",
-            hint="shard a large MoE model with FSDP2 over dp and its experts over ep",
-            lead="ep",
-        ),
-    ),
-    (
         "ep:cp",
         Refused(
             "expert parallel with context parallel is not built (ep borrows the data-parallel ranks only)",
@@ -616,10 +607,11 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "hsdp:pp",
+        "hsdp:pp ep:pp",
         _test(
             "test_expert_parallel.py::test_the_routing_bias_under_pp_moves_as_in_one_process",
-            "pp=2 x HSDP 2x2 on 8 ranks: the built-in MoE balanced by its routing bias",
+            "pp=2 x HSDP 2x2 x ep=2 on 8 ranks: the built-in MoE balanced by its routing bias, "
+            "losses, first gradient norm and biases; every schedule at pp x ep in test_pipeline's sweep",
         ),
     ),
     # Not refused, not yet compared with one process.

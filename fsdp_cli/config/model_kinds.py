@@ -263,7 +263,8 @@ def _check_moe_sizes(run: ResolvedRun, moe: Experts) -> None:
             "the model trains a load-balancing loss (output_router_logits in config.json, "
             "model.aux_loss_coef of the built-in model), which pipeline stages do not compute",
             allowed="pp=1 for this model",
-            hint="shard a mixture of experts with FSDP2 and ep instead",
+            hint="output_router_logits: false in config.json (the hub's Qwen3-MoE and Mixtral), or the "
+            "built-in model's routing bias (model.aux_loss_coef=0 model.balance_bias_rate=0.001)",
         )
     kernel = getattr(run.cfg.model, "experts_implementation", "eager")
     if run.precision.param == "float64" and kernel in (None, "grouped_mm"):

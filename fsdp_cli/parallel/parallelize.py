@@ -186,17 +186,18 @@ def apply_cp(model: nn.Module, dims: ParallelDims, impl: Any = "all_to_all") -> 
     return count
 
 
-def apply_ep(model: nn.Module, dims: ParallelDims) -> list[nn.Module]:
+def apply_ep(model: nn.Module, dims: ParallelDims, *, stage: bool = False) -> list[nn.Module]:
     """Expert parallel: each MoE layer's experts split over the ep ranks
     (:func:`~fsdp_cli.parallel.expert_parallel.split_experts`) and dispatched to by all-to-all
     (the model's ``use_expert_parallel(mesh)``); returns the experts modules (FSDP2 shards them
     over :attr:`ParallelDims.expert_fsdp_mesh`). One line when the model has no experts (checked
-    before launch for the model kinds fsdp-train knows)."""
+    before launch for the model kinds fsdp-train knows); ``stage``: a pipeline stage's part of the
+    model, which may hold dense blocks only (its ep ranks then exchange nothing)."""
     from fsdp_cli.parallel.expert_parallel import split_experts
 
     find = getattr(model, "expert_modules", None)
     modules = find() if find is not None else []
-    if not modules:
+    if not modules and not stage:
         raise ConfigError(
             "ep",
             dims.ep,
@@ -204,8 +205,9 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> list[nn.Module]:
             allowed="ep=1 for this model",
             hint="expert parallel splits the experts of a MoE model (model=hf with a MoE config.json)",
         )
-    split_experts(modules, dims.ep_mesh)
-    model.use_expert_parallel(dims.ep_mesh)  # type: ignore[operator]
+    if modules:
+        split_experts(modules, dims.ep_mesh)
+        model.use_expert_parallel(dims.ep_mesh)  # type: ignore[operator]
     return modules
 
 

@@ -21,8 +21,8 @@ from torch import nn
 from fsdp_cli.parallel.activation_checkpoint import apply_ac, in_place_of
 from fsdp_cli.parallel.dims import ParallelDims
 from fsdp_cli.parallel.float8 import float8_candidates
-from fsdp_cli.parallel.fsdp2 import apply_fsdp
-from fsdp_cli.parallel.parallelize import tp_plan_of
+from fsdp_cli.parallel.fsdp2 import apply_fsdp, apply_fsdp_to_experts
+from fsdp_cli.parallel.parallelize import apply_ep, tp_plan_of
 from fsdp_cli.parallel.wrap import repeated_block_classes, wrap_units
 from fsdp_cli.pipeline.cuts import stage_blocks
 from fsdp_cli.pipeline.options import PipelineOptions
@@ -76,6 +76,9 @@ def parallelize_stages(
     blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes)] or units
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, {k: v for k, v in plan.items() if _present(model, k)})
+    # The stage's MoE layers' experts split over the ep ranks of this stage (they run the same
+    # schedule, so their token exchanges pair up micro-batch by micro-batch).
+    experts = apply_ep(model, dims, stage=True) if dims.ep_enabled else []
     if options.float8:
         from fsdp_cli.parallel.float8 import apply_float8, emulates_float8
 
@@ -87,18 +90,31 @@ def parallelize_stages(
         compile_blocks(model, blocks, tensor_parallel=dims.tp_enabled)
     units = in_place_of(model, units)  # fully_shard outside the checkpoint wrappers
     stages = views(split, layout.ranges, layout.ids)
-    reshard = False if layout.facts.zero_bubble else options.reshard_after_forward
+    _shard_stages(stages, units, experts, dims, options, zero_bubble=layout.facts.zero_bubble)
+    return stages
+
+
+def _shard_stages(
+    stages: list[StageView],
+    units: list[nn.Module],
+    experts: list[nn.Module],
+    dims: ParallelDims,
+    options: Any,
+    *,
+    zero_bubble: bool,
+) -> None:
+    """FSDP2 on each stage view (its experts over the expert-shard ranks first); no resharding
+    after forward under the zero-bubble schedules (their split backward would use freed weights)."""
+    settings = {
+        "reshard_after_forward": False if zero_bubble else options.reshard_after_forward,
+        "mp_policy": options.mp_policy,
+        "offload_policy": options.offload_policy,
+    }
+    if experts:
+        apply_fsdp_to_experts(experts, dims.expert_fsdp_mesh, **settings)
     for view in stages:
         inside = {id(m) for m in view.modules()}
-        apply_fsdp(
-            view,
-            dims.fsdp_mesh,
-            [u for u in units if id(u) in inside],
-            reshard_after_forward=reshard,
-            mp_policy=options.mp_policy,
-            offload_policy=options.offload_policy,
-        )
-    return stages
+        apply_fsdp(view, dims.fsdp_mesh, [u for u in units if id(u) in inside], **settings)
 
 
 def _present(model: nn.Module, name: str) -> bool:

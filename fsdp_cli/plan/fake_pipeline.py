@@ -20,6 +20,8 @@ plan's ``held_forwards`` is checked against the count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,7 +99,7 @@ class HiddenProbe:
         first_block = next(iter(container.values() if hasattr(container, "values") else container))
         view = StageView(split, {"0": first_block}, first=True, last=False)
         _prepare([view], tokens, tokens.device)
-        with torch.no_grad():
+        with torch.no_grad(), experts_as_shapes(split.model):
             self.hidden = view(tokens)
 
 
@@ -123,10 +125,20 @@ def stage_shapes(
     the others (in the dtype this rank's blocks return), each stage's output as it returns it."""
     import torch
 
-    from fsdp_cli.pipeline.driver import StageShapes
 
     _prepare(views.values(), torch.zeros(microbatch, dtype=torch.long, device=device), device)
     first = min(views)
+    with experts_as_shapes(views[first].owner):
+        return _stage_shapes(views, hidden, microbatch, device, first)
+
+
+def _stage_shapes(
+    views: dict[int, Any], hidden: Any, microbatch: tuple[int, int], device: Any, first: int
+) -> dict[int, Any]:
+    import torch
+
+    from fsdp_cli.pipeline.driver import StageShapes
+
     dtype = _block_dtype(views[first], first, hidden, microbatch, device)
     # In training a stage's floating inputs and outputs require gradients (torch derives the
     # gradients' buffers from that); the forwards here need none.
@@ -139,6 +151,26 @@ def stage_shapes(
             output = view(example)
         shapes[s] = StageShapes(input=example, output=output.requires_grad_(output.is_floating_point()))
     return shapes
+
+
+@contextmanager
+def experts_as_shapes(model: Any) -> Iterator[None]:
+    """Within: each experts module of ``model`` (its ``expert_modules()``) returns zeros shaped as
+    its tokens' hidden states, without routing them. The experts' dropless routing sizes its work
+    by the routed tokens' values (``nonzero``, ``bincount``, the all-to-all's split sizes), which
+    meta and fake tensors do not have; an experts module maps ``[tokens, dim]`` to ``[tokens, dim]``
+    whatever the routing, and the stages' shapes are all these forwards are run for."""
+    import torch
+
+    find = getattr(model, "expert_modules", None)
+    modules = find() if callable(find) else []
+    for module in modules:
+        module.forward = lambda hidden, *_args, **_kwargs: torch.zeros_like(hidden)
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
 
 
 def _prepare(views: Any, tokens: Any, device: Any) -> None:

@@ -162,6 +162,9 @@ def _measure(run: ResolvedRun, world: FakeWorld, blocks: int) -> PhasePeaks:
         except NOT_FAKEABLE:
             raise
         except Exception as err:
+            cause = _not_fakeable_cause(err)
+            if cause is not None:  # (a pipeline stage's forward wraps what it raised)
+                raise cause from err
             raise refused(run, world, err, "cannot train") from err
         phases = _tracked_phases(built, optimizer, batch, held)
     return PhasePeaks(blocks, phases, held.most if held is not None else None)
@@ -238,6 +241,17 @@ def _peak(tracker: Any) -> dict[str, int]:
             name = str(getattr(kind, "value", kind)).lower().replace(" ", "_")
             out[name] = out.get(name, 0) + int(nbytes)
     return out
+
+
+def _not_fakeable_cause(err: BaseException) -> BaseException | None:
+    """The value-dependent op's exception ``err`` was raised from, if any (torch's pipeline stages
+    raise their own RuntimeError from what a stage's forward raised)."""
+    from fsdp_cli.compat.torch_internals import NOT_FAKEABLE
+
+    seen = err.__cause__
+    while seen is not None and not isinstance(seen, NOT_FAKEABLE):
+        seen = seen.__cause__
+    return seen
 
 
 def _first_line(err: BaseException | None) -> str:
