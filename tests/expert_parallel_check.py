@@ -51,6 +51,9 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", torch.float64, "eager", 4, 2, True),
     # 2 experts at ep=2 x dp=2: one expert per rank and 2 shard ranks, so FSDP2 shards dim 1
     "qwen3_moe_2": ("qwen3_moe", torch.float64, "eager", 2, 1, True),
+    # LoRA (peft=lora's adapters on every linear layer: attention; the experts frozen but the
+    # tokens still exchanged for the adapters' gradients)
+    "qwen3_moe_lora": ("qwen3_moe", torch.float64, "eager", 4, 2, True),
     "mixtral": ("mixtral", torch.float32, None, 4, 2, False),
     "olmoe": ("olmoe", torch.float32, None, 4, 2, False),
     # fsdp_cli's own Llama with 4 experts (top-2) and a shared expert in every block
@@ -137,9 +140,15 @@ def build(path: Path, family: str):
     if family.startswith("builtin"):
         with torch.device("meta"):
             return Llama(BUILTIN_BIAS if family == "builtin_bias" else BUILTIN, seed=0)
-    return build_hf_model(
+    model = build_hf_model(
         HFModelArgs(path=str(path), pretrained=weights, experts_implementation=kernel), seed=0
     )
+    if family.endswith("_lora"):
+        from fsdp_cli.adapters.lora import apply_lora
+        from fsdp_cli.adapters.options import AdapterMethod, AdapterOptions
+
+        apply_lora(model, AdapterOptions(name=AdapterMethod.lora, r=4), seed=0)
+    return model
 
 
 def batches(steps: int) -> list[torch.Tensor]:
@@ -165,7 +174,7 @@ def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool):
             dist.all_reduce(mean)
             mean /= dist.get_world_size()
         losses.append(mean.item())
-        grads.append({n: _whole(p.grad).double() for n, p in model.named_parameters()})
+        grads.append({n: _whole(p.grad).double() for n, p in model.named_parameters() if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()
         if hasattr(model, "update_balance_bias"):  # (as CausalLMModule.optimizer_step does)

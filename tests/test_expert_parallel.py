@@ -132,6 +132,35 @@ def test_a_hub_layout_moe_folder_loads_as_transformers_loads_it(family: str, tmp
         assert torch.equal(mine[name], param), name
 
 
+def test_a_lora_run_on_a_hub_layout_moe_merges_into_its_fused_experts(tmp_path: Path) -> None:
+    """``--to hf --merge`` of a LoRA run whose checkpoint holds the adapters only reads the frozen
+    base from the model folder: a MoE folder in the hub's layout (one tensor per expert) is fused
+    as the model holds it (it stopped with "does not hold a Qwen3MoeForCausalLM ... missing
+    mlp.experts.gate_up_proj"), the adapted layer merged to W + alpha/r B A, the experts the
+    folder's own; written back in the hub's layout, every key of the folder."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_cli.checkpoint.hf_export import hf_weights
+    from fsdp_cli.checkpoint.peft_export import merged
+
+    folder = moe_folder(tmp_path / "qwen3_moe")
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    q = "model.layers.0.self_attn.q_proj"
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 16, generator=gen), torch.randn(base[f"{q}.weight"].shape[0], 4, generator=gen)
+    adapters = {f"model.hf.{q}.lora_A.default.weight": a, f"model.hf.{q}.lora_B.default.weight": b}
+    manifest = {"config": {"peft": {"name": "lora", "r": 4, "alpha": 8.0}}}
+    out = merged(adapters, manifest, folder)
+    assert set(out) == {f"model.hf.{k}" for k in base}
+    assert torch.allclose(out[f"model.hf.{q}.weight"], base[f"{q}.weight"] + 2.0 * b @ a, atol=1e-6)
+    for key, tensor in base.items():
+        if key != f"{q}.weight":
+            assert torch.equal(out[f"model.hf.{key}"], tensor), key
+    with safe_open(str(folder / "model.safetensors"), "pt") as original:
+        assert sorted(hf_weights(out, folder)) == sorted(original.keys())
+
+
 def test_a_model_hf_under_float8_is_filled_like_without_it(tmp_path: Path) -> None:
     """float8 swaps each block's nn.Linear for a new Float8Linear before the weights are read:
     the swapped layers get the folder's weights too (they were left as ``to_empty`` made them,
@@ -303,7 +332,7 @@ def check(nproc: int, *args: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     ("nproc", "layouts", "families", "ways"),
     [
-        (2, "ep2", "qwen3_moe,builtin,builtin_bias", "right,per_rank_balance,unscaled"),
+        (2, "ep2", "qwen3_moe,builtin,builtin_bias,qwen3_moe_lora", "right,per_rank_balance,unscaled"),
         (4, "ep2xdp2,ep2xhsdp,ep4", "qwen3_moe,qwen3_moe_2,mixtral,olmoe,builtin,builtin_bias", "right"),
     ],
     ids=["ep2", "ep2xdp2_hsdp_ep4"],
@@ -317,7 +346,9 @@ def test_expert_parallel_equals_one_process_in_float64(
     equal one process's within 1e-10; with 2 experts at ep=2 x dp=2 (one expert per rank, its rows
     sharded by FSDP2 over 2 ranks) too, and the built-in Llama with 4 experts and a shared one at
     ep=2 on 2 and 4 ranks, with its load-balancing loss and balanced by a routing bias instead
-    (auxiliary-loss-free, moved after every step from every rank's token counts); Mixtral and OLMoE (transformers' default experts kernel, fresh weights)
+    (auxiliary-loss-free, moved after every step from every rank's token counts); the Qwen3-MoE
+    with peft=lora's adapters on its attention at ep=2 (experts frozen, the adapters' gradients
+    through the token exchange); Mixtral and OLMoE (transformers' default experts kernel, fresh weights)
     in float32 within 1e-5. Each rank's
     own routing statistics in the balance loss (seen: 3.0), or expert gradients not divided by ep
     (seen: 1.0 — AdamW's losses would hide it), move the gradients by far more than 1e-3. The
@@ -338,7 +369,7 @@ def test_expert_parallel_equals_one_process_in_float64(
         if row["way"] != "right":
             assert row["grad_gap"] > 1e-3, row
             continue
-        bound = 1e-10 if row["family"] in ("qwen3_moe", "qwen3_moe_2", "builtin") else 1e-5
+        bound = 1e-10 if row["family"] in ("qwen3_moe", "qwen3_moe_2", "qwen3_moe_lora", "builtin") else 1e-5
         assert row["loss_gap"] < bound and row["grad_gap"] < bound, row
         if row["family"] == "qwen3_moe_2":
             assert row["expert_placements"].startswith("(Shard(dim=1)"), row

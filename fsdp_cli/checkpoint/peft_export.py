@@ -166,7 +166,23 @@ def _base_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> dict[str
 
     files = weight_files(folder)
     check_weight_headers(files)
-    out: dict[str, torch.Tensor] = {}
+    raw: dict[str, torch.Tensor] = {}
     for file in files:
-        out.update({f"{MODEL_PREFIXES[0]}{k}": v for k, v in load_file(str(file)).items()})
-    return out
+        raw.update(load_file(str(file)))
+    return {f"{MODEL_PREFIXES[0]}{k}": v for k, v in _as_loaded(folder, raw).items()}
+
+
+def _as_loaded(folder: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The folder's tensors under the names and layout the model holds them in: as they are when
+    they match it, else as transformers' loader converts them (a mixture of experts in the hub's
+    layout, one tensor per expert, fused into ``[experts, ...]`` tensors; legacy names renamed),
+    from the folder's safetensors files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        expected = set(AutoModelForCausalLM.from_config(config).state_dict())
+    if set(tensors) <= expected:
+        return tensors
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype="auto", use_safetensors=True)
+    return dict(model.state_dict())

@@ -513,15 +513,6 @@ EXPLICIT = _table(
         ),
     ),
     (
-        "ep:lora",
-        Refused(
-            "adapters on a mixture of experts' fused experts are not built; the experts would stay frozen",
-            allowed="peft=none with ep > 1",
-            hint="LoRA of a MoE model's attention at ep=1, or full fine-tuning at ep > 1",
-            lead="ep",
-        ),
-    ),
-    (
         "ep:compile",
         Refused(
             "the experts' token exchange has data-dependent sizes: torch.compile would break its graph at every MoE layer",
@@ -534,6 +525,14 @@ EXPLICIT = _table(
         "ep:module,lightning",
         Refused(
             "not a mixture of experts: no experts to split", check="config.model_kinds.check_expert_parallel"
+        ),
+    ),
+    (
+        "ep:lora",
+        _test(
+            "test_expert_parallel.py::test_expert_parallel_equals_one_process_in_float64",
+            "Qwen3-MoE with adapters on every linear layer (the fused experts frozen) at ep=2: "
+            "losses and the adapters' gradients in float64",
         ),
     ),
     (
@@ -587,7 +586,15 @@ EXPLICIT = _table(
             lead="qlora",
         ),
     ),
-    ("qlora:ep", Moot("peft=qlora is peft=lora over an NF4 base: refused as lora x ep")),
+    (
+        "qlora:ep",
+        Refused(
+            "an NF4 base beside experts split over ep has not been compared with one process",
+            allowed="ep=1 with peft=qlora",
+            hint="peft=lora at ep > 1 (adapters over a frozen base in its dtype), or peft=qlora at ep=1",
+            lead="qlora",
+        ),
+    ),
     # Cannot be asked for.
     ("ddp:hsdp,ac,compile,float8,offload", Moot(_NO_KEY.format("ddp"))),
     ("fsdp:compile,float8", Moot(_NO_KEY.format("fsdp"))),
