@@ -60,6 +60,9 @@ FAMILIES = {
     "builtin": ("", torch.float64, None, 4, 2, False),
     # ... balanced without a loss (DeepSeek-V3): a routing bias per expert moved after every step
     "builtin_bias": ("", torch.float64, None, 4, 2, False),
+    # strategy.compile's per-block torch.compile (the token exchange left eager)
+    "builtin_compiled": ("", torch.float64, None, 4, 2, False),
+    "qwen3_moe_compiled": ("qwen3_moe", torch.float64, "eager", 4, 2, True),
 }
 BUILTIN = LlamaArgs(
     vocab_size=VOCAB,
@@ -163,7 +166,7 @@ def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     return loss if auxiliary is None else loss + auxiliary.to(loss.dtype)
 
 
-def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool):
+def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool, on_step=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], []
     for ids in steps:
@@ -179,7 +182,16 @@ def train(model, steps: list[torch.Tensor], rows: slice, reduce_losses: bool):
         optimizer.zero_grad()
         if hasattr(model, "update_balance_bias"):  # (as CausalLMModule.optimizer_step does)
             model.update_balance_bias()
+        if on_step is not None:
+            on_step()
     return losses, grads
+
+
+def dynamo() -> dict[str, int]:
+    """torch.compile's counters so far: graphs compiled, graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
 
 
 def reference(path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor]):
@@ -196,7 +208,7 @@ def parallel_model(path: Path, family: str, dtype: torch.dtype, layout: str):
     dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=1, ep=ep)
     dims.build_mesh("cpu")
     model = build(path, family)
-    parallelize(model, dims, ParallelizeOptions())
+    parallelize(model, dims, ParallelizeOptions(compile=family.endswith("_compiled")))
     model.to_empty(device="cpu")
     model.init_weights()
     return model.to(dtype).train(), dims
@@ -220,8 +232,11 @@ def round_trip(model, path: Path, family: str, dtype: torch.dtype, folder: Path)
 def distributed(
     path: Path, family: str, dtype: torch.dtype, steps: list[torch.Tensor], layout: str, way: str
 ):
+    from torch._dynamo.utils import counters
+
     from fsdp_cli.parallel import expert_parallel
 
+    counters.clear()
     model, dims = parallel_model(path, family, dtype, layout)
     model.balance_across_ranks = way != "per_rank_balance"
     scale, compute = expert_parallel._ScaleGrad.apply, expert_parallel.ExpertParallel._compute
@@ -238,9 +253,12 @@ def distributed(
         dp_mesh = dims.data_parallel_mesh
         per = ROWS // dp_mesh.size()
         mine = slice(dp_mesh.get_local_rank() * per, (dp_mesh.get_local_rank() + 1) * per)
-        losses, grads = train(model, steps, mine, reduce_losses=True)
+        snapshots: list[dict[str, int]] = []
+        losses, grads = train(
+            model, steps, mine, reduce_losses=True, on_step=lambda: snapshots.append(dynamo())
+        )
         dist.all_reduce(empty)
-        return losses, grads, model, int(empty)
+        return losses, grads, model, int(empty), (snapshots[0], snapshots[-1])
     finally:
         expert_parallel._ScaleGrad.apply = scale
         expert_parallel.ExpertParallel._compute = compute
@@ -270,7 +288,9 @@ def main() -> None:
         ref_losses, ref_grads = reference(paths[family], family, dtype, steps)
         for layout in layouts if family == families[0] else layouts[:1]:
             for way in args.ways.split(",") if family == families[0] else ["right"]:
-                losses, grads, model, empty = distributed(paths[family], family, dtype, steps, layout, way)
+                losses, grads, model, empty, compiled = distributed(
+                    paths[family], family, dtype, steps, layout, way
+                )
                 row = {
                     "layout": layout,
                     "family": family,
@@ -281,6 +301,8 @@ def main() -> None:
                     "empty_receives": empty,  # forwards in which a rank received no token
                     # how FSDP2 and ep split the experts (``Shard(dim=1)`` first: along their rows)
                     "expert_placements": str(next(model.expert_modules()[0].parameters()).placements),
+                    # torch.compile's graphs and breaks after the first step and at the end
+                    "dynamo": compiled,
                 }
                 if args.round_trip and family == families[0] and layout == layouts[0] and way == "right":
                     row["round_trip_equal"] = round_trip(model, paths[family], family, dtype, folder / "dcp")

@@ -55,11 +55,16 @@ class ExpertParallel:
     def local(self) -> int:
         return self.num_experts // self.size
 
+    @torch.compiler.disable
     def __call__(
         self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """``hidden [N, H]`` routed to ``top_k_index [N, k]`` with scores ``top_k_weights [N, k]``
-        -> ``[N, H]``, the experts' outputs weighted and summed per token."""
+        -> ``[N, H]``, the experts' outputs weighted and summed per token.
+
+        Never compiled (``strategy.compile=true`` compiles the rest of each block around it): the
+        exchange's split sizes are the routing's values (host numbers), which would make
+        torch.compile break its graph and recompile for every new set of sizes."""
         from fsdp_cli.compat.torch_internals import all_to_all_uneven
 
         rows, k = top_k_index.shape
