@@ -67,11 +67,12 @@ def memory_plan_check(run: ResolvedRun) -> None:
 
 def adapter_targets_check(run: ResolvedRun) -> None:
     """``peft=lora``: ``peft.targets`` and ``peft.trainable`` resolved on the model built on the
-    meta device (what each rank will adapt), the rank checked against every target layer."""
+    meta device (what each rank will adapt), the rank checked against every target layer (and
+    the fused experts, ``peft.targets=[experts]``)."""
     if not run.cfg.peft.enabled:
         return
     from fsdp_cli.adapters.quantize import check_quantized_shapes
-    from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
+    from fsdp_cli.adapters.targets import adapted_experts, adapter_layers, trainable_modules
 
     model = run.model_kind.meta_model(run)
     if model is None:
@@ -82,6 +83,7 @@ def adapter_targets_check(run: ResolvedRun) -> None:
             hint="add adapters there (peft.inject_adapter_in_model), or give model._target_ a plain nn.Module",
         )
     layers = adapter_layers(model, run.cfg.peft)
+    adapted_experts(model, run.cfg.peft)
     trainable_modules(model, run.cfg.peft)
     if run.cfg.peft.quantize_base is not QuantizeBase.none:
         check_quantized_shapes(model, layers, shards=run.layout.shard * run.layout.cp)

@@ -150,7 +150,8 @@ def build(path: Path, family: str):
         from fsdp_cli.adapters.lora import apply_lora
         from fsdp_cli.adapters.options import AdapterMethod, AdapterOptions
 
-        apply_lora(model, AdapterOptions(name=AdapterMethod.lora, r=4), seed=0)
+        options = AdapterOptions(name=AdapterMethod.lora, r=4, targets=["all", "experts"])
+        apply_lora(model, options, seed=0)
     return model
 
 

@@ -161,6 +161,18 @@ def test_a_lora_run_on_a_hub_layout_moe_merges_into_its_fused_experts(tmp_path: 
         assert sorted(hf_weights(out, folder)) == sorted(original.keys())
 
 
+def test_lora_on_a_full_fine_tune_reads_every_tensor_but_the_experts_adapters() -> None:
+    """``peft=lora resume=<a full fine-tune>`` fills the model's tensors from the checkpoint, all
+    but its adapters: the pairs beside fused experts are adapters too (taken for base tensors,
+    the run stopped: "the checkpoint lacks ...experts.down_proj_lora_A ...")."""
+    from fsdp_cli.checkpoint.start_from import is_adapter
+
+    experts = "model.hf.model.layers.0.mlp.experts"
+    assert is_adapter(f"{experts}.gate_up_proj_lora_A") and is_adapter(f"{experts}.down_proj_lora_B")
+    assert is_adapter("model.hf.model.layers.0.self_attn.q_proj.lora_A.default.weight")
+    assert not is_adapter(f"{experts}.gate_up_proj") and not is_adapter("model.hf.lm_head.weight")
+
+
 def test_a_model_hf_under_float8_is_filled_like_without_it(tmp_path: Path) -> None:
     """float8 swaps each block's nn.Linear for a new Float8Linear before the weights are read:
     the swapped layers get the folder's weights too (they were left as ``to_empty`` made them,
@@ -503,6 +515,72 @@ def test_an_ep2_checkpoint_exports_in_the_hub_layout(moe_runs: dict[str, Path], 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for name, param in model.named_parameters():
         assert torch.equal(param, trained[f"model.hf.{name}"].float()), name
+
+
+@pytest.mark.distributed
+def test_adapters_on_the_fused_experts_train_at_ep2_and_load_in_peft(tmp_path: Path) -> None:
+    """``peft=lora peft.targets=[all,experts]`` on a Qwen3-MoE folder at ep=2 (2 ranks): the
+    checkpoint holds the adapters alone (a pair per expert beside each fused tensor, no base);
+    ``--to peft`` writes them as peft's ``target_parameters`` adapters, which
+    ``PeftModel.from_pretrained`` loads onto the transformers model: its logits are those of
+    fsdp_cli's own model with the checkpoint's adapters (the trained ones: far from the base's),
+    and those of ``--to hf --merge``'s folder (the experts merged per expert, in the hub's layout)."""
+    from peft import PeftModel
+    from test_checkpoints import fsdp_ckpt
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_cli.adapters.lora import apply_lora
+    from fsdp_cli.adapters.options import AdapterMethod, AdapterOptions
+    from fsdp_cli.models.args import HFModelArgs
+    from fsdp_cli.models.hf import build_hf_model
+
+    model = moe_folder(tmp_path / "model")
+    args = [
+        "model=hf",
+        f"model.path={model}",
+        "model.experts_implementation=eager",
+        "data=synthetic",
+        "data.vocab_size=64",
+        "data.seq_len=16",
+        "data.global_batch_size=8",
+        "trainer.max_steps=4",
+        "precision=32-true",
+        "accelerator=cpu",
+        "peft=lora",
+        "peft.r=4",
+        "peft.targets=[all,experts]",
+        "optim.lr=0.01",
+        "checkpoint=full",
+        "devices=2",
+        "ep=2",
+    ]
+    assert_ok(run_cli(args, tmp_path / "run", env=CPU), tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004.pt"
+    saved = torch.load(checkpoint, weights_only=True, mmap=True)["state_dict"]
+    assert all("lora_" in key for key in saved), sorted(saved)
+    assert saved["model.hf.model.layers.1.mlp.experts.gate_up_proj_lora_A"].shape == (4, 4, 16)
+    assert fsdp_ckpt("convert", str(checkpoint), str(tmp_path / "peft"), "--to", "peft") == 0
+    assert fsdp_ckpt("convert", str(checkpoint), str(tmp_path / "merged"), "--to", "hf", "--merge") == 0
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = build_hf_model(HFModelArgs(path=str(model), experts_implementation="eager"), seed=0)
+    apply_lora(ours, AdapterOptions(name=AdapterMethod.lora, r=4, targets=["all", "experts"]), seed=0)
+    ours.to_empty(device="cpu")
+    ours.init_weights()
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        untrained = base(ids).logits.clone()
+        assert torch.allclose(ours(ids), untrained, atol=1e-6)  # (B = 0: the base's)
+        missing, unexpected = ours.load_state_dict(
+            {k.removeprefix("model."): v for k, v in saved.items()}, strict=False
+        )
+        assert not unexpected and all("lora_" not in k for k in missing)
+        mine = ours(ids)
+        theirs = PeftModel.from_pretrained(base, tmp_path / "peft")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+    assert (mine - untrained).abs().max() > 1e-2
+    assert torch.allclose(theirs, mine, atol=1e-5), (theirs - mine).abs().max()
+    assert torch.allclose(merged, mine, atol=1e-5), (merged - mine).abs().max()
 
 
 def test_pipeline_stages_count_their_own_layers_routing_and_the_sum_is_the_whole_models() -> None:

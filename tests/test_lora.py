@@ -23,6 +23,9 @@ LORA = AdapterOptions(name=AdapterMethod.lora, r=4, alpha=8.0)
 LM = ["model=custom", "model._target_=tests.assets.lightning_style.EncoderDecoderLM"]
 
 
+MOE = ["model.n_experts=4", "model.experts_per_token=2", "model.moe_hidden_dim=32"]
+
+
 def lora_llama(options: AdapterOptions = LORA, seed: int = 3) -> Llama:
     model = Llama(TINY, seed=seed)
     apply_lora(model, options, seed=seed)
@@ -39,6 +42,19 @@ def lora_llama(options: AdapterOptions = LORA, seed: int = 3) -> Llama:
         (["peft.r=0"], "peft.r=0", ["at least 1"]),
         (["peft.r=200"], "peft.r=200", ["exceeds layer", "1..128"]),
         (["peft.trainable=[xyz]"], "peft.trainable=xyz", ["matches no module"]),
+        # adapters on fused experts (peft.targets=[experts])
+        (["peft.targets=[experts]"], "peft.targets=experts", ["no mixture-of-experts layers"]),
+        (
+            [*MOE, "peft.targets=[experts]", "peft.dropout=0.1"],
+            "peft.dropout=0.1",
+            ["leaves no input to drop"],
+        ),
+        ([*MOE, "peft.targets=[experts]", "peft.r=40"], "peft.r=40", ["exceeds the experts' w2", "1..32"]),
+        (
+            [*MOE, "peft=qlora", "peft.targets=[experts]"],
+            "peft.targets=experts",
+            ["NF4, not the fused experts"],
+        ),
         (["tp=2", "peft=qlora"], "tp > 1", ["NF4 base is sharded by FSDP2 alone", "tp=1"]),
         (["strategy=model_parallel", *LM], "strategy=model_parallel", ["peft=lora needs fsdp-train"]),
         (LM, "peft=lora", ["builds its layers in its own configure_model"]),

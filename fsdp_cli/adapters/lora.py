@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from fsdp_cli.adapters.dtype import widen
+from fsdp_cli.adapters.experts import AdaptedExperts, add_expert_adapters, init_expert_adapters
 from fsdp_cli.adapters.options import AdapterDtype, AdapterOptions, QuantizeBase
 from fsdp_cli.adapters.quantize import quantize_base
-from fsdp_cli.adapters.targets import adapter_layers, trainable_modules
+from fsdp_cli.adapters.targets import adapted_experts, adapter_layers, trainable_modules
 from fsdp_cli.adapters.tensor_parallel import ADAPTER, lora_tp_plan
 from fsdp_cli.models.init import seeded_normal_
 from fsdp_cli.parallel.names import canonical_name
@@ -54,8 +55,15 @@ def apply_lora(
     from peft import inject_adapter_in_model
 
     layers = adapter_layers(model, options)
+    experts = adapted_experts(model, options)
     on_meta = any(p.is_meta for p in model.parameters())
-    inject_adapter_in_model(lora_config(options, layers), model, low_cpu_mem_usage=on_meta)
+    if layers:
+        inject_adapter_in_model(lora_config(options, layers), model, low_cpu_mem_usage=on_meta)
+    else:  # (the experts alone: peft freezes the rest where it injects)
+        model.requires_grad_(False)
+    if experts:
+        add_expert_adapters(experts, options.r, options.alpha)
+        model.route_experts(AdaptedExperts)  # type: ignore[operator]
     for name in trainable_modules(model, options):
         model.get_submodule(_module_path(model, name)).requires_grad_(True)
     if options.adapter_dtype is AdapterDtype.float32:
@@ -86,6 +94,7 @@ def init_adapters(model: nn.Module, seed: int, modules: Sequence[nn.Module] | No
     layers among ``modules`` (default: all of ``model``)."""
     from peft.tuners.lora import LoraLayer
 
+    init_expert_adapters(model, seed, modules)
     wanted = None if modules is None else {id(m) for m in modules}
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:

@@ -49,6 +49,9 @@ class QuantizeBase(Enum):
 
 ALIASES = ("all", "attention", "mlp")
 """Short names for ``peft.targets``: every linear layer of the blocks, or their attention or MLP part."""
+EXPERTS = "experts"
+"""``peft.targets`` entry for a mixture of experts' fused experts (``[experts, out, in]`` tensors,
+not linear layers): a LoRA pair per expert (:mod:`fsdp_cli.adapters.experts`)."""
 
 
 @dataclass
@@ -67,7 +70,8 @@ class AdapterOptions:
     targets: list[str] = field(default_factory=lambda: ["all"])
     """The linear layers that get adapters: module names as the model spells them (a name matches
     itself and every module path ending in it: ``wq``, ``attention.wq``, ``q_proj``), or an alias:
-    ``all`` (every linear layer of the repeated blocks), ``attention``, ``mlp``."""
+    ``all`` (every linear layer of the repeated blocks), ``attention``, ``mlp``; and ``experts``:
+    a mixture of experts' fused experts, a LoRA pair per expert (``[all, experts]``: both)."""
     bias: LoraBias = LoraBias.none
     """none, all or lora_only: which biases train too."""
     trainable: list[str] = field(default_factory=list)

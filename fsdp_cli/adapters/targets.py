@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp_cli.adapters.options import ALIASES, AdapterOptions
+from fsdp_cli.adapters.options import ALIASES, EXPERTS, AdapterOptions, QuantizeBase
 from fsdp_cli.errors import ConfigError
 from fsdp_cli.parallel.names import canonical_name
 from fsdp_cli.parallel.wrap import repeated_block_classes
@@ -49,6 +49,8 @@ def adapter_layers(model: nn.Module, options: AdapterOptions) -> list[str]:
     blocks = block_linears(model)
     chosen: set[str] = set()
     for wanted in options.targets:
+        if wanted == EXPERTS:  # (not linear layers: adapted_experts)
+            continue
         found = _alias(blocks, wanted) if wanted in ALIASES else [n for n in linears if matches(n, wanted)]
         if not found:
             raise ConfigError(
@@ -62,6 +64,60 @@ def adapter_layers(model: nn.Module, options: AdapterOptions) -> list[str]:
     layers = [n for n in linears if n in chosen]
     check_rank(options.r, {n: linears[n] for n in layers})
     return layers
+
+
+def adapted_experts(model: nn.Module, options: AdapterOptions) -> list[nn.Module]:
+    """The experts modules ``peft.targets=[experts]`` adapts (none when it is not named); one line
+    when the model has none, or when the ``peft`` settings cannot apply to them."""
+    if EXPERTS not in options.targets:
+        return []
+    find = getattr(model, "expert_modules", None)
+    modules = find() if callable(find) else []
+    if not modules:
+        raise ConfigError(
+            "peft.targets",
+            EXPERTS,
+            f"{type(model).__name__} has no mixture-of-experts layers",
+            allowed=f"{', '.join(ALIASES)} or layer names",
+            hint="experts adapts the fused experts of a MoE model (model=hf Qwen3-MoE, Mixtral, ...; model.n_experts)",
+        )
+    _check_expert_options(options, modules[0])
+    return modules
+
+
+def _check_expert_options(options: AdapterOptions, first: nn.Module) -> None:
+    """``peft`` settings that adapters on fused experts cannot take: QLoRA's NF4 base, dropout,
+    a rank above an expert's smaller side."""
+    from fsdp_cli.adapters.experts import in_out
+    from fsdp_cli.parallel.expert_parallel import expert_matrices
+
+    if options.quantize_base is not QuantizeBase.none:
+        raise ConfigError(
+            "peft.targets",
+            EXPERTS,
+            "peft=qlora holds the adapted linear layers in NF4, not the fused experts: adapters on "
+            "them would train over a full-precision base",
+            allowed="peft=lora with experts, or peft=qlora on linear layers",
+            hint="peft=lora peft.targets=[all,experts]",
+        )
+    if options.dropout > 0:
+        raise ConfigError(
+            "peft.dropout",
+            options.dropout,
+            "an adapter on fused experts adds B A to the weights, which leaves no input to drop (as in peft)",
+            allowed="0 with peft.targets=[experts]",
+            hint="peft.dropout=0",
+        )
+    for name in expert_matrices(first):
+        limit = min(in_out(first, name))
+        if options.r > limit:
+            raise ConfigError(
+                "peft.r",
+                options.r,
+                f"exceeds the experts' {name} ({limit} on its smaller side)",
+                allowed=f"1..{limit}",
+                hint=f"peft.r={min(8, limit)}",
+            )
 
 
 def _examples(names: list[str]) -> str:

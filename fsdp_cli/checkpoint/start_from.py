@@ -18,7 +18,13 @@ import lightning as L
 
 from fsdp_cli.parallel.names import canonical_name
 
-ADAPTER_MARK = ".lora_"
+ADAPTER_MARKS = (".lora_", "_lora_A", "_lora_B")
+"""What an adapter's name holds: peft's ``q_proj.lora_A.default.weight``, or a pair on a fused
+experts tensor, ``experts.gate_up_proj_lora_A`` (:mod:`fsdp_cli.adapters.experts`)."""
+
+
+def is_adapter(name: str) -> bool:
+    return ADAPTER_MARKS[0] in name or name.endswith(ADAPTER_MARKS[1:])
 
 
 class StartFromWeights(L.Callback):
@@ -44,7 +50,7 @@ def load_base_weights(model: Any, path: Path) -> None:
     from fsdp_cli.checkpoint.format import CheckpointFormat, checkpoint_format
 
     state = get_model_state_dict(model)
-    wanted = {canonical_name(k): k for k in state if ADAPTER_MARK not in k}
+    wanted = {canonical_name(k): k for k in state if not is_adapter(k)}
     if checkpoint_format(path) is CheckpointFormat.sharded:
         from fsdp_cli.checkpoint.convert import sharded_metadata
         from fsdp_cli.checkpoint.untrusted import dcp_load

@@ -530,8 +530,9 @@ EXPLICIT = _table(
         "ep:lora",
         _test(
             "test_expert_parallel.py::test_expert_parallel_equals_one_process_in_float64",
-            "Qwen3-MoE with adapters on every linear layer (the fused experts frozen) at ep=2: "
-            "losses and the adapters' gradients in float64",
+            "Qwen3-MoE with adapters on every linear layer and on the fused experts at ep=2: "
+            "losses and the adapters' gradients in float64; exported for peft in "
+            "test_adapters_on_the_fused_experts_train_at_ep2_and_load_in_peft",
         ),
     ),
     (

@@ -95,27 +95,38 @@ class HFCausalLM(TrainsBalanceLoss, nn.Module):
         """Expert parallel over ``mesh`` (the experts already split over it): each experts module
         dispatches through :data:`EXPERT_PARALLEL_EXPERTS` (registered in transformers'
         ``ExpertsInterface``), which runs the implementation the model had on this rank's experts."""
+        from fsdp_cli.parallel.expert_parallel import ExpertParallel
+
+        assert self.moe is not None
+        self.route_experts(
+            lambda compute: ExpertParallel(
+                group=mesh.get_group(),
+                size=mesh.size(),
+                rank=mesh.get_local_rank(),
+                num_experts=self.moe.num_experts,  # type: ignore[union-attr]
+                compute=compute,
+            )
+        )
+
+    def route_experts(self, make: Any) -> None:
+        """Every experts module dispatches through :data:`EXPERT_PARALLEL_EXPERTS` to
+        ``make(compute)``, ``compute`` the implementation the model had (found once: the config the
+        modules share then names ours): expert parallel (:meth:`use_expert_parallel`), or LoRA on
+        the fused experts (:class:`fsdp_cli.adapters.experts.AdaptedExperts`)."""
         from fsdp_cli.compat.transformers_internals import (
             experts_implementation,
             experts_kernel,
             register_experts_implementation,
             select_experts_kernel,
         )
-        from fsdp_cli.parallel.expert_parallel import ExpertParallel
 
         register_experts_implementation(EXPERT_PARALLEL_EXPERTS, expert_parallel_experts)
-        for module in self.expert_modules():
-            inner = experts_kernel(module.config)
-            if inner == EXPERT_PARALLEL_EXPERTS:
-                continue
-            module.expert_parallel = ExpertParallel(
-                group=mesh.get_group(),
-                size=mesh.size(),
-                rank=mesh.get_local_rank(),
-                num_experts=self.moe.num_experts,
-                compute=experts_implementation(module, inner),
-            )
-        for module in self.expert_modules():
+        modules = self.expert_modules()
+        for module in modules:
+            if "own_experts" not in module.__dict__:
+                module.__dict__["own_experts"] = experts_implementation(module, experts_kernel(module.config))
+        for module in modules:
+            module.expert_parallel = make(module.__dict__["own_experts"])
             select_experts_kernel(module.config, EXPERT_PARALLEL_EXPERTS)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

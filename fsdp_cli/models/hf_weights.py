@@ -531,8 +531,16 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _own_tensors(module: nn.Module, module_name: str) -> dict[str, torch.Tensor]:
+    """The module's own tensors a checkpoint of the model holds (LoRA pairs added beside fused
+    experts are not the model's: their own init draws them)."""
+    adapters = getattr(module, "expert_adapters", None)
+    added = set(adapters.parameter_names()) if adapters is not None else set()
     prefix = f"{module_name}." if module_name else ""
-    out = {canonical_name(prefix + name): p for name, p in module.named_parameters(recurse=False)}
+    out = {
+        canonical_name(prefix + name): p
+        for name, p in module.named_parameters(recurse=False)
+        if name not in added
+    }
     skip = non_persistent_buffer_names(module)
     for name, buffer in module.named_buffers(recurse=False):
         if buffer is not None and name not in skip:

@@ -8,6 +8,7 @@ and MLP reshape with ``-1`` heads so the same code runs on a tensor-parallel sha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,6 +133,8 @@ class Experts(nn.Module):
         self.num_experts = n_experts
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        # How the experts run when not plainly (all here, unadapted): split over ep ranks
+        # (ExpertParallel), or with LoRA adapters (AdaptedExperts).
         self.expert_parallel: Any = None
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -270,6 +273,13 @@ class Llama(TrainsBalanceLoss, nn.Module):
     def expert_modules(self) -> list[nn.Module]:
         """The fused experts of each MoE block (none for a dense model)."""
         return [m for m in self.modules() if isinstance(m, Experts)]
+
+    def route_experts(self, make: Callable[[Callable[..., torch.Tensor]], Any]) -> None:
+        """Every experts module runs ``make(experts_forward)(module, x, index, weights)`` (LoRA on the
+        fused experts: :class:`fsdp_cli.adapters.experts.AdaptedExperts`; under expert parallel
+        :meth:`use_expert_parallel` replaces it, and adapts this rank's rows itself)."""
+        for experts in self.expert_modules():
+            experts.expert_parallel = make(experts_forward)
 
     def use_expert_parallel(self, mesh: Any) -> None:
         """Expert parallel over ``mesh`` (the experts already split over it): tokens routed all-to-all."""

@@ -92,7 +92,12 @@ class ExpertParallel:
     def _compute(self, module: nn.Module, received: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received, the weights' gradient divided by ep."""
         tensors = {name: _local(p) for name, p in module.named_parameters(recurse=False)}
-        view = _LocalExperts(module, tensors, self.local)
+        adapters = getattr(
+            module, "expert_adapters", None
+        )  # (LoRA on the experts: fsdp_cli.adapters.experts)
+        if adapters is not None:
+            tensors = adapters.adapted(tensors)
+        view = local_view(module, tensors, self.local)
         scaled_in = _ScaleGrad.apply(received, float(self.size))
         ones = torch.ones(received.shape[0], 1, dtype=received.dtype, device=received.device)
         out = self.compute(view, scaled_in, local_ids.unsqueeze(1), ones)
@@ -129,6 +134,20 @@ class _LocalExperts:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_module"], name)
+
+
+def expert_matrices(module: nn.Module) -> list[str]:
+    """The ``[experts, ...]`` matrices of an experts module, in its order (not biases, not the LoRA
+    pairs :mod:`fsdp_cli.adapters.experts` adds beside them)."""
+    adapters = getattr(module, "expert_adapters", None)
+    added = set(adapters.parameter_names()) if adapters is not None else set()
+    return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and n not in added]
+
+
+def local_view(module: nn.Module, tensors: dict[str, torch.Tensor], num_experts: int) -> Any:
+    """``module`` as its experts implementation should see it: ``tensors`` in place of its own
+    (this rank's rows; adapted), ``num_experts`` of them."""
+    return _LocalExperts(module, tensors, num_experts)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

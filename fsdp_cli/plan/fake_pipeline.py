@@ -125,7 +125,6 @@ def stage_shapes(
     the others (in the dtype this rank's blocks return), each stage's output as it returns it."""
     import torch
 
-
     _prepare(views.values(), torch.zeros(microbatch, dtype=torch.long, device=device), device)
     first = min(views)
     with experts_as_shapes(views[first].owner):
