@@ -88,11 +88,15 @@ RUNS: dict[str, tuple[list[str], Expected, float]] = {
         MIXED,
         0.05,
     ),
+    # bf16-mixed under tensor parallel (2 ranks splitting every block): DTensor matmuls in bf16
+    # over fp32 shards of the weights.
+    "fsdp2-tp2-bf16-mixed": (["strategy=fsdp2", "devices=2", "tp=2", "precision=bf16-mixed"], MIXED, 0.02),
     # float64 is DDP's alone (Lightning's sharded strategies refuse it): two ranks against one.
     "ddp-64-true": (["strategy=ddp", "devices=2", "precision=64-true"], ALL_F64, 1e-5),
     "single-64-true": (["strategy=ddp", "devices=1", "precision=64-true"], ALL_F64, 1e-5),
 }
-REDUCING = [name for name in RUNS if not name.startswith("single")]
+REDUCING = [name for name in RUNS if not name.startswith("single") and "-tp2-" not in name]
+"""The runs whose backward reduces gradients over data-parallel ranks (tp=2 on 2 ranks has none)."""
 REFERENCE = "fsdp2-32-true"
 
 
@@ -155,6 +159,16 @@ def test_dtypes_on_live_tensors(precision_run: Any, name: str) -> None:
     }
     shown = f"dtypes: param {expected.params} | compute {expected.compute} | reduce {expected.reduce} |"
     assert shown in (root / "stdout.txt").read_text()
+
+
+def test_tensor_parallel_computes_in_bf16_over_fp32_weights(precision_run: Any) -> None:
+    """bf16-mixed at tp=2: each rank's weights (DTensor shards), gradients and moments fp32, the
+    head's output bf16, as the setup report says (its losses: the tolerance test below)."""
+    root, summary = precision_run("fsdp2-tp2-bf16-mixed")
+    for rank in (0, 1):
+        seen = observed(read_probe(root, rank), reduced=False)
+        assert (seen.params, seen.compute, seen.grads, seen.optimizer_state) == (F32, BF16, F32, F32), seen
+    assert summary["setup"]["dtypes"]["compute"] == BF16 and summary["setup"]["mesh"]["tensor_parallel"] == 2
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != REFERENCE])

@@ -306,10 +306,26 @@ EXPLICIT = _table(
         _test("test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer"),
     ),
     (
-        "lightning:ac,offload",
+        "lightning:ac,offload,hsdp,compile",
         _test(
             "test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer",
-            "an encoder-decoder LightningModule with manual optimization, against plain Lightning",
+            "an encoder-decoder LightningModule with manual optimization, against plain Lightning "
+            "(1e-5): AC, offload and compile on its layers over HSDP's 2-D mesh (2 replicas x 1)",
+        ),
+    ),
+    (
+        "lightning:bf16,float8",
+        _test(
+            "test_lightning_conformance.py::test_lightning_modules_train_as_under_a_plain_trainer",
+            "the encoder-decoder LightningModule under bf16-mixed and float8 linears, within bf16's "
+            "tolerance of plain Lightning's fp32 losses; dtypes and float8 layers from the live units",
+        ),
+    ),
+    (
+        "tp:bf16",
+        _test(
+            "test_precision.py::test_tensor_parallel_computes_in_bf16_over_fp32_weights",
+            "tp=2 bf16-mixed: live dtypes, and losses within 2% of fp32 (test_losses_within_tolerance_of_fp32)",
         ),
     ),
     (
@@ -623,12 +639,8 @@ EXPLICIT = _table(
     ),
     # Not refused, not yet compared with one process.
     (
-        "model_parallel:chat,bf16 lightning:chat,bf16",
+        "model_parallel:chat,bf16 lightning:chat",
         Untested("the LightningModule's own steps receive the batches"),
-    ),
-    (
-        "lightning:hsdp,compile,float8",
-        Untested("fsdp-train's parallelize settings on a module that trains itself"),
     ),
     (
         "compile:hf",
@@ -638,7 +650,6 @@ EXPLICIT = _table(
             "one eager process within 1e-5 in float64, no recompiles",
         ),
     ),
-    ("tp:bf16", Untested("the composed tensor-parallel run is fp32")),
 )
 
 
