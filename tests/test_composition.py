@@ -18,7 +18,7 @@ from fsdp_cli.config import composition
 from fsdp_cli.config.composition import BY_ID, CELLS, Moot, Refused, Trained, Untested
 
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
-UNTESTED_AT_MOST = 3
+UNTESTED_AT_MOST = 0
 """Pairs neither refused nor compared with one process yet: this number may only fall."""
 BF16_TOLERANCE = 0.02
 """Relative, per step, between a bf16-mixed layout and one bf16-mixed process (as test_pipeline's)."""

@@ -573,6 +573,66 @@ def test_lightning_modules_train_as_under_a_plain_trainer(
         assert setup["float8_linears"] == 8, setup  # (the 4 layers' two MLP linears each)
 
 
+CHAT_RUNS = {
+    # fsdp-train's FSDP2 on 2 ranks, 2 micro-batches of 2 each (accumulated)
+    "fsdp2": ["model._target_=tests.assets.lightning_style.ChatLM", "strategy=fsdp2", "devices=2"],
+    # the whole global batch of 8 in one micro-batch, one process
+    "one": [
+        "model._target_=tests.assets.lightning_style.ChatLM",
+        "strategy=fsdp2",
+        "devices=1",
+        "data.micro_batch_size=8",
+    ],
+    # Lightning's ModelParallelStrategy: the module shards itself, bf16-mixed autocast
+    "model_parallel": [
+        "model._target_=tests.assets.lightning_style.ShardedChatLM",
+        "strategy=model_parallel",
+        "devices=2",
+        "precision=bf16-mixed",
+    ],
+}
+
+
+@pytest.mark.distributed
+def test_a_lightning_module_trains_on_chat_batches_as_one_process(tmp_path: Path) -> None:
+    """A LightningModule of the user's on ``data=chat`` (docs/your_model_your_data.md): its
+    training_step reads the batch's ``input_ids`` and returns ``chat_loss`` of its logits. Under
+    fsdp-train's FSDP2 on 2 ranks (micro-batches of 2, accumulated) its losses are one process's
+    with the whole global batch in one micro-batch, within 1e-5 (a plain per-micro-batch mean
+    moves them by 7.6e-3: the ranks' supervised tokens differ); under Lightning's
+    ModelParallelStrategy with the module sharding itself and bf16-mixed, within bf16's tolerance,
+    its compute bf16 read from the live units."""
+    from test_chat_data import CHATML, chats, save_chat_tokenizer, write_chats
+    from transformers import AutoTokenizer
+
+    tokenizer = save_chat_tokenizer(tmp_path / "tokenizer", CHATML)
+    common = [
+        "model=custom",
+        f"+model.vocab_size={len(AutoTokenizer.from_pretrained(tokenizer))}",
+        "data=chat",
+        f"data.path={write_chats(tmp_path / 'train.jsonl', chats(40, seed=1))}",
+        f"data.tokenizer={tokenizer}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=48",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=2",
+        "trainer.max_steps=5",
+        "accelerator=cpu",
+        "seed=5",
+    ]
+    summaries, losses = {}, {}
+    for name, args in CHAT_RUNS.items():
+        summaries[name] = assert_ok(run_cli([*common, *args], tmp_path / name), tmp_path / name)
+        losses[name] = [row["loss"] for row in read_metrics(tmp_path / name) if "loss" in row]
+    assert len(losses["one"]) == 5
+    worst = max(_relative(a, b) for a, b in zip(losses["fsdp2"], losses["one"], strict=True))
+    assert worst < 1e-5, losses
+    worst = max(_relative(a, b) for a, b in zip(losses["model_parallel"], losses["one"], strict=True))
+    assert worst < 0.02, losses  # (test_precision's bf16-mixed bound)
+    assert summaries["model_parallel"]["setup"]["dtypes"]["compute"] == "bfloat16"
+    assert summaries["fsdp2"]["setup"]["dtypes"]["compute"] == "float32"
+
+
 @pytest.mark.distributed
 def test_checkpoints_pass_between_lightnings_strategies_and_ours(interop: tuple[Path, str]) -> None:
     """A standard (Lightning DDP) checkpoint into each of our strategies and their full checkpoints

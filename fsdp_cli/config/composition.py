@@ -640,7 +640,12 @@ EXPLICIT = _table(
     # Not refused, not yet compared with one process.
     (
         "model_parallel:chat,bf16 lightning:chat",
-        Untested("the LightningModule's own steps receive the batches"),
+        _test(
+            "test_lightning_conformance.py::test_a_lightning_module_trains_on_chat_batches_as_one_process",
+            "a LightningModule returning chat_loss (docs/your_model_your_data.md): fsdp2 on 2 ranks "
+            "as one process (1e-5); Lightning's ModelParallelStrategy, the module sharding itself, "
+            "bf16-mixed within bf16's tolerance",
+        ),
     ),
     (
         "compile:hf",

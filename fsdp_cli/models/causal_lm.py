@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdp_cli.models.args import OptimizerArgs, Scheduler
 from fsdp_cli.models.llama import at_least_fp32
+from fsdp_cli.models.losses import token_weight
 from fsdp_cli.parallel.context_parallel import ContextParallel
 
 
@@ -176,12 +177,8 @@ class CausalLMModule(L.LightningModule):
             # Under context parallel each rank sums its slice's tokens and the average over the cp
             # ranks is undone (x cp): the slices' sums add up to the sequence's.
             loss = self._token_loss_sum(self._slice(batch))
-            micro = batch["input_ids"].shape[0]
             cp = 1 if self.context_parallel is None else self.context_parallel.size
-            return self._with_auxiliary(
-                loss
-                * (cp * batch["step_sequences"][0].to(loss.dtype) / (batch["step_supervised"][0] * micro))
-            )
+            return self._with_auxiliary(loss * token_weight(batch, loss.dtype, slices=cp))
         return self._loss(batch)
 
     def _slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -149,6 +149,47 @@ class EncoderDecoderLM(L.LightningModule):
         return DataLoader(token_batches(64, seed=5), batch_size=4)
 
 
+class ChatLM(L.LightningModule):
+    """A LightningModule trained on fsdp-train's ``data=chat`` batches (dicts): its training_step
+    reads ``input_ids`` and returns :func:`fsdp_cli.models.losses.chat_loss` of its logits (the
+    mean over the global batch's supervised tokens, on any layout). ``vocab_size``: the tokenizer's
+    (``+model.vocab_size=N``)."""
+
+    def __init__(self, vocab_size: int = VOCAB, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList([Block(dim, heads=4) for _ in range(2)])
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.output(self.norm(h))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        from fsdp_cli.models.losses import chat_loss
+
+        return chat_loss(self(batch["input_ids"]), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+class ShardedChatLM(ChatLM):
+    """:class:`ChatLM` sharding itself for Lightning's ModelParallelStrategy (``strategy=model_parallel``):
+    FSDP2 on each block and the root over the data-parallel mesh, in configure_model."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        dp = self.device_mesh["data_parallel"]
+        for block in self.layers:
+            fully_shard(block, mesh=dp)
+        fully_shard(self, mesh=dp)
+
+
 class PlainLM(L.LightningModule):
     """A module as a Lightning user writes it for DDP; :class:`ShardedLM` is the same model
     parallelized in ``configure_model`` (for ModelParallelStrategy). Two param groups (no weight
