@@ -140,7 +140,7 @@ def step_kwargs(packed: bool, steps: int) -> list[dict[str, torch.Tensor]]:
 def one_process(
     factory: Callable[[], nn.Module], steps: int, packed: bool = False
 ) -> tuple[list[float], list[float]]:
-    """Per step: the loss and the gradient norm."""
+    """Per step the loss; the first step's gradient norm."""
     with torch.device("meta"):
         model = factory()
     model.to_empty(device="cpu")
@@ -150,7 +150,8 @@ def one_process(
     for batch, kwargs in zip(batches(steps), step_kwargs(packed, steps), strict=True):
         loss = loss_fn(model(batch[:, :-1], **kwargs), batch[:, 1:])
         loss.backward()
-        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        if not norms:  # (the first step's: the same weights on every layout)
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         opt.step()
         opt.zero_grad()
         out.append(loss.item())
@@ -176,9 +177,9 @@ def pipelined(
         mine = batch.chunk(dp)[dp_rank]
         given = {k: v.chunk(dp)[dp_rank] for k, v in kwargs.items()}
         loss = driver.step(mine[:, :-1], mine[:, 1:], train=True, kwargs=given)
-        norms.append(
-            float(clip_grad_norm(None, model.parameters(), math.inf, across=dims.pp_mesh.get_group()))
-        )
+        if not norms:
+            pp_group = dims.pp_mesh.get_group()
+            norms.append(float(clip_grad_norm(None, model.parameters(), math.inf, across=pp_group)))
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss, group=dims.data_parallel_mesh.get_group())
@@ -195,6 +196,9 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(f.name for f in SCHEDULES.values()))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hf-folder", default=None)
+    parser.add_argument(
+        "--moe-schedules", default=None, help="the schedules the MoE runs (default: all given)"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     factories = {"llama": llama, "moe": moe, "module": PlainModel, "hf": lambda: hf(args.hf_folder)}
@@ -204,7 +208,10 @@ def main() -> None:
         reference, ref_norms = (
             one_process(factories[kind], args.steps, packed) if dist.get_rank() == 0 else ([], [])
         )
-        for schedule in args.schedules.split(","):
+        schedules = args.schedules.split(",")
+        if kind == "moe" and args.moe_schedules:
+            schedules = [s for s in schedules if s in args.moe_schedules.split(",")]
+        for schedule in schedules:
             # The MoE's experts split over the data-parallel ranks (ep = dp).
             ep = args.dp if kind == "moe" else 1
             dims = ParallelDims(dp_replicate=1, dp_shard=args.dp, tp=args.tp, pp=args.pp, ep=ep)

@@ -347,7 +347,7 @@ def check(nproc: int, *args: str) -> list[dict[str, Any]]:
         (
             2,
             "ep2",
-            "qwen3_moe,builtin,builtin_bias,qwen3_moe_lora,builtin_compiled,qwen3_moe_compiled",
+            "qwen3_moe,builtin,builtin_bias,qwen3_moe_lora,qwen3_moe_compiled",
             "right,per_rank_balance,unscaled",
         ),
         (4, "ep2xdp2,ep2xhsdp,ep4", "qwen3_moe,qwen3_moe_2,mixtral,olmoe,builtin,builtin_bias", "right"),
@@ -365,10 +365,11 @@ def test_expert_parallel_equals_one_process_in_float64(
     ep=2 on 2 and 4 ranks, with its load-balancing loss and balanced by a routing bias instead
     (auxiliary-loss-free, moved after every step from every rank's token counts); the Qwen3-MoE
     with peft=lora's adapters on its attention at ep=2 (experts frozen, the adapters' gradients
-    through the token exchange); the built-in model with strategy.compile's per-block
-    torch.compile (the token exchange left eager: compiled in the first step, no recompiles), and
-    the Qwen3-MoE so compiled within 1e-5 (its router's softmax runs in float32, as transformers
-    writes it, which inductor's kernels round otherwise than eager's: 1e-6 measured); Mixtral and
+    through the token exchange); the Qwen3-MoE under strategy.compile's per-block torch.compile
+    (the token exchange left eager: compiled in the first step, no recompiles) within 1e-5 (its
+    router's softmax runs in float32, as transformers writes it, which inductor's kernels round
+    otherwise than eager's: 1e-6 measured; the built-in MoE so compiled: 3.4e-14, run by hand as
+    family builtin_compiled, left out for the suite's time); Mixtral and
     OLMoE (transformers' default experts kernel, fresh weights) in float32 within 1e-5. Each rank's
     own routing statistics in the balance loss (seen: 3.0), or expert gradients not divided by ep
     (seen: 1.0 — AdamW's losses would hide it), move the gradients by far more than 1e-3. The
@@ -389,7 +390,7 @@ def test_expert_parallel_equals_one_process_in_float64(
         if row["way"] != "right":
             assert row["grad_gap"] > 1e-3, row
             continue
-        exact = ("qwen3_moe", "qwen3_moe_2", "qwen3_moe_lora", "builtin", "builtin_compiled")
+        exact = ("qwen3_moe", "qwen3_moe_2", "qwen3_moe_lora", "builtin")
         bound = 1e-10 if row["family"] in exact else 1e-5  # (float32 families, float32 ops compiled)
         assert row["loss_gap"] < bound and row["grad_gap"] < bound, row
         if row["family"] == "qwen3_moe_2":

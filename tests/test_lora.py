@@ -562,3 +562,32 @@ def test_hf_lora_exports_load_in_peft_and_transformers_with_the_runs_logits(tmp_
             got = model.eval()(ids).logits
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), type(model).__name__
         assert (AutoModelForCausalLM.from_pretrained(folder)(ids).logits - expected).abs().max() > 1e-3
+
+
+def test_the_experts_pairs_are_stored_in_fp32_over_a_bf16_base() -> None:
+    """``peft.targets=[experts]`` under bf16-true with ``peft.adapter_dtype=float32`` (the default):
+    the pairs beside the fused experts are stored in fp32 like the linear adapters, the experts
+    themselves bf16, and the precision plugin's conversion keeps them so (they were bf16: trainable
+    tensors of a frozen module, which is no trainable leaf); the adapted weight is the base's dtype."""
+    import dataclasses
+
+    from fsdp_cli.adapters.dtype import convert_all_but_trainable_leaves
+
+    moe = dataclasses.replace(TINY, n_experts=4, experts_per_token=2, moe_hidden_dim=32)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # (as Lightning builds the model under bf16-true)
+    try:
+        model = Llama(moe, seed=3)
+    finally:
+        torch.set_default_dtype(previous)
+    options = AdapterOptions(name=AdapterMethod.lora, r=4, targets=["attention", "experts"])
+    apply_lora(model, options, seed=3)
+    convert_all_but_trainable_leaves(model, torch.bfloat16)
+    experts = model.expert_modules()[0]
+    assert experts.w13.dtype == torch.bfloat16 and not experts.w13.requires_grad
+    pairs = [getattr(experts, n) for n in experts.expert_adapters.parameter_names()]
+    assert len(pairs) == 4 and all(p.dtype == torch.float32 and p.requires_grad for p in pairs)
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert trained == {torch.float32}, trained
+    adapted = experts.expert_adapters.adapted(dict(experts.named_parameters(recurse=False)))
+    assert adapted["w13"].dtype == torch.bfloat16

@@ -1,7 +1,8 @@
 """fp32 adapters over a base stored in 16 bits (``peft.adapter_dtype=float32`` under ``bf16-true``).
 
 The modules kept in fp32 are the *trainable leaves*: leaf modules whose own parameters all train
-(each ``lora_A``/``lora_B``, ``peft.trainable``'s norms and head). They are the units FSDP1 wraps
+(each ``lora_A``/``lora_B``, ``peft.trainable``'s norms and head), and the LoRA pairs beside a
+mixture of experts' fused tensors. They are the units FSDP1 wraps
 apart (:func:`fsdp_cli.strategies.fsdp1.trainable_apart_policy`), so each FSDP1 flat parameter
 still holds one dtype; FSDP2 (torch >= 2.5) and DDP take mixed dtypes as they are. A trainable
 bias of a frozen layer (``peft.bias``) stays in the base's dtype with its layer.
@@ -35,11 +36,25 @@ def trainable_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def expert_pairs(model: nn.Module) -> list[nn.Parameter]:
+    """The LoRA pairs beside fused experts (:mod:`fsdp_cli.adapters.experts`): trainable tensors of
+    a frozen experts module, kept in fp32 like the trainable leaves."""
+    out = []
+    for module in model.modules():
+        adapters = getattr(module, "expert_adapters", None)
+        if adapters is not None:
+            out += [getattr(module, name) for name in adapters.parameter_names()]
+    return out
+
+
 def widen(model: nn.Module) -> None:
     """Store the trainable leaves in fp32 where they were created 16-bit (under ``bf16-true``
     Lightning builds the model with a bf16 default dtype; a Hugging Face model is built in fp32
     and only its base is converted later). Leaves outside LoRA layers compute in fp32 and hand
     back the dtype their input had, whichever that turns out to be."""
+    for pair in expert_pairs(model):
+        if pair.dtype in NARROW:
+            pair.data = pair.data.to(torch.float32)
     for name, module in trainable_leaves(model):
         if any(p.dtype in NARROW for p in module.parameters(recurse=False)):
             module.to(torch.float32)  # (64-true's float64 stays)
@@ -80,6 +95,7 @@ def convert_all_but_trainable_leaves(module: nn.Module, dtype: torch.dtype) -> n
 
     keep = {id(p) for _, m in trainable_leaves(module) for p in m.parameters(recurse=False)}
     keep |= {id(p) for p in module.parameters() if is_quantized(p)}  # (.to(dtype) would dequantize it)
+    keep |= {id(p) for p in expert_pairs(module)}
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         return t if id(t) in keep or not t.is_floating_point() else t.to(dtype)

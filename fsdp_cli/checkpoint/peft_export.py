@@ -94,7 +94,7 @@ def expert_adapter_tensors(
     """peft's names and layout for the pairs on fused experts: peft wraps the tensors of one
     module one inside the other, the first of the module's own order innermost
     (``experts.base_layer.lora_A.weight`` for ``gate_up_proj``, ``experts.lora_A.weight`` for
-    ``down_proj``), each pair in :func:`~fsdp_cli.adapters.experts.peft_layout`."""
+    ``down_proj``), each pair in :func:`peft_layout`."""
     out = {}
     for module, tensors in pairs.items():
         names = [n for n in order.get(module, []) if n in tensors] or list(tensors)

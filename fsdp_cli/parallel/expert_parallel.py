@@ -92,9 +92,8 @@ class ExpertParallel:
     def _compute(self, module: nn.Module, received: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received, the weights' gradient divided by ep."""
         tensors = {name: _local(p) for name, p in module.named_parameters(recurse=False)}
-        adapters = getattr(
-            module, "expert_adapters", None
-        )  # (LoRA on the experts: fsdp_cli.adapters.experts)
+        # LoRA pairs beside the experts (fsdp_cli.adapters.experts): this rank's rows adapted.
+        adapters = getattr(module, "expert_adapters", None)
         if adapters is not None:
             tensors = adapters.adapted(tensors)
         view = local_view(module, tensors, self.local)

@@ -163,13 +163,17 @@ def experts_as_shapes(model: Any) -> Iterator[None]:
 
     find = getattr(model, "expert_modules", None)
     modules = find() if callable(find) else []
+    own = [module.__dict__.get("forward") for module in modules]  # (an instance's own, if any)
     for module in modules:
         module.forward = lambda hidden, *_args, **_kwargs: torch.zeros_like(hidden)
     try:
         yield
     finally:
-        for module in modules:
-            del module.forward
+        for module, forward in zip(modules, own, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def _prepare(views: Any, tokens: Any, device: Any) -> None:
