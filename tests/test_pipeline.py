@@ -143,9 +143,10 @@ def hf_folder(tmp_path: Path) -> Path:
 
 SCHEDULE_NAMES = [facts.name for facts in SCHEDULES.values()]
 ONE_OF_EACH_KIND = ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
-MOE_SCHEDULES = [*ONE_OF_EACH_KIND, "DualPipeV"]
-"""The MoE's schedules (at pp x ep): one of each kind, and DualPipeV's overlapped forward and
-backward (all seven equal one process too, tried by hand; fewer keep the suite's time)."""
+MOE_SCHEDULES = ["Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
+"""The MoE's schedules (at pp x ep): a looped one, a zero-bubble V and DualPipeV's overlapped
+forward and backward (1F1B: the routing-bias test at pp x HSDP x ep; all seven equal one process
+too, tried by hand; fewer keep the suite's time)."""
 """Tensor parallel splits each stage's layers whatever drives the stages: at pp x tp one schedule
 of each kind (single-stage, looped, V-shaped zero-bubble); every schedule at pp and pp x dp."""
 

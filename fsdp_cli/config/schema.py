@@ -938,12 +938,14 @@ class TrainConfig:
     causal only, ``data.seq_len`` a multiple of 2 x cp)."""
     ep: int = field(default=1, metadata=at_least(1))
     """Expert-parallel size: each MoE layer's experts split over ep of the data-parallel ranks,
-    tokens routed to them all-to-all (``strategy=fsdp2``, a MoE ``model=hf``;
-    docs/expert-parallel.md); ep divides dp / ``strategy.replicate_size`` and the experts."""
+    tokens routed to them all-to-all (``strategy=fsdp2``, a MoE ``model=hf`` or the built-in
+    model with ``model.n_experts``; with pp, LoRA and compile too: docs/expert-parallel.md); ep
+    divides dp / ``strategy.replicate_size`` and the experts."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     """With pp > 1: the schedule, micro-batches, stages per rank and where the model is cut."""
     peft: AdapterOptions = field(default_factory=AdapterOptions)
-    """Adapters: ``peft=none`` (full fine-tuning) or ``peft=lora`` (LoRA on the blocks' linear layers)."""
+    """Adapters: ``peft=none`` (full fine-tuning) or ``peft=lora`` (LoRA on the blocks' linear
+    layers; ``peft.targets=[all,experts]``: on a mixture of experts' fused experts too)."""
     devices: Any = field(default="auto", metadata=at_least(1, also=("auto",)))
     """Processes per node: ``auto`` = every visible GPU, or 2 CPU processes without GPUs."""
     num_nodes: int = field(default=1, metadata=at_least(1))
