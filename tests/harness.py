@@ -71,7 +71,22 @@ class Result:
         return self.stdout + self.stderr
 
     def __str__(self) -> str:  # what pytest shows when an assert on a Result fails
-        return f"exit {self.returncode}\n{self.stdout[-4000:]}\n{self.stderr[-4000:]}"
+        text = f"exit {self.returncode}\n{self.stdout[-4000:]}\n{self.stderr[-4000:]}"
+        first = first_traceback(self.stderr)
+        # Last, where a shortened report still shows it: torchrun's summary of the failed ranks
+        # comes after the rank's own traceback and pushes it out of the tail.
+        return text + (f"\n--- the first traceback in stderr ---\n{first}" if first else "")
+
+
+def first_traceback(text: str, lines: int = 40) -> str:
+    """The first Python traceback in ``text``, up to its exception line (at most ``lines`` lines)."""
+    rows = text.splitlines()
+    start = next((i for i, row in enumerate(rows) if "Traceback (most recent call last)" in row), None)
+    if start is None:
+        return ""
+    block = rows[start : start + lines]
+    end = next((i for i, row in enumerate(block[1:], 1) if row and not row[0].isspace()), len(block) - 1)
+    return "\n".join(block[: end + 1])
 
 
 class Job:

@@ -69,3 +69,15 @@ def test_killing_a_job_spares_another_jobs_process_that_took_a_recorded_pid(tmp_
     mine.kill()
     assert other.poll() is None and mine.poll() is not None
     other.kill()
+
+
+def test_a_failed_command_reports_its_first_traceback_last() -> None:
+    """torchrun prints the failed rank's traceback, then its own summary (a traceback of its own and
+    a table of ranks): a report cut to its tail must still show the rank's exception."""
+    from harness import Result
+
+    rank = 'Traceback (most recent call last):\n  File "x.py", line 3, in <module>\nValueError: boom'
+    agent = "Traceback (most recent call last):\n  File run.py\nChildFailedError:\n" + "summary\n" * 50
+    report = str(Result(["torchrun"], 1, "", f"noise\n{rank}\nW1207 SIGTERM\n{agent}"))
+    assert report.endswith(f"--- the first traceback in stderr ---\n{rank}")
+    assert str(Result(["true"], 1, "out", "no traceback")) == "exit 1\nout\nno traceback"
