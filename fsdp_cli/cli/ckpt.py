@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from fsdp_cli.checkpoint.format import CheckpointFormatError
 from fsdp_cli.dtypes import dtype_names
+from fsdp_cli.library_noise import quiet_library_noise
 
 PROG = "fsdp-ckpt"
 
@@ -222,6 +223,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    quiet_library_noise()  # what torchao and torch log as convert and merge import them
     try:
         code = run_command(args)
     except (CheckpointFormatError, FileExistsError) as err:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fsdp_cli.cli.console import OneLineParser, unexpected_error
+from fsdp_cli.library_noise import quiet_library_noise
 
 PROG = "fsdp-generate"
 QUIT = ("/quit", "/exit")
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    quiet_library_noise()  # what torchao and torch log as the model's libraries are imported
     from fsdp_cli.errors import PromptError
 
     try:
