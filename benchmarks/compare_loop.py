@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -197,13 +198,29 @@ def run_hand_loop(
         raise SystemExit(f"hand-written loop failed ({cell.name}):\n{result.stderr[-3000:]}")
     if result.returncode != 0:  # rank 0 wrote its measurement; a rank failed while exiting
         print(
-            f"note: the hand-written loop exited {result.returncode} after measuring ({cell.name})",
+            f"note: the hand-written loop exited {result.returncode} after measuring ({cell.name}):"
+            f" {_last_error(result.stderr)}",
             flush=True,
         )
     measured = json.loads(out.read_text())
     if getattr(args, "parts", False):
         measured["parts"] = json.loads(out.with_suffix(".parts.json").read_text())
     return measured
+
+
+def _last_error(stderr: str) -> str:
+    """What a rank said as it failed: the first line of ``stderr`` naming an error that is not
+    torchrun's own report of the failed rank (else stderr's last line)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    said = [
+        line
+        for line in lines
+        if re.search(r"Error|Exception|terminate called|Signal|Abort", line)
+        and "torch/distributed/elastic" not in line
+        and "ChildFailedError" not in line
+        and not line.startswith(("File ", "raise ", "Traceback"))
+    ]
+    return said[0] if said else (lines[-1] if lines else "(no output)")
 
 
 def run_lightning_loop(cell: Cell, args: argparse.Namespace, stem: Path, precision: str) -> dict:
