@@ -191,8 +191,9 @@ def run_recipe_cli(*args: str, cwd: Path) -> Result:
     return cli_in_process(list(args), prog="fsdp-recipe", cwd=cwd)
 
 
-def test_ls_lists_every_recipe_with_its_hardware(tmp_path: Path) -> None:
-    r = run_recipe_cli("ls", cwd=tmp_path)
+@pytest.mark.parametrize("command", ["ls", "list"])
+def test_ls_lists_every_recipe_with_its_hardware(command: str, tmp_path: Path) -> None:
+    r = run_recipe_cli(command, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for name in RECIPES:
         recipe = recipe_cli.load(REPO / "recipes" / f"{name}.yaml")

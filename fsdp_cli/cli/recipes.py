@@ -159,7 +159,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="A copy runs with: fsdp-train --config-dir DIR recipe=NEW_NAME",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("ls", help="list the recipes with their hardware and a one-line description")
+    sub.add_parser(
+        "ls", aliases=["list"], help="list the recipes with their hardware and a one-line description"
+    )
     show = sub.add_parser("show", help="print a recipe")
     show.add_argument("name")
     cp = sub.add_parser("cp", help="copy a recipe to DIR/recipe/ to edit it")
@@ -172,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
 @quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.command == "ls":
+    if args.command in ("ls", "list"):
         print_list(all_recipes())
     elif args.command == "show":
         sys.stdout.write(find(args.name).text)
