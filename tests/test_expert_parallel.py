@@ -232,15 +232,17 @@ QWEN3_235B_A22B = {
 """Qwen3-235B-A22B's sizes (its config.json's, as published)."""
 
 
-@pytest.mark.parametrize("pp", [1, 4])
-def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("pp", "cp"), [(1, 1), (4, 1), (1, 2)], ids=["pp1", "pp4", "cp2"])
+def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, cp: int, tmp_path: Path) -> None:
     """Rank 511 of 64 nodes x 8 GPUs at ep=8, built on the fake backend: its mesh place, its held
     bytes as the plan says, and the experts sharded along their rows (128 experts over 8 ep ranks
     leave 16 per rank for 64 shard ranks): about 1.8 GB of bf16-mixed fp32 parameters per rank,
     where sharding the experts along dim 0 would leave every rank one whole expert per layer (7 GB).
     At pp=4 x ep=8 (its last stage: 23 MoE layers, each stage's experts split over its own 8 ep
     ranks, over 16 shard ranks): the stages' shapes found with the experts' value-dependent routing
-    left out (meta and fake tensors have no values to route by), held bytes as planned."""
+    left out (meta and fake tensors have no values to route by), held bytes as planned. At cp=2 x
+    ep=8 (each sequence split over 2 ranks, the experts sharded over the expert-shard and cp ranks
+    together, 32 x 2): the same bytes as at cp=1, where 64 shard ranks share them."""
     from fsdp_cli.plan.rehearsal import HELD
 
     config = {**QWEN3_235B_A22B, "output_router_logits": pp == 1}  # (no balance loss under pp)
@@ -253,6 +255,7 @@ def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, tmp_path: 
         "num_nodes=64",
         "ep=8",
         f"pp={pp}",
+        f"cp={cp}",
         "precision=bf16-mixed",
         "data.seq_len=4096",
         "data.global_batch_size=512",
@@ -262,11 +265,12 @@ def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, tmp_path: 
     out = json.loads(r.stdout)
     rehearsal = out["rehearsal"]
     assert (rehearsal["world_size"], rehearsal["rank"]) == (512, 511)
-    shard_ranks = 64 // pp
+    shard_ranks = 64 // (pp * cp)
     assert rehearsal["mesh_coordinates"] == {
         **({"pipeline_parallel": pp - 1} if pp > 1 else {}),
         "data_parallel_replicate": 0,
         "expert_data_parallel_shard": shard_ranks - 1,
+        **({"context_parallel": cp - 1} if cp > 1 else {}),
         "expert_parallel": 7,
         "tensor_parallel": 0,
     }
@@ -274,7 +278,7 @@ def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, tmp_path: 
     assert sum(u.endswith("mlp.experts") for u in rehearsal["fsdp_units"]) == layers
     assert rehearsal["disagreements"] == []
     assert rehearsal["held_bytes"] == {k: out["ranks"][511][k] for k in HELD}
-    if pp == 1:
+    if pp == 1:  # (cp=2: the experts over 32 x 2 ranks, the rest over 256 x 2)
         assert 1.7e9 < rehearsal["held_bytes"]["params"] < 1.9e9
 
 
@@ -623,13 +627,15 @@ def test_pipeline_stages_count_their_own_layers_routing_and_the_sum_is_the_whole
 
 
 @pytest.mark.distributed
-def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> None:
+def test_the_routing_bias_under_pp_and_cp_moves_as_in_one_process(tmp_path: Path) -> None:
     """The built-in MoE balanced by its routing bias (no balance loss) at pp=2 x HSDP 2x2, its
-    experts split over ep=2 inside each stage, against one process, fp32, 6 steps: losses within
-    1e-5, the first step's gradient norm equal (expert gradients not divided by ep would move it), and every layer's
-    expert_bias in the step-6 full files bit for bit one process's (the stages count their own
-    layers' tokens; the tokens of torch's metadata-inference forward, before the first step, are
-    not counted: counted, layer 3's bias moved the other way after step 1)."""
+    experts split over ep=2 inside each stage, and at ep=2 x cp=2 (each sequence split over 2 ranks,
+    the experts over the other 2, FSDP2 sharding them over the cp ranks), against one process, fp32,
+    6 steps: losses within 1e-5, the first step's gradient norm equal (expert gradients not divided
+    by ep, or not averaged over the cp ranks, would move it), and every layer's expert_bias in the
+    step-6 full files bit for bit one process's (the stages count their own layers' tokens, the cp
+    ranks their own slices'; the tokens of torch's metadata-inference forward, before the first
+    step, are not counted: counted, layer 3's bias moved the other way after step 1)."""
     args = [
         "recipe=cpu_pp",
         "model.n_experts=4",
@@ -648,6 +654,7 @@ def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> No
     # stages' counts summed over the replicas and shards too.
     runs = {
         "pp2": ["devices=8", "strategy.replicate_size=2", "ep=2", "pipeline.microbatches=2"],
+        "cp2": ["pp=1", "devices=4", "cp=2", "ep=2"],
         "one": ["pp=1", "devices=1"],
     }
     for name, layout in runs.items():
@@ -657,9 +664,13 @@ def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> No
     assert [u for u in setup["fsdp_units"] if u.endswith("experts")] == [
         f"layers.{i}.feed_forward.experts" for i in range(2)
     ]
-    assert relative_gap(losses(tmp_path / "pp2"), losses(tmp_path / "one")) < 1e-5
-    norms = [grad_norms(tmp_path / name)[0] for name in runs]
-    assert abs(norms[0] - norms[1]) <= 1e-6 * norms[1], norms
+    cp_setup = read_summary(tmp_path / "cp2")["setup"]
+    assert cp_setup["mesh"]["expert_parallel"] == 2 and cp_setup["mesh"]["context_parallel"] == 2
+    for name in ("pp2", "cp2"):
+        assert relative_gap(losses(tmp_path / name), losses(tmp_path / "one")) < 1e-5, name
+    norms = {name: grad_norms(tmp_path / name)[0] for name in runs}
+    assert abs(norms["pp2"] - norms["one"]) <= 1e-6 * norms["one"], norms
+    assert abs(norms["cp2"] - norms["one"]) <= 1e-5 * norms["one"], norms
     saved = {
         name: torch.load(tmp_path / name / "checkpoints" / "step_00000006.pt", weights_only=False)[
             "state_dict"
@@ -669,4 +680,10 @@ def test_the_routing_bias_under_pp_moves_as_in_one_process(tmp_path: Path) -> No
     biases = [key for key in saved["one"] if key.endswith("expert_bias")]
     assert len(biases) == 4
     for key in biases:
-        assert torch.equal(saved["pp2"][key], saved["one"][key]), (key, saved["pp2"][key], saved["one"][key])
+        for name in ("pp2", "cp2"):
+            assert torch.equal(saved[name][key], saved["one"][key]), (
+                name,
+                key,
+                saved[name][key],
+                saved["one"][key],
+            )

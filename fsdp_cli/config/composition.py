@@ -521,11 +521,9 @@ EXPLICIT = _table(
     ),
     (
         "ep:cp",
-        Refused(
-            "expert parallel with context parallel is not built (ep borrows the data-parallel ranks only)",
-            allowed="cp=1 with ep > 1",
-            hint="long sequences of a MoE model: cp with dp alone (ep=1)",
-            lead="ep",
+        _test(
+            "test_expert_parallel.py::test_the_routing_bias_under_pp_and_cp_moves_as_in_one_process",
+            "the built-in MoE at ep=2 x cp=2 (4 ranks), fp32: losses, the first gradient norm and every routing bias as one process's",
         ),
     ),
     (
@@ -632,7 +630,7 @@ EXPLICIT = _table(
     (
         "hsdp:pp ep:pp",
         _test(
-            "test_expert_parallel.py::test_the_routing_bias_under_pp_moves_as_in_one_process",
+            "test_expert_parallel.py::test_the_routing_bias_under_pp_and_cp_moves_as_in_one_process",
             "pp=2 x HSDP 2x2 x ep=2 on 8 ranks: the built-in MoE balanced by its routing bias, "
             "losses, first gradient norm and biases; every schedule at pp x ep in test_pipeline's sweep",
         ),

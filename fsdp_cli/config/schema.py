@@ -939,7 +939,7 @@ class TrainConfig:
     ep: int = field(default=1, metadata=at_least(1))
     """Expert-parallel size: each MoE layer's experts split over ep of the data-parallel ranks,
     tokens routed to them all-to-all (``strategy=fsdp2``, a MoE ``model=hf`` or the built-in
-    model with ``model.n_experts``; with pp, LoRA and compile too: docs/expert-parallel.md); ep
+    model with ``model.n_experts``; with pp, cp, LoRA and compile too: docs/expert-parallel.md); ep
     divides dp / ``strategy.replicate_size`` and the experts."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     """With pp > 1: the schedule, micro-batches, stages per rank and where the model is cut."""

@@ -37,6 +37,10 @@ DATA_PARALLEL = "data_parallel"
 SHARD_CP = "data_parallel_shard_cp"
 """The flattened shard x cp dimension: what FSDP2 shards parameters over under context parallel
 (the cp ranks of a batch hold different tokens, so their gradients are averaged like dp's)."""
+EXPERT_SHARD_CP = "expert_data_parallel_shard_cp"
+"""The flattened expert shard x cp dimension: what FSDP2 shards the experts over under expert and
+context parallel together (the cp ranks hold the same experts and route other tokens to them, so
+the experts' gradients are averaged over them too, as every other parameter's)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class ParallelDims:
     _data_parallel_mesh: Any = field(default=None, init=False, repr=False, compare=False)
     _shard_cp_mesh: Any = field(default=None, init=False, repr=False, compare=False)
     _shard_mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _expert_shard_cp_mesh: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def resolve(
@@ -165,7 +170,9 @@ class ParallelDims:
 
     def mesh_sizes(self) -> dict[str, int]:
         """The built mesh's dimensions: :meth:`sizes`, with the shard dimension as (expert shard,
-        ep) under expert parallel."""
+        ep) under expert parallel, ep inside cp: (expert shard, cp) is then one block of the mesh,
+        ahead of ep, which the experts' 2-D (expert shard x cp, ep) layout needs (torch's DTensor
+        flattens a layout's dimensions only in the root mesh's order)."""
         sizes = self.sizes()
         if not self.ep_enabled:
             return sizes
@@ -173,8 +180,8 @@ class ParallelDims:
             PP: self.pp,
             DP_REPLICATE: self.dp_replicate,
             EXPERT_SHARD: self.dp_shard // self.ep,
-            EP: self.ep,
             CP: self.cp,
+            EP: self.ep,
             TP: self.tp,
         }
 
@@ -218,7 +225,10 @@ class ParallelDims:
                 self._shard_mesh = flatten_mesh(mesh[shard_dims], DP_SHARD)
             self._data_parallel_mesh = flatten_mesh(mesh[(DP_REPLICATE, *shard_dims)], DATA_PARALLEL)
             if self.cp_enabled:
-                self._shard_cp_mesh = flatten_mesh(mesh[(*shard_dims, CP)], SHARD_CP)
+                shard_cp = (EXPERT_SHARD, CP, EP) if self.ep_enabled else (DP_SHARD, CP)
+                self._shard_cp_mesh = flatten_mesh(mesh[shard_cp], SHARD_CP)
+            if self.cp_enabled and self.ep_enabled:
+                self._expert_shard_cp_mesh = flatten_mesh(mesh[(EXPERT_SHARD, CP)], EXPERT_SHARD_CP)
             self._mesh = mesh
         return self._mesh
 
@@ -264,8 +274,15 @@ class ParallelDims:
     @property
     def expert_fsdp_mesh(self) -> Any:
         """What ``fully_shard`` shards the experts over (each already split over ep): the rest of
-        the data-parallel ranks (replicate x expert shard under HSDP)."""
-        return self.mesh[DP_REPLICATE, EXPERT_SHARD] if self.hsdp_enabled else self.mesh[EXPERT_SHARD]
+        the data-parallel ranks (replicate x expert shard under HSDP), and the cp ranks under
+        context parallel (expert shard x cp, flattened)."""
+        if not self.cp_enabled:
+            return self.mesh[DP_REPLICATE, EXPERT_SHARD] if self.hsdp_enabled else self.mesh[EXPERT_SHARD]
+        if not self.hsdp_enabled:
+            return self._expert_shard_cp_mesh
+        from fsdp_cli.compat.torch_internals import slice_beside_flattened
+
+        return slice_beside_flattened(self.mesh, (DP_REPLICATE, EXPERT_SHARD_CP))
 
     @property
     def tp_mesh(self) -> Any:
