@@ -232,6 +232,21 @@ QWEN3_235B_A22B = {
 """Qwen3-235B-A22B's sizes (its config.json's, as published)."""
 
 
+def test_the_layout_search_splits_a_long_context_moe_over_cp_and_ep_together() -> None:
+    """``fsdp-plan --search`` for the 30B-A3B recipe on 16k-token sequences (one node of 8 GPUs):
+    ep beside cp is a candidate (it was tried with tp = cp = pp = 1 only) and fits (cp=4 x ep=2),
+    each row the plan of its own layout."""
+    args = ["recipe=moe_30b_a3b", "data.seq_len=16384", "model.max_seq_len=16384"]
+    result = cli_in_process(
+        [*args, "--gpus", "8", "--device-memory", "80GB", "--search", "--json"], prog="fsdp-plan"
+    )
+    assert result.returncode == 0, result
+    rows = [r for r in json.loads(result.stdout) if "skipped" not in r]
+    both = [r for r in rows if " cp=4 ep=2 " in f" {r['overrides']} "]
+    assert both and any(r["fits"] for r in both), [r["overrides"] for r in rows if r["fits"]]
+    assert not any(r["fits"] for r in rows if " cp=" not in f" {r['overrides']}")  # (16k tokens need cp)
+
+
 @pytest.mark.parametrize(("pp", "cp"), [(1, 1), (4, 1), (1, 2)], ids=["pp1", "pp4", "cp2"])
 def test_a_235b_moe_layout_rehearses_at_512_ranks_as_planned(pp: int, cp: int, tmp_path: Path) -> None:
     """Rank 511 of 64 nodes x 8 GPUs at ep=8, built on the fake backend: its mesh place, its held

@@ -49,7 +49,8 @@ def _divisors(n: int) -> list[int]:
 def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
     """FSDP2 over every pipeline size x tp (within a node) x context-parallel size (for a model
     whose attention takes part, without pp) x HSDP replication x activation checkpointing x
-    reshard-after-forward (x expert-parallel size for a mixture of experts, with tp = cp = pp = 1),
+    reshard-after-forward (x expert-parallel size for a mixture of experts, with tp = 1: ep beside
+    cp, and inside each pipeline stage),
     plus FSDP1 FULL_SHARD and DDP, for the run's devices and nodes (each a config of its own
     layout, resolved as its own run by :func:`search`)."""
     cfg, world = run.cfg, run.layout.world_size
@@ -60,11 +61,7 @@ def candidates(run: ResolvedRun) -> list[tuple[str, TrainConfig]]:
         for cp in _divisors(world // tp) if kind.attention_heads else [1]:
             for pp in _divisors(world // (tp * cp)) if cp == 1 else [1]:
                 dp = world // (tp * cp * pp)
-                eps = (
-                    [e for e in _divisors(dp) if experts.count % e == 0]
-                    if experts and tp * cp * pp == 1
-                    else [1]
-                )
+                eps = [e for e in _divisors(dp) if experts.count % e == 0] if experts and tp == 1 else [1]
                 out += _fsdp2_candidates(dataclasses.replace(cfg, ep=1), tp, cp, pp, dp, eps)
     out.append(
         (
