@@ -79,13 +79,22 @@ class Result:
 
 
 def first_traceback(text: str, lines: int = 40) -> str:
-    """The first Python traceback in ``text``, up to its exception line (at most ``lines`` lines)."""
+    """The first Python traceback in ``text``, up to its exception line (at most ``lines`` lines;
+    a rank's lines may carry torch's ``[rank1]: `` prefix)."""
     rows = text.splitlines()
     start = next((i for i, row in enumerate(rows) if "Traceback (most recent call last)" in row), None)
     if start is None:
         return ""
+    prefix = rows[start][: rows[start].index("Traceback")]
     block = rows[start : start + lines]
-    end = next((i for i, row in enumerate(block[1:], 1) if row and not row[0].isspace()), len(block) - 1)
+    end = next(
+        (
+            i
+            for i, row in enumerate(block[1:], 1)
+            if not row.startswith(prefix) or (row[len(prefix) :] and not row[len(prefix)].isspace())
+        ),
+        len(block) - 1,
+    )
     return "\n".join(block[: end + 1])
 
 

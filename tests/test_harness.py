@@ -81,3 +81,5 @@ def test_a_failed_command_reports_its_first_traceback_last() -> None:
     report = str(Result(["torchrun"], 1, "", f"noise\n{rank}\nW1207 SIGTERM\n{agent}"))
     assert report.endswith(f"--- the first traceback in stderr ---\n{rank}")
     assert str(Result(["true"], 1, "out", "no traceback")) == "exit 1\nout\nno traceback"
+    prefixed = "\n".join(f"[rank1]: {line}" for line in rank.splitlines())  # (torch's, once a group is up)
+    assert str(Result(["torchrun"], 1, "", f"{prefixed}\n[rank0]: other\n{agent}")).endswith(prefixed)

@@ -135,6 +135,30 @@ def test_a_background_checkpoint_io_is_renamed_after_its_write(gloo_rank: None, 
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
 
 
+@pytest.mark.parametrize("name", ["FSDP1Strategy", "FSDP2Strategy", "ModelParallelStrategy", "DDPStrategy"])
+def test_the_end_of_training_waits_for_a_background_checkpoint_io(name: str, tmp_path: Path) -> None:
+    """``strategy.teardown()`` (the end of ``trainer.fit``) returns once an AsyncCheckpointIO's
+    write has finished, as Lightning's Strategy.teardown does: its FSDPStrategy and
+    ModelParallelStrategy skip that step, and fit returned with the file still being written."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    import fsdp_cli.strategies as strategies
+
+    strategy = getattr(strategies, name)()
+    strategy.accelerator = CPUAccelerator()
+    strategy.cluster_environment = SimpleNamespace(teardown=lambda: None)
+    slow = SlowFullCheckpointIO()
+    strategy.checkpoint_io = AsyncCheckpointIO(slow)
+    path = tmp_path / "step_7.ckpt"
+    strategy.checkpoint_io.save_checkpoint(_checkpoint(7), path)  # (rank 0's part of a save)
+    threading.Timer(0.3, slow.go.set).start()  # the write starts after teardown was called
+    strategy.teardown()
+    assert torch.load(path, weights_only=True)["global_step"] == 7
+
+
 # ------------------------------------------------------------------------------------------ loading
 
 

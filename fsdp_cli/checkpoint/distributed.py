@@ -221,6 +221,18 @@ class DistributedCheckpointing:
         if self._async_saves is not None:
             self._async_saves.wait()
 
+    def teardown(self) -> None:
+        """Lightning's teardown, then every save still being written finished (its failure
+        raised): ours in the background (``async_checkpointing``), and a CheckpointIO plugin's
+        (``AsyncCheckpointIO``) through its ``teardown``. Lightning's ``Strategy.teardown`` ends
+        with the plugin's, but its FSDPStrategy and ModelParallelStrategy replace it without that
+        line: ``trainer.fit`` returned while the plugin's thread still wrote the file (seen in
+        tests/assets/lightning_interop.py on a loaded machine). Calling it again after
+        DDPStrategy's own is harmless: the plugin's pool is gone."""
+        super().teardown()  # type: ignore[misc]
+        self.wait_for_checkpoint()
+        self.checkpoint_io.teardown()
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint of ours is loaded in place here; anything else (a full file, a
         sharded checkpoint in Lightning's own layout) by :meth:`_load_full`, Lightning's loading.

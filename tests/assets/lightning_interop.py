@@ -246,6 +246,7 @@ def async_checkpoints(workdir: Path) -> None:
         check(
             f"{name} + {label}: the checkpoint is whole, nothing partial left",
             path.is_file() and not leftovers,
+            f"written: {path.is_file()}, partial: {leftovers}",
         )
         strategy, cls = ASYNC[name]()
         resumed = StepLosses()
