@@ -17,8 +17,9 @@ from typing import Any
 from fsdp_cli.errors import ConfigError
 
 EXPERT_SHARD, EP = "expert_data_parallel_shard", "expert_parallel"
-"""Under expert parallel (ep > 1) the shard dimension is built as these two, outermost first
-(ep ranks are neighbours), and flattened back into :data:`DP_SHARD` for everything else: the
+"""Under expert parallel (ep > 1) the shard dimension is built as these two, the expert shard
+outside cp and ep inside it (ep ranks are neighbours; :meth:`ParallelDims.mesh_sizes`), and
+flattened back into :data:`DP_SHARD` for everything else: the
 experts of each MoE layer split over ``ep``, their parameters sharded by FSDP2 over what remains
 (``expert_data_parallel_shard``, and the replicas under HSDP) — torchtitan's dp -> ep borrowing."""
 PP, DP_REPLICATE, DP_SHARD, CP, TP = (
